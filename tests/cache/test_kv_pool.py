@@ -1,0 +1,71 @@
+"""Paged KV pool: exact round trips for float dtypes, bounded fp8 error, sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache.kv_pool import KVPool, KVShape, bytes_per_token, num_blocks_for, resolve_kv_dtype
+
+SHAPE = KVShape(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16)
+
+
+def _roundtrip(dtype: str, compute=torch.float32):
+    torch.manual_seed(0)
+    pool = KVPool(SHAPE, dtype, compute)
+    k = torch.randn(10, 2, 16, dtype=compute)
+    v = torch.randn(10, 2, 16, dtype=compute)
+    table = torch.tensor([5, 2, 7])
+    slots = (table.repeat_interleave(4) * 4 + torch.arange(4).repeat(3))[:10]
+    pool.write(1, slots, k, v)
+    gk, gv = pool.gather(1, table, num_tokens=10)
+    return k, v, gk, gv, pool
+
+
+@pytest.mark.parametrize("dtype,compute", [("auto", torch.float32), ("float32", torch.float32),
+                                           ("bfloat16", torch.bfloat16), ("float16", torch.float16),
+                                           ("auto", torch.bfloat16)])
+def test_float_roundtrip_is_exact(dtype, compute):
+    k, v, gk, gv, pool = _roundtrip(dtype, compute)
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+    assert gk.dtype == compute
+    # other layer untouched
+    assert torch.count_nonzero(pool.gather(0, torch.tensor([5, 2, 7]))[0]) == 0
+
+
+@pytest.mark.parametrize("dtype,bound", [("fp8_e4m3fn", 0.04), ("fp8_e5m2", 0.08)])
+def test_fp8_roundtrip_error_is_bounded(dtype, bound):
+    k, v, gk, gv, _ = _roundtrip(dtype)
+    rel = ((gk - k).norm() / k.norm()).item()
+    print(f"{dtype} relative error {rel:.4f}")
+    assert 0 < rel < bound
+
+
+def test_fp8_scale_keeps_large_values_finite():
+    pool = KVPool(SHAPE, "fp8_e4m3fn")
+    pool.set_scales([10.0, 10.0], [10.0, 10.0])
+    k = torch.full((1, 2, 16), 3000.0)
+    pool.write(0, torch.tensor([0]), k, -k)
+    gk, gv = pool.read_slots(0, torch.tensor([0]))
+    assert torch.isfinite(gk).all() and abs(gk[0, 0, 0].item() - 3000) / 3000 < 0.07
+    pool2 = KVPool(SHAPE, "fp8_e4m3fn")  # scale 1: clamped at the fp8 max, never NaN
+    pool2.write(0, torch.tensor([0]), k, -k)
+    assert torch.isfinite(pool2.read_slots(0, torch.tensor([0]))[0]).all()
+
+
+def test_bytes_per_token_fp8_half_bf16_quarter_fp32():
+    args = (32, 8, 128)
+    fp8 = bytes_per_token(*args, "fp8_e4m3fn")
+    assert bytes_per_token(*args, "bfloat16") == 2 * fp8
+    assert bytes_per_token(*args, "float32") == 4 * fp8
+    assert KVPool(SHAPE, "fp8_e5m2").bytes_per_token * 2 == KVPool(SHAPE, "bfloat16").bytes_per_token
+
+
+def test_sizing():
+    assert num_blocks_for(16, 100, 4096, 0.5, torch.device("cpu")) == 256
+    n = num_blocks_for(16, 1 << 20, None, 0.01, torch.device("cpu"))
+    assert n >= 1
+    with pytest.raises(ValueError):
+        num_blocks_for(16, 100, None, 1.5, torch.device("cpu"))
+    with pytest.raises(ValueError):
+        resolve_kv_dtype("int4", torch.float32)

@@ -1,0 +1,172 @@
+"""Named edge cases of the radix cache and allocator (after TGI radix.rs's tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache.allocator import BlockAllocator, OutOfBlocks
+from cache.hashing import block_hashes
+from cache.radix import RadixCache
+
+BS = 4
+
+
+def make(num_blocks=32):
+    cache = RadixCache(BS)
+    return cache, BlockAllocator(num_blocks, BS, cache)
+
+
+def publish(cache, alloc, tokens, salt=None):
+    """Prefill ``tokens`` as a request would: match, allocate the rest, insert, finish."""
+    m = cache.match(tokens, cache_salt=salt)
+    cache.lock(m.node)
+    full = len(tokens) // BS
+    private = alloc.allocate(-(-len(tokens) // BS) - len(m.blocks))
+    table = m.blocks + private
+    res = cache.insert(tokens, table[:full], cache_salt=salt)
+    alloc.free(res.redundant)
+    cache.lock(res.node)
+    cache.unlock(m.node)
+    cache.unlock(res.node)
+    alloc.free(table[full:])
+    return res.blocks
+
+
+def test_prompt_shorter_than_a_block_never_matches():
+    cache, alloc = make()
+    publish(cache, alloc, [1, 2, 3])
+    assert cache.cached_blocks == 0
+    assert cache.match([1, 2, 3]).blocks == []
+    alloc.check_invariants([])
+
+
+def test_non_aligned_prefix_matches_whole_blocks_only():
+    cache, alloc = make()
+    blocks = publish(cache, alloc, list(range(10)))  # 2 full blocks, 2 tokens left over
+    assert len(blocks) == 2
+    m = cache.match(list(range(6)) + [99, 99, 99])  # diverges inside block 2
+    assert m.blocks == blocks[:1]
+    assert cache.match(list(range(10)) + [5]).blocks == blocks
+    alloc.check_invariants([])
+
+
+def test_fully_cached_prompt_leaves_last_token_to_compute():
+    cache, alloc = make()
+    blocks = publish(cache, alloc, list(range(8)))
+    assert cache.match(list(range(8))).blocks == blocks[:1]  # (8-1)//4 = 1 block
+    assert cache.match(list(range(9))).blocks == blocks  # one more token: both blocks
+    assert cache.match(list(range(8)), max_blocks=2).blocks == blocks  # warm-up may take all
+
+
+def test_two_requests_inserting_the_same_prefix():
+    cache, alloc = make()
+    tokens = list(range(12))
+    a = alloc.allocate(3)
+    b = alloc.allocate(3)
+    ra = cache.insert(tokens, a)
+    cache.lock(ra.node)
+    rb = cache.insert(tokens, b)
+    assert rb.blocks == a and rb.redundant == b and rb.new_hashes == []
+    alloc.free(rb.redundant)
+    cache.unlock(ra.node)
+    assert cache.cached_blocks == 3 and alloc.num_free == 32 - 3
+    alloc.check_invariants([])
+
+
+def test_oldest_evicted_first_and_touch_refreshes():
+    cache, alloc = make()
+    a = publish(cache, alloc, [1] * 8)
+    b = publish(cache, alloc, [2] * 8)
+    c = publish(cache, alloc, [3] * 8)
+    cache.match([1] * 9)  # a is now the most recent
+    assert cache.evict(2) == [b[1], b[0]]
+    assert cache.evict(2) == [c[1], c[0]]
+    assert cache.evict(2) == [a[1], a[0]]
+    alloc.free(a + b + c)
+    alloc.check_invariants([])
+
+
+def test_partial_eviction_of_a_leaf_keeps_its_head():
+    cache, alloc = make()
+    blocks = publish(cache, alloc, list(range(16)))
+    freed = cache.evict(1)
+    assert freed == [blocks[3]]
+    alloc.free(freed)
+    assert cache.match(list(range(17))).blocks == blocks[:3]
+    alloc.check_invariants([])
+
+
+def test_locked_path_is_never_evicted():
+    cache, alloc = make(num_blocks=4)
+    blocks = publish(cache, alloc, list(range(16)))
+    m = cache.match(list(range(16)))  # 3 blocks, splits the 4-block node
+    cache.lock(m.node)
+    assert cache.evict(10) == [blocks[3]]
+    with pytest.raises(OutOfBlocks):
+        alloc.allocate(2)
+    cache.unlock(m.node)
+    alloc.free([blocks[3]])
+    assert alloc.allocate(4)  # everything evictable now
+
+
+def test_salts_isolate_identical_prompts():
+    cache, alloc = make()
+    tokens = list(range(9))
+    mine = publish(cache, alloc, tokens, salt="alice")
+    assert cache.match(tokens, cache_salt="bob").blocks == []
+    assert cache.match(tokens).blocks == []
+    assert cache.match(tokens, cache_salt="alice").blocks == mine
+    assert block_hashes(tokens, BS, cache_salt="alice") != block_hashes(tokens, BS, cache_salt="bob")
+    alloc.free(cache.evict(10))
+    assert "alice" not in cache._roots  # an emptied tenant trie is forgotten
+    alloc.check_invariants([])
+
+
+def test_pool_exhausted_fails_cleanly():
+    cache, alloc = make(num_blocks=4)
+    held = alloc.allocate(3)
+    publish(cache, alloc, [7] * 4)  # fills the last block, then it is evictable
+    with pytest.raises(OutOfBlocks):
+        alloc.allocate(3)
+    assert alloc.num_free == 0 and cache.cached_blocks == 1  # nothing was evicted for nothing
+    assert alloc.allocate(1)  # evicts the cached one
+    assert cache.cached_blocks == 0
+    alloc.free(held)
+
+
+def test_double_free_is_caught():
+    _, alloc = make()
+    b = alloc.allocate(1)
+    alloc.free(b)
+    with pytest.raises(RuntimeError):
+        alloc.free(b)
+
+
+def test_window_rollover_frees_private_blocks_only():
+    cache, alloc = make(num_blocks=16)
+    table = alloc.allocate(6)  # 24 tokens, first 2 blocks notionally cached
+    freed = alloc.release_out_of_window(table, first_private=2, num_tokens=24, window_size=8)
+    # tokens < 16 are out of the window: blocks 0..3; 0 and 1 belong to the cache
+    assert freed == 2 and table[2] == table[3] == -1 and table[4] >= 0
+    assert alloc.num_free == 16 - 4
+    assert alloc.release_out_of_window(table, 2, 24, 8) == 0  # idempotent
+
+
+def test_hashes_are_stable_and_chained():
+    h = block_hashes(list(range(12)), BS, model_id="m")
+    assert len(h) == 3 and len(set(h)) == 3
+    assert h == block_hashes(list(range(12)) + [1, 2], BS, model_id="m")  # partial tail not hashed
+    assert block_hashes([9] + list(range(1, 12)), BS, model_id="m")[1] != h[1]  # chain carries the past
+    assert block_hashes(list(range(12)), BS, model_id="other") != h
+    # frozen value: the hash must never change between releases or machines
+    assert block_hashes([1, 2, 3, 4], 4)[0] == FROZEN
+
+
+FROZEN = 6509323439801636884  # xxh3_64, seeded chain of [1, 2, 3, 4]
+
+
+def test_cached_hashes_match_the_shared_function():
+    cache, alloc = make()
+    tokens = list(range(20))
+    publish(cache, alloc, tokens, salt="t")
+    assert cache.match(tokens + [0], cache_salt="t").hashes == block_hashes(tokens, BS, cache_salt="t")
