@@ -1,0 +1,1 @@
+"""RadixServe app."""

@@ -1,0 +1,145 @@
+"""Runs ``LLMEngine`` in one background thread and streams each request's tokens to asyncio.
+
+The engine thread is the only one that touches the engine; callers talk to it through an inbox
+(add/abort), and results travel back with ``loop.call_soon_threadsafe``. A consumer that stops
+iterating (client gone, task cancelled) aborts its request, so its blocks go back at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.sequence import SamplingParams, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def call(self, fn: Callable[[LLMEngine], Any], timeout: float = 30.0) -> Any:
+        """Run ``fn(engine)`` on the engine thread (stats, invariant checks) and return its result."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+        self._inbox.put(("call", fn, box, done))
+        self._wake.set()
+        if not done.wait(timeout):
+            raise TimeoutError("engine thread did not answer")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
+        """Stream events for one request; raises ``RequestError`` at once for a bad request."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine thread has stopped: {self._error!r}")
+        params = params or SamplingParams()
+        self.engine.validate(prompt_ids, params, prefill_only)  # reads config only: thread-safe
+        rid = request_id or uuid.uuid4().hex
+        q: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), q)
+        self._inbox.put(("add", rid, list(prompt_ids), params, prefill_only))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                ev = await q.get()
+                if ev.finished:
+                    finished = True
+                yield ev
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort every request (freeing its blocks) and stop the thread."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+    def _emit(self, ev: TokenEvent) -> None:
+        target = self._streams.get(ev.request_id)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, ev)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening
+                self._inbox.put(("abort", ev.request_id))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            kind = msg[0]
+            if kind == "add":
+                _, rid, ids, params, prefill_only = msg
+                if rid not in self._streams:
+                    continue  # consumer left before we saw it
+                try:
+                    self.engine.add_request(ids, params, rid, prefill_only)
+                except Exception as e:  # noqa: BLE001 - report to the one request, keep serving
+                    self._emit(TokenEvent(rid, None, "", None, True, "error", error=str(e)))
+            elif kind == "abort":
+                self.engine.abort(msg[1])
+            elif kind == "call":
+                _, fn, box, done = msg
+                try:
+                    box["result"] = fn(self.engine)
+                except Exception as e:  # noqa: BLE001
+                    box["error"] = e
+                done.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._wake.clear()
+                self._drain_inbox()
+                if not self.engine.has_work():
+                    self._wake.wait(0.05)
+                    continue
+                for ev in self.engine.step():
+                    self._emit(ev)
+        except BaseException as e:  # noqa: BLE001 - fail every waiter rather than hang them
+            log.exception("engine loop crashed")
+            self._error = e
+        finally:
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid)
+                self._emit(TokenEvent(rid, None, "", None, True, "abort" if self._error is None else "error",
+                                      error=None if self._error is None else f"engine failure: {self._error}"))
+            self._drain_inbox()

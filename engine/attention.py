@@ -1,0 +1,127 @@
+"""Paged attention, plugged into transformers through ``AttentionInterface``.
+
+The engine runs the model on one packed row of tokens (``[1, T]``): the decode tokens of running
+sequences first, then prefill chunks. Each layer's attention function (1) writes the new K/V into the
+paged pool by slot mapping, then (2) attends each query over its sequence's whole context read back
+through the block table, with the causal offset (and sliding window) applied here, since
+transformers passes no mask to a custom implementation. Batch metadata (slots, masks) is built once
+per step in ``PagedBatch`` and reaches this function as a keyword argument of ``model(...)``.
+
+Backends: torch SDPA everywhere (the reference), and ``vllm_flash_attn``'s paged varlen kernel on
+CUDA when it imports and the pool is not fp8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from cache.kv_pool import KVPool
+
+ATTN_NAME = "radixserve_paged"
+
+
+@dataclass
+class PrefillGroup:
+    q_start: int  # offset of this chunk in the packed row
+    q_len: int
+    ctx_slots: torch.Tensor | None  # [ctx_len] slots of the whole context; None: no earlier context
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool (True = attend); None: plain causal
+
+
+@dataclass
+class PagedBatch:
+    pool: KVPool
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    num_decodes: int = 0
+    decode_slots: torch.Tensor | None = None  # [D, Lmax] context slots of each decode (padded)
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, Lmax] bool
+    prefills: list[PrefillGroup] = field(default_factory=list)
+    # flash backend metadata (CUDA only)
+    flash: dict | None = None
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[.., Hkv, L, D] -> [.., Hkv*groups, L, D] for grouped-query attention."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
+def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None,
+                    dropout: float = 0.0, paged_batch: PagedBatch | None = None, **kwargs):
+    """The function transformers calls per layer: q/k/v ``[1, H, T, D]`` -> ``([1, T, H, D], None)``."""
+    if paged_batch is None:
+        raise RuntimeError("radixserve paged attention called without batch metadata")
+    b = paged_batch
+    layer = module.layer_idx
+    groups = module.num_key_value_groups
+    q = query[0]  # [H, T, D]
+    k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v_new = value[0].transpose(0, 1)
+    b.pool.write(layer, b.slot_mapping, k_new, v_new)
+    if b.flash is not None:
+        return _flash_attention(b, layer, q, scaling), None
+
+    outs: list[torch.Tensor] = []
+    if b.num_decodes:
+        d = b.num_decodes
+        qd = q[:, :d].transpose(0, 1).unsqueeze(2)  # [D, H, 1, Dh]
+        lmax = b.decode_slots.shape[1]
+        kd, vd = b.pool.read_slots(layer, b.decode_slots.reshape(-1))
+        kd = _expand_kv(kd.view(d, lmax, -1, kd.shape[-1]).transpose(1, 2), groups)  # [D, H, L, Dh]
+        vd = _expand_kv(vd.view(d, lmax, -1, vd.shape[-1]).transpose(1, 2), groups)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=b.decode_mask, scale=scaling)
+        outs.append(od.squeeze(2))  # [D, H, Dh]
+    for g in b.prefills:
+        qp = q[:, g.q_start:g.q_start + g.q_len].unsqueeze(0)  # [1, H, n, Dh]
+        if g.ctx_slots is None:
+            kp = key[:, :, g.q_start:g.q_start + g.q_len]
+            vp = value[:, :, g.q_start:g.q_start + g.q_len]
+            if b.pool.fp8_dtype is not None:  # read what was stored, like every later step will
+                kp, vp = b.pool.read_slots(layer, b.slot_mapping[g.q_start:g.q_start + g.q_len])
+                kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
+        else:
+            kc, vc = b.pool.read_slots(layer, g.ctx_slots)  # [ctx, Hkv, Dh]
+            kp, vp = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)
+        kp, vp = _expand_kv(kp, groups), _expand_kv(vp, groups)
+        if g.mask is None:
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling)
+        else:
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, scale=scaling)
+        outs.append(op[0].transpose(0, 1))  # [n, H, Dh]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    return out.unsqueeze(0), None
+
+
+# ----------------------------------------------------------------------------- flash (CUDA)
+def flash_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import vllm_flash_attn  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means: use SDPA
+        return False
+    return True
+
+
+def _flash_attention(b: PagedBatch, layer: int, q: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    from vllm_flash_attn import flash_attn_varlen_func
+
+    f = b.flash
+    k_cache, v_cache = b.pool.layer(layer)
+    out = flash_attn_varlen_func(
+        q.transpose(0, 1).contiguous(), k_cache, v_cache,
+        cu_seqlens_q=f["cu_seqlens_q"], cu_seqlens_k=f["cu_seqlens_k"],
+        max_seqlen_q=f["max_seqlen_q"], max_seqlen_k=f["max_seqlen_k"],
+        softmax_scale=scaling, causal=True, window_size=f["window"], block_table=f["block_table"])
+    return out.unsqueeze(0)  # [1, T, H, D]
+
+
+def register() -> str:
+    """Register the paged attention under ``ATTN_NAME`` (idempotent); returns the name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, paged_attention)
+    return ATTN_NAME

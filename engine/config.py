@@ -1,0 +1,67 @@
+"""Engine configuration: TGI's flag names, validated once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from cache.kv_pool import KV_DTYPES
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; raised at start-up with the reason."""
+
+
+@dataclass
+class EngineConfig:
+    model_id: str
+    max_batch_prefill_tokens: int = 4096  # tokens prefilled per step (chunks longer prompts)
+    max_batch_total_tokens: int | None = None  # KV pool size in tokens; None: from memory fraction
+    kv_memory_fraction: float = 0.3  # share of free device memory for the pool when the above is unset
+    max_input_tokens: int | None = None  # default: max_total_tokens - 1
+    max_total_tokens: int | None = None  # prompt + generated; default: model's max_position_embeddings
+    max_num_seqs: int = 256  # running sequences at once
+    block_size: int = 16
+    prefix_caching: bool = True
+    window_size: int | None = None  # default: the model's sliding_window, if any
+    kv_cache_dtype: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda when available
+    attention_backend: str = "auto"  # auto: vllm_flash_attn on CUDA when importable, else SDPA
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU
+
+    def validate(self) -> EngineConfig:
+        def positive(name: str, value: int | None, allow_none: bool = True) -> None:
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("max_batch_prefill_tokens", "max_num_seqs", "block_size"):
+            positive(name, getattr(self, name), allow_none=False)
+        for name in ("max_batch_total_tokens", "max_input_tokens", "max_total_tokens", "window_size",
+                     "num_threads"):
+            positive(name, getattr(self, name))
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ConfigError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.max_batch_total_tokens is not None and self.max_batch_total_tokens < self.block_size:
+            raise ConfigError("max_batch_total_tokens must hold at least one block "
+                              f"({self.block_size} tokens), got {self.max_batch_total_tokens}")
+        if (self.max_input_tokens is not None and self.max_total_tokens is not None
+                and self.max_input_tokens >= self.max_total_tokens):
+            raise ConfigError(f"max_input_tokens ({self.max_input_tokens}) must be below "
+                              f"max_total_tokens ({self.max_total_tokens})")
+        return self
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,102 @@
+"""Ties sequences to the cache core: prefix match on admission, block growth, publication of
+written blocks into the radix cache, and release. The only place that moves block ownership."""
+
+from __future__ import annotations
+
+from cache.allocator import BlockAllocator, OutOfBlocks
+from cache.radix import RadixCache
+from engine.sequence import Sequence
+
+
+class KVManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
+                 model_id: str = "", window_size: int | None = None):
+        self.block_size = block_size
+        self.window_size = window_size
+        self.cache = RadixCache(block_size, model_id, record_events=True) if prefix_caching else None
+        self.allocator = BlockAllocator(num_blocks, block_size, self.cache)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.num_blocks * self.block_size
+
+    # ------------------------------------------------------------------ admission
+    def match(self, seq: Sequence) -> None:
+        """Take the cached prefix: lock it and start the block table with its blocks."""
+        assert not seq.block_table and seq.lock_node is None
+        seq.num_computed = 0
+        if self.cache is None:
+            return
+        max_blocks = len(seq.tokens) // self.block_size if seq.prefill_only else None
+        m = self.cache.match(seq.tokens, cache_salt=seq.params.cache_salt, max_blocks=max_blocks, count=False)
+        self.cache.lock(m.node)
+        seq.lock_node = m.node
+        seq.block_table = list(m.blocks)
+        seq.num_cached_blocks = len(m.blocks)
+        seq.num_computed = m.num_tokens
+
+    def count_admission(self, seq: Sequence) -> None:
+        """Prefix-cache stats count a request once: a re-admission after preemption is not a query."""
+        if seq.admitted_once:
+            return
+        seq.admitted_once = True
+        seq.num_cached_prompt_tokens = min(seq.num_computed, len(seq.prompt_ids))
+        if self.cache is not None:
+            c = self.cache.counters
+            c.queries += 1
+            c.query_tokens += len(seq.prompt_ids)
+            c.hit_tokens += seq.num_cached_prompt_tokens
+
+    def ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow the block table to hold ``num_tokens`` tokens; False (nothing changed) if the pool can't."""
+        need = self.allocator.blocks_for_tokens(num_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        try:
+            seq.block_table.extend(self.allocator.allocate(need))
+        except OutOfBlocks:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ after a forward pass
+    def publish(self, seq: Sequence) -> None:
+        """Insert the sequence's fully written blocks into the radix cache (prompt and generated
+        tokens alike; for sliding-window models only the prompt, so generated blocks can leave the
+        window and go back to the pool)."""
+        if self.cache is None:
+            return
+        written = seq.num_computed
+        if self.window_size is not None:
+            written = min(written, len(seq.prompt_ids))
+        full = written // self.block_size
+        if full <= seq.num_cached_blocks:
+            return
+        res = self.cache.insert(seq.tokens, seq.block_table[:full], cache_salt=seq.params.cache_salt)
+        self.cache.lock(res.node)
+        if seq.lock_node is not None:
+            self.cache.unlock(seq.lock_node)
+        seq.lock_node = res.node
+        self.allocator.free(res.redundant)
+        seq.block_table[:full] = res.blocks
+        seq.num_cached_blocks = full
+
+    def trim_window(self, seq: Sequence) -> int:
+        if self.window_size is None:
+            return 0
+        # the next query sits at position num_computed; it sees keys > num_computed - window
+        return self.allocator.release_out_of_window(seq.block_table, seq.num_cached_blocks,
+                                                    seq.num_computed + 1, self.window_size)
+
+    # ------------------------------------------------------------------ release
+    def release(self, seq: Sequence) -> None:
+        """Give back everything the sequence holds (blocks already published stay cached)."""
+        if self.cache is not None and seq.lock_node is not None:
+            self.cache.unlock(seq.lock_node)
+        self.allocator.free(seq.private_blocks)
+        seq.lock_node = None
+        seq.block_table = []
+        seq.num_cached_blocks = 0
+        seq.num_computed = 0
+
+    def check(self, live: list[Sequence]) -> None:
+        self.allocator.check_invariants([s.private_blocks for s in live])

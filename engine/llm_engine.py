@@ -1,0 +1,267 @@
+"""The synchronous engine: ``add_request`` / ``step`` / ``abort``. One thread owns it (see
+``async_engine``), so the cache and allocator need no locks, like TGI's single allocator task."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from cache.kv_pool import KVPool, KVShape, bytes_per_token, num_blocks_for
+from engine import attention
+from engine.config import ConfigError, EngineConfig
+from engine.detokenizer import find_stop, take_delta, update_text
+from engine.kv_manager import KVManager
+from engine.model_loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner
+from engine.sampler import make_generator, sample
+from engine.scheduler import Scheduler
+from engine.sequence import SamplingError, SamplingParams, Sequence, Status, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked (too long, bad ids, bad sampling values)."""
+
+
+@dataclass
+class EngineStats:
+    """Counters and recent samples for metrics (read by the serving layer)."""
+
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    ttft_s: deque = field(default_factory=lambda: deque(maxlen=4096))
+    itl_s: deque = field(default_factory=lambda: deque(maxlen=4096))
+    steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config.validate()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        name = attention.register()
+        self.loaded = loaded or load_model(config.model_id, config.device, config.dtype)
+        m = self.loaded
+        m.model.set_attn_implementation(name)
+        self.tokenizer = m.tokenizer
+        self.vocab_size = m.config.vocab_size
+        self.eos_ids = self._eos_ids()
+
+        self.window = config.window_size or m.sliding_window
+        self.max_total_tokens = config.max_total_tokens or int(getattr(m.config, "max_position_embeddings", 4096))
+        self.max_input_tokens = config.max_input_tokens or self.max_total_tokens - 1
+        if self.max_input_tokens >= self.max_total_tokens:
+            raise ConfigError(f"max_input_tokens ({self.max_input_tokens}) must be below "
+                              f"max_total_tokens ({self.max_total_tokens})")
+
+        token_bytes = bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, config.kv_cache_dtype, m.dtype)
+        num_blocks = num_blocks_for(config.block_size, token_bytes, config.max_batch_total_tokens,
+                                    config.kv_memory_fraction, m.device)
+        self.pool = KVPool(KVShape(m.num_layers, num_blocks, config.block_size, m.num_kv_heads, m.head_dim),
+                           config.kv_cache_dtype, m.dtype, m.device)
+        self.kv = KVManager(num_blocks, config.block_size, config.prefix_caching, m.model_id, self.window)
+        self.scheduler = Scheduler(self.kv, config.max_batch_prefill_tokens, config.max_num_seqs)
+        use_flash = (config.attention_backend in ("auto", "flash") and attention.flash_available(m.device)
+                     and self.pool.fp8_dtype is None)
+        if config.attention_backend == "flash" and not use_flash:
+            raise ConfigError("attention_backend=flash needs CUDA, vllm_flash_attn and a non-fp8 KV cache")
+        self.attention_backend = "flash" if use_flash else "sdpa"
+        self.runner = ModelRunner(m.model, self.pool, config.block_size, self.window, use_flash)
+        self.requests: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self.capture_logits: dict[str, list[torch.Tensor]] | None = None  # tests: raw logits per step
+        self._pending_finished: list[Sequence] = []  # finished before reaching the scheduler
+        log.info("engine ready: %s on %s/%s, %d blocks x %d tokens (%.1f MiB KV, %s), backend %s",
+                 m.model_id, m.device, m.dtype, num_blocks, config.block_size, self.pool.nbytes / 2**20,
+                 self.pool.storage_dtype if self.pool.fp8_dtype is None else self.pool.fp8_dtype,
+                 self.attention_backend)
+
+    def _eos_ids(self) -> set[int]:
+        eos = getattr(self.loaded.config, "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return set()
+        return set(eos) if isinstance(eos, list) else {int(eos)}
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False) -> None:
+        """Raise ``RequestError`` for a request this engine cannot serve (no state changes)."""
+        try:
+            params.validate()
+        except SamplingError as e:
+            raise RequestError(str(e)) from e
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if n > self.max_input_tokens:
+            raise RequestError(f"the prompt has {n} tokens, more than max_input_tokens ({self.max_input_tokens})")
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+        total = n if prefill_only else n + params.max_new_tokens
+        if total > self.max_total_tokens:
+            raise RequestError(f"prompt ({n}) + max_new_tokens ({params.max_new_tokens}) = {total} tokens, more "
+                               f"than max_total_tokens ({self.max_total_tokens})")
+        if total > self.kv.capacity_tokens:
+            raise RequestError(f"{total} tokens do not fit the KV pool ({self.kv.capacity_tokens} tokens)")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, prefill_only: bool = False) -> str:
+        params = params or SamplingParams()
+        self.validate(prompt_ids, params, prefill_only)
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        ids = list(prompt_ids)
+        if prefill_only:  # only whole blocks can be cached; the tail would be wasted work
+            ids = ids[: len(ids) // self.config.block_size * self.config.block_size] or ids[:0]
+        seq = Sequence(rid, ids, params, prefill_only=prefill_only)
+        if not params.greedy:
+            seq.generator = make_generator(params.seed)
+        self.requests[rid] = seq
+        self.stats.prompt_tokens += len(ids)
+        if not ids:  # warm-up shorter than a block: nothing to cache
+            seq.status = Status.FINISHED
+            seq.finish_reason = "warmup"
+            self._pending_finished.append(seq)
+        else:
+            self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request at once and give back its blocks; False if it is unknown or done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None or seq.status is Status.FINISHED:
+            return False
+        self.scheduler.remove(seq)
+        seq.finish_reason = "abort"
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending_finished)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[TokenEvent]:
+        """Run one batch; returns the events it produced (tokens, finishes)."""
+        events = [self._finish(seq, seq.finish_reason or "warmup") for seq in self._pending_finished]
+        self._pending_finished = []
+        plan = self.scheduler.schedule()
+        for seq in plan.finished_at_admission:
+            events.append(self._finish(seq, "warmup", already_released=True))
+        if not plan.chunks:
+            return events
+        self.stats.steps += 1
+        sample_mask = [c.seq.num_computed + c.num_tokens == c.seq.num_tokens and not c.seq.prefill_only
+                       for c in plan.chunks]
+        logits = self.runner.forward(plan.chunks, sample_mask)
+        now = time.monotonic()
+        to_sample: list[Sequence] = []
+        for c, wants in zip(plan.chunks, sample_mask, strict=True):
+            seq = c.seq
+            if seq.num_computed < len(seq.prompt_ids):
+                self.stats.prefill_tokens_computed += min(c.num_tokens, len(seq.prompt_ids) - seq.num_computed)
+            seq.num_computed += c.num_tokens
+            self.kv.publish(seq)  # KV is written now: publish full blocks
+            if wants:
+                to_sample.append(seq)
+            elif seq.prefill_only and seq.num_computed == seq.num_tokens:
+                self.scheduler.remove(seq)
+                events.append(self._finish(seq, "warmup", already_released=True))
+        if to_sample:
+            if self.capture_logits is not None:
+                for row, seq in zip(logits, to_sample, strict=True):
+                    self.capture_logits.setdefault(seq.request_id, []).append(row.clone())
+            tokens, logprobs = sample(logits, to_sample)
+            for seq, tok, lp in zip(to_sample, tokens, logprobs, strict=True):
+                events.append(self._append_token(seq, tok, lp, now))
+        return events
+
+    def _append_token(self, seq: Sequence, tok: int, logprob: float | None, now: float) -> TokenEvent:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.stats.ttft_s.append(now - seq.arrival)
+        else:
+            self.stats.itl_s.append(now - seq.last_token_time)
+        seq.last_token_time = now
+        seq.output_ids.append(tok)
+        self.stats.generated_tokens += 1
+        p = seq.params
+        reason = None
+        if tok in self.eos_ids and not p.ignore_eos:
+            reason = "eos"
+        elif tok in p.stop_token_ids:
+            reason = "stop"
+        if reason is None or p.stop:
+            update_text(self.tokenizer, seq)
+        if reason is None and find_stop(seq):
+            reason = "stop"
+        if reason is None and len(seq.output_ids) >= p.max_new_tokens:
+            reason = "length"
+        if reason is None:
+            self.kv.trim_window(seq)
+            return TokenEvent(seq.request_id, tok, take_delta(seq, final=False), logprob, False,
+                              num_prompt_tokens=len(seq.prompt_ids),
+                              num_cached_tokens=seq.num_cached_prompt_tokens,
+                              num_output_tokens=len(seq.output_ids))
+        self.scheduler.remove(seq)
+        ev = self._finish(seq, reason, already_released=True)
+        ev.token_id, ev.logprob = tok, logprob
+        return ev
+
+    def _finish(self, seq: Sequence, reason: str, already_released: bool = False) -> TokenEvent:
+        if not already_released and seq.status is not Status.FINISHED:
+            self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.requests.pop(seq.request_id, None)
+        self.stats.requests_finished += 1
+        return TokenEvent(seq.request_id, None, take_delta(seq, final=True), None, True, reason,
+                          num_prompt_tokens=len(seq.prompt_ids), num_cached_tokens=seq.num_cached_prompt_tokens,
+                          num_output_tokens=len(seq.output_ids))
+
+    # ------------------------------------------------------------------ conveniences
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[Sequence]:
+        """Run ``prompts`` to completion (offline use and tests); returns finished sequences in order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        seqs = []
+        for ids, p in zip(prompts, plist, strict=True):
+            rid = self.add_request(ids, p)
+            seqs.append(self.requests[rid])
+        while self.has_work():
+            self.step()
+        return seqs
+
+    def check_invariants(self) -> None:
+        """Assert every KV block is accounted for (free, cached or held by a live request)."""
+        live = list(self.scheduler.running) + [s for s in self.scheduler.waiting if s.block_table]
+        self.kv.check(live)
+
+    def kv_stats(self) -> dict:
+        a = self.kv.allocator
+        c = self.kv.cache
+        counters = c.counters if c is not None else None
+        return {
+            "blocks_total": a.num_blocks,
+            "blocks_free": a.num_free,
+            "blocks_cached": c.cached_blocks if c is not None else 0,
+            "blocks_evictable": a.num_evictable,
+            "blocks_in_use": a.num_in_use,
+            "block_size": self.config.block_size,
+            "prefix_queries_tokens": counters.query_tokens if counters else 0,
+            "prefix_hit_tokens": counters.hit_tokens if counters else 0,
+            "evicted_blocks": counters.evicted_blocks if counters else 0,
+            "preemptions": self.scheduler.num_preemptions,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+        }

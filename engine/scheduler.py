@@ -1,0 +1,123 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step: running decodes (1 token each), running prefills continued in chunks, then waiting
+requests admitted FCFS while the prefill budget (``max_batch_prefill_tokens``) and the pool allow.
+Admission matches the radix cache first, so only the uncached suffix is prefilled. No request reserves
+``input + max_new_tokens`` up front: blocks are taken as tokens arrive, and when the pool runs dry the
+most recently admitted sequence is preempted (its written blocks stay cached, so its recompute is
+mostly a cache hit).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_manager import KVManager
+from engine.sequence import Sequence, Status
+
+
+@dataclass
+class Chunk:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step
+
+
+@dataclass
+class StepPlan:
+    chunks: list[Chunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    finished_at_admission: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, max_batch_prefill_tokens: int, max_num_seqs: int):
+        self.kv = kv
+        self.max_batch_prefill_tokens = max_batch_prefill_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the queues and give back its blocks (finish or abort)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.kv.release(seq)
+        seq.status = Status.FINISHED
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.kv.publish(seq)  # what it computed stays reusable
+        self.running.remove(seq)
+        self.kv.release(seq)
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_batch_prefill_tokens
+        scheduled: set[int] = set()
+        # 1. running sequences, oldest first; the newest are preempted when blocks run out
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            uncomputed = seq.num_uncomputed
+            n = uncomputed if uncomputed == 1 else min(uncomputed, budget)
+            if n == 0:
+                continue
+            while not self.kv.ensure_blocks(seq, seq.num_computed + n):
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s is not seq), None)
+                if victim is None:
+                    victim = seq  # nothing else to take from: wait for others to finish
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            if uncomputed > 1:
+                budget -= n
+            plan.chunks.append(Chunk(seq, n))
+            scheduled.add(id(seq))
+        if plan.preempted:
+            return plan  # the pool is tight: admit nothing new this step
+        # 2. admit waiting requests (FCFS), skipping one whose next block another admission computes
+        pending_keys: set[tuple[int, ...]] = set()
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            self.kv.match(seq)
+            if seq.num_uncomputed == 0:  # warm-up of a prefix that is already cached
+                self.kv.count_admission(seq)
+                plan.finished_at_admission.append(seq)
+                self.kv.release(seq)
+                seq.status = Status.FINISHED
+                continue
+            key = tuple(seq.tokens[: seq.num_computed + self.kv.block_size])
+            if len(key) == seq.num_computed + self.kv.block_size and key in pending_keys:
+                self.kv.release(seq)
+                skipped.append(seq)  # next step it will hit the blocks being computed now
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if not self.kv.ensure_blocks(seq, seq.num_computed + n):
+                self.kv.release(seq)
+                self.waiting.appendleft(seq)
+                break
+            self.kv.count_admission(seq)
+            pending_keys.add(key)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            budget -= n
+            plan.chunks.append(Chunk(seq, n))
+        self.waiting.extendleft(reversed(skipped))
+        return plan

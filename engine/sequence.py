@@ -1,0 +1,114 @@
+"""A request's state inside the engine, and its sampling parameters."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cache.radix import Node
+
+
+class SamplingError(ValueError):
+    """Invalid sampling parameters: the request is refused with this message."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    cache_salt: str | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> SamplingParams:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise SamplingError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0.0:
+            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0.0:
+            raise SamplingError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not s for s in self.stop):
+            raise SamplingError("stop strings must not be empty")
+        return self
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenEvent:
+    """What one step produced for one request (streamed to its consumer)."""
+
+    request_id: str
+    token_id: int | None
+    text: str
+    logprob: float | None
+    finished: bool
+    finish_reason: str | None = None  # "length" | "stop" | "eos" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    # KV bookkeeping
+    block_table: list[int] = field(default_factory=list)  # cached blocks first, then private ones
+    num_cached_blocks: int = 0  # leading block_table entries owned by the radix cache
+    lock_node: Node | None = None  # deepest cache node this sequence holds locked
+    num_computed: int = 0  # tokens whose KV is in the pool
+    # stats
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    admitted_once: bool = False
+    preemptions: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_reason: str | None = None
+    generator: object | None = None  # torch.Generator for seeded sampling
+    prefill_only: bool = False  # warm-up: compute the prompt's KV, generate nothing
+    # incremental detokenization
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""
+    sent_text_len: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def private_blocks(self) -> list[int]:
+        return self.block_table[self.num_cached_blocks:]

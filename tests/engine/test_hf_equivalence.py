@@ -1,0 +1,110 @@
+"""Greedy output must equal transformers' ``generate``: tokens and the logits of every step.
+
+Prompts span several blocks and share prefixes, so these runs hit the radix cache, reuse fully
+cached prompts, chunk long prefills, preempt under a tiny pool and slide the window (Mistral).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.sequence import SamplingParams
+from tests.engine.conftest import hf_greedy
+
+NEW = 24
+TOL = 2e-3
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(7)
+    base = [rng.randrange(3, min(vocab, 255)) for _ in range(70)]
+    other = [rng.randrange(3, min(vocab, 255)) for _ in range(25)]
+    return [base, base[:50] + other, base[:5], list(base), base + [9, 10, 11]]
+
+
+def assert_matches_hf(engine, hf, batch, n=NEW):
+    engine.capture_logits = {}
+    seqs = engine.generate(batch, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    worst = 0.0
+    for seq, prompt in zip(seqs, batch, strict=True):
+        ref_tokens, ref_logits = hf_greedy(hf, prompt, n)
+        mine = engine.capture_logits[seq.request_id]
+        assert len(mine) == n
+        import torch
+
+        diff = (torch.stack(mine) - ref_logits).abs().max().item()
+        worst = max(worst, diff)
+        assert diff < TOL, f"logits differ by {diff}"
+        assert seq.output_ids == ref_tokens
+        assert len(set(ref_tokens)) > 4, "reference collapsed: the test would prove little"
+    return seqs, worst
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "bench"])
+def test_batch_with_shared_prefixes_matches_hf(preset, make_engine, hf_model):
+    eng = make_engine(preset)
+    batch = prompts(eng.vocab_size)
+    seqs, worst = assert_matches_hf(eng, hf_model(preset), batch)
+    print(f"{preset}: max |logit diff| {worst:.2e}")
+    hits = [s.num_cached_prompt_tokens for s in seqs]
+    assert hits[1] >= 48 and hits[3] >= 64, f"expected prefix hits, got {hits}"
+
+
+def test_fully_cached_prompt_recomputes_last_token(make_engine, hf_model):
+    eng = make_engine("tiny")
+    p = prompts(eng.vocab_size)[0][:64]  # exactly 4 blocks
+    assert_matches_hf(eng, hf_model("tiny"), [p])
+    seqs, _ = assert_matches_hf(eng, hf_model("tiny"), [p])
+    assert seqs[0].num_cached_prompt_tokens == 48  # (64-1)//16 blocks
+
+
+def test_generated_tokens_are_cached_for_the_next_turn(make_engine, hf_model):
+    eng = make_engine("tiny")
+    p = prompts(eng.vocab_size)[0]
+    first = eng.generate([p], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    turn2 = p + first.output_ids + [5, 6, 7]
+    seqs, _ = assert_matches_hf(eng, hf_model("tiny"), [turn2], n=8)
+    assert seqs[0].num_cached_prompt_tokens == (len(p) + 40 - 1) // 16 * 16
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral"])
+def test_chunked_prefill_matches_hf(preset, make_engine, hf_model):
+    eng = make_engine(preset, max_batch_prefill_tokens=16)
+    assert_matches_hf(eng, hf_model(preset), prompts(eng.vocab_size))
+    assert eng.stats.steps > 10
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral"])
+def test_preemption_under_a_tiny_pool_matches_hf(preset, make_engine, hf_model):
+    eng = make_engine(preset, max_batch_total_tokens=160, block_size=16)  # 10 blocks for 5 requests
+    assert_matches_hf(eng, hf_model(preset), prompts(eng.vocab_size))
+    assert eng.scheduler.num_preemptions > 0
+
+
+def test_cache_on_and_off_give_identical_outputs(make_engine):
+    on = make_engine("tiny")
+    off = make_engine("tiny", prefix_caching=False)
+    batch = prompts(on.vocab_size) * 2
+    p = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    a = [s.output_ids for s in on.generate(batch, p)]
+    b = [s.output_ids for s in off.generate(batch, p)]
+    assert a == b
+    assert on.kv_stats()["prefix_hit_tokens"] > 0 and off.kv_stats()["prefix_hit_tokens"] == 0
+
+
+def test_sliding_window_frees_generated_blocks(make_engine, hf_model):
+    eng = make_engine("tiny-mistral", block_size=4)
+    assert eng.window == 24
+    p = prompts(eng.vocab_size)[2]  # 5 tokens: everything after is generated
+    rid = eng.add_request(p, SamplingParams(max_new_tokens=80, ignore_eos=True))
+    seq = eng.requests[rid]
+    held = []
+    while eng.has_work():
+        eng.step()
+        if seq.block_table:
+            held.append(sum(b >= 0 for b in seq.block_table))
+    assert max(held) <= 24 // 4 + 2, f"window not enforced: held {max(held)} blocks"
+    ref, _ = hf_greedy(hf_model("tiny-mistral"), p, 80)
+    assert seq.output_ids == ref
