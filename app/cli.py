@@ -1,9 +1,44 @@
-"""The ``radixserve`` command line."""
+"""The ``radixserve`` command line: ``serve``, ``init-model``."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import signal
 import sys
+import threading
+import typing
+
+from app.config import Settings
+
+SERVE_FLAGS_SKIP = {"autoscaling"}
+
+
+def _flag_type(annotation) -> tuple[type | None, list[str] | None]:
+    """(argparse type, choices) for a settings field annotation."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    base = args[0]
+    if typing.get_origin(base) is typing.Literal:
+        return str, list(typing.get_args(base))
+    return (base if base in (int, float, str, bool) else str), None
+
+
+def add_settings_flags(p: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per setting (TGI's names with dashes); unset flags do not override env/file."""
+    for name, field in Settings.model_fields.items():
+        if name in SERVE_FLAGS_SKIP:
+            continue
+        flag = "--" + name.replace("_", "-")
+        typ, choices = _flag_type(field.annotation)
+        help_ = field.description or f"default: {field.default!r}"
+        if typ is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            p.add_argument(flag, dest=name, type=typ, choices=choices, default=None, help=help_)
+    p.add_argument("--autoscaling", dest="autoscaling", type=json.loads, default=None,
+                   help='JSON, e.g. \'{"min_replicas": 1, "max_replicas": 4}\'')
 
 
 def _init_model(args: argparse.Namespace) -> int:
@@ -14,9 +49,73 @@ def _init_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    cli = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    try:
+        settings = Settings.from_sources(cli=cli)
+    except ValueError as e:
+        print(f"radixserve: {e}", file=sys.stderr)
+        return 2
+    from app.local_redis import LocalRedis
+
+    redis = None
+    if settings.redis_url is None:
+        try:
+            redis = LocalRedis()
+            settings = settings.model_copy(update={"redis_url": redis.url})
+            print(f"started a local redis-server at {redis.url}")
+        except RuntimeError as e:
+            print(f"radixserve: warning: {e}; serving without the hot-prefix directory", file=sys.stderr)
+    try:
+        return _run_serve(settings, args.address)
+    finally:
+        if redis is not None:
+            redis.stop()
+
+
+def _run_serve(settings: Settings, address: str | None) -> int:
+    import ray
+    from ray import serve
+
+    from app.main import build_app
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if address:
+        ray.init(address=address, namespace="radixserve", logging_level=logging.WARNING)
+    else:
+        need = settings.num_replicas * settings.replica_num_cpus + 1
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
+                 namespace="radixserve", logging_level=logging.WARNING)
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        serve.run(build_app(settings), name=settings.deployment_name, route_prefix="/", blocking=False)
+        print(f"RadixServe is up: http://{settings.host}:{settings.port} "
+              f"(model {settings.model_name()}, {settings.num_replicas} replica(s)); Ctrl-C stops it", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("shutting down...", flush=True)
+        serve.delete(settings.deployment_name)
+        serve.shutdown()
+    finally:
+        try:
+            ray.kill(ray.get_actor(f"{settings.deployment_name}-metrics-hub", namespace="radixserve"))
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        ray.shutdown()
+    print("stopped", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="radixserve", description="Prefix-aware LLM serving on Ray Serve.")
     sub = ap.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="start Ray (or join one), Redis and the HTTP service",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    add_settings_flags(s)
+    s.set_defaults(func=_serve)
     p = sub.add_parser("init-model", help="write a small random-weight Llama with a byte-level tokenizer")
     p.add_argument("path", help="folder to write (created if missing)")
     p.add_argument("--preset", default="tiny",

@@ -142,6 +142,18 @@ class KVPool:
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V at arbitrary flat slots ``[T]`` in compute dtype (the attention backends' gather)."""
         s = self.shape
-        flat = self._data[layer].view(2, s.num_blocks * s.block_size, s.num_kv_heads, s.head_dim)
-        kv = flat[:, slots]
-        return self._decode(kv[0], float(self.k_scale[layer])), self._decode(kv[1], float(self.v_scale[layer]))
+        flat = self._data[layer].view(2, s.num_blocks * s.block_size, s.num_kv_heads * s.head_dim)
+        k = flat[0].index_select(0, slots).view(-1, s.num_kv_heads, s.head_dim)
+        v = flat[1].index_select(0, slots).view(-1, s.num_kv_heads, s.head_dim)
+        return self._decode(k, float(self.k_scale[layer])), self._decode(v, float(self.v_scale[layer]))
+
+    def read_heads(self, layer: int, head_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V rows ``[..., head_dim]`` at ``head_slots = slot * num_kv_heads + head`` of any shape: lets
+        decode attention gather straight into a head-major ``[seqs, heads, tokens, head_dim]`` layout."""
+        s = self.shape
+        rows = self._data[layer].view(2, s.num_blocks * s.block_size * s.num_kv_heads, s.head_dim)
+        idx = head_slots.reshape(-1)
+        shape = (*head_slots.shape, s.head_dim)
+        k = rows[0].index_select(0, idx).view(shape)
+        v = rows[1].index_select(0, idx).view(shape)
+        return self._decode(k, float(self.k_scale[layer])), self._decode(v, float(self.v_scale[layer]))

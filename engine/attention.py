@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from cache.kv_pool import KVPool
 
 ATTN_NAME = "radixserve_paged"
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa argument
 
 
 @dataclass
@@ -36,7 +37,7 @@ class PagedBatch:
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     num_decodes: int = 0
-    decode_slots: torch.Tensor | None = None  # [D, Lmax] context slots of each decode (padded)
+    decode_slots: torch.Tensor | None = None  # [D, Hkv, Lmax] slot*Hkv+head of each decode's context (padded)
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, Lmax] bool
     prefills: list[PrefillGroup] = field(default_factory=list)
     # flash backend metadata (CUDA only)
@@ -66,33 +67,46 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
     outs: list[torch.Tensor] = []
     if b.num_decodes:
-        d = b.num_decodes
-        qd = q[:, :d].transpose(0, 1).unsqueeze(2)  # [D, H, 1, Dh]
-        lmax = b.decode_slots.shape[1]
-        kd, vd = b.pool.read_slots(layer, b.decode_slots.reshape(-1))
-        kd = _expand_kv(kd.view(d, lmax, -1, kd.shape[-1]).transpose(1, 2), groups)  # [D, H, L, Dh]
-        vd = _expand_kv(vd.view(d, lmax, -1, vd.shape[-1]).transpose(1, 2), groups)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=b.decode_mask, scale=scaling)
-        outs.append(od.squeeze(2))  # [D, H, Dh]
+        outs.append(_decode_attention(b, layer, q[:, : b.num_decodes], groups, scaling))
     for g in b.prefills:
         qp = q[:, g.q_start:g.q_start + g.q_len].unsqueeze(0)  # [1, H, n, Dh]
         if g.ctx_slots is None:
             kp = key[:, :, g.q_start:g.q_start + g.q_len]
             vp = value[:, :, g.q_start:g.q_start + g.q_len]
-            if b.pool.fp8_dtype is not None:  # read what was stored, like every later step will
+            if b.pool.storage_dtype != query.dtype:  # lossy pool: read back what later steps will see
                 kp, vp = b.pool.read_slots(layer, b.slot_mapping[g.q_start:g.q_start + g.q_len])
                 kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
         else:
             kc, vc = b.pool.read_slots(layer, g.ctx_slots)  # [ctx, Hkv, Dh]
             kp, vp = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)
-        kp, vp = _expand_kv(kp, groups), _expand_kv(vp, groups)
+        gqa: dict = {}
+        if groups > 1:
+            if _SDPA_GQA:
+                gqa = {"enable_gqa": True}
+            else:  # torch < 2.5
+                kp, vp = _expand_kv(kp, groups), _expand_kv(vp, groups)
         if g.mask is None:
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling)
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, **gqa)
         else:
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, scale=scaling)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, scale=scaling, **gqa)
         outs.append(op[0].transpose(0, 1))  # [n, H, Dh]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     return out.unsqueeze(0), None
+
+
+def _decode_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, scaling: float | None
+                      ) -> torch.Tensor:
+    """One query per sequence over its paged context: grouped matmuls, so GQA's shared K/V heads are
+    read once instead of being repeated per query head. q ``[H, D, Dh]`` -> ``[D, H, Dh]``."""
+    h, d, dh = q.shape
+    k, v = b.pool.read_heads(layer, b.decode_slots)  # [D, Hkv, L, Dh], contiguous
+    hkv = k.shape[1]
+    qg = q.transpose(0, 1).reshape(d, hkv, groups, dh)  # query heads grouped by their KV head
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [D, Hkv, G, L]
+    scores.mul_(dh ** -0.5 if scaling is None else scaling)
+    scores.masked_fill_(~b.decode_mask, float("-inf"))  # mask [D, 1, 1, L]
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(d, h, dh)
 
 
 # ----------------------------------------------------------------------------- flash (CUDA)

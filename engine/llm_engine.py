@@ -71,9 +71,11 @@ class LLMEngine:
         self.kv = KVManager(num_blocks, config.block_size, config.prefix_caching, m.model_id, self.window)
         self.scheduler = Scheduler(self.kv, config.max_batch_prefill_tokens, config.max_num_seqs)
         use_flash = (config.attention_backend in ("auto", "flash") and attention.flash_available(m.device)
-                     and self.pool.fp8_dtype is None)
+                     and self.pool.fp8_dtype is None and m.dtype in (torch.float16, torch.bfloat16)
+                     and self.pool.storage_dtype == m.dtype)
         if config.attention_backend == "flash" and not use_flash:
-            raise ConfigError("attention_backend=flash needs CUDA, vllm_flash_attn and a non-fp8 KV cache")
+            raise ConfigError("attention_backend=flash needs CUDA, vllm_flash_attn, an fp16/bf16 model and a KV "
+                              "cache of the same dtype")
         self.attention_backend = "flash" if use_flash else "sdpa"
         self.runner = ModelRunner(m.model, self.pool, config.block_size, self.window, use_flash)
         self.requests: dict[str, Sequence] = {}

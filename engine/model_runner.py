@@ -86,8 +86,10 @@ class ModelRunner:
             for j, x in enumerate(decode_ctx):
                 dslots[j, : len(x)] = x
                 dmask[j, 0, 0, : len(x)] = True
+            hkv = self.pool.shape.num_kv_heads
+            head_slots = dslots[:, None, :] * hkv + torch.arange(hkv)[None, :, None]  # [D, Hkv, L]
             batch.num_decodes = len(decode_ctx)
-            batch.decode_slots = dslots.to(dev)
+            batch.decode_slots = head_slots.to(dev)
             batch.decode_mask = dmask.to(dev)
         if flash_meta is not None:
             batch.flash = self._flash_meta(flash_meta, chunks)

@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
+
+# bench/gpu_check.sh sets cuda: the same tests then run the engine on the GPU (float32, to compare)
+DEVICE = os.environ.get("RADIXSERVE_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -17,7 +22,8 @@ def hf_model(model_dir):
 
     def get(preset: str):
         if preset not in made:
-            made[preset] = AutoModelForCausalLM.from_pretrained(model_dir(preset), attn_implementation="sdpa").eval()
+            made[preset] = AutoModelForCausalLM.from_pretrained(
+                model_dir(preset), attn_implementation="sdpa").to(DEVICE).eval()
         return made[preset]
 
     return get
@@ -29,7 +35,7 @@ def loaded(model_dir):
 
     def get(preset: str):
         if preset not in made:
-            made[preset] = load_model(model_dir(preset), device="cpu")
+            made[preset] = load_model(model_dir(preset), device=DEVICE, dtype="float32")
         return made[preset]
 
     return get
@@ -55,6 +61,6 @@ def make_engine(loaded):
 
 def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), torch.stack([x[0] for x in out.logits]).float()
+    return out.sequences[0, len(prompt):].tolist(), torch.stack([x[0] for x in out.logits]).float().cpu()

@@ -34,7 +34,7 @@ def assert_matches_hf(engine, hf, batch, n=NEW):
         assert len(mine) == n
         import torch
 
-        diff = (torch.stack(mine) - ref_logits).abs().max().item()
+        diff = (torch.stack(mine).cpu() - ref_logits).abs().max().item()
         worst = max(worst, diff)
         assert diff < TOL, f"logits differ by {diff}"
         assert seq.output_ids == ref_tokens

@@ -1,0 +1,118 @@
+"""All settings in one pydantic model, filled from (highest first) CLI flags, ``RADIXSERVE_*``
+environment variables, the Serve config file, and defaults. Engine settings keep TGI's names."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.config import EngineConfig
+
+ENV_PREFIX = "RADIXSERVE_"
+
+
+class AutoscalingSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(8.0, gt=0)
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    # model
+    model_id: str | None = Field(None, description="local model folder; default: the built-in tiny model")
+    served_model_name: str | None = Field(None, description="name clients pass as `model`; default: folder name")
+    # engine (TGI names)
+    max_batch_prefill_tokens: int = Field(4096, gt=0)
+    max_batch_total_tokens: int | None = Field(None, gt=0)
+    max_input_tokens: int | None = Field(None, gt=0)
+    max_total_tokens: int | None = Field(None, gt=0)
+    max_num_seqs: int = Field(256, gt=0)
+    block_size: int = Field(16, gt=0)
+    prefix_caching: bool = True
+    window_size: int | None = Field(None, gt=0)
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3fn", "fp8_e5m2"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    kv_memory_fraction: float = Field(0.3, gt=0, le=1)
+    num_threads: int | None = Field(None, gt=0, description="torch threads per replica (CPU)")
+    seed: int = 0
+    # serving
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: AutoscalingSettings | None = None
+    max_ongoing_requests: int = Field(64, gt=0)
+    replica_num_cpus: float = Field(1.0, ge=0)
+    replica_num_gpus: float = Field(0.0, ge=0)
+    router: Literal["prefix", "pow2", "round_robin"] = "prefix"
+    routing_stats_period_s: float = Field(1.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    # hot-prefix directory
+    redis_url: str | None = None
+    warmup_top_k: int = Field(16, ge=0)
+    warmup_token_budget: int = Field(65536, ge=0)
+    deployment_name: str = "radixserve"
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
+        return v
+
+    # ------------------------------------------------------------------ derived
+    def resolved_model_id(self) -> str:
+        if self.model_id:
+            return str(Path(self.model_id).expanduser())
+        from engine.model_init import ensure_default_model
+
+        return str(ensure_default_model())
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model_id).name if self.model_id else "radixserve-tiny"
+
+    def engine_config(self, model_path: str | None = None) -> EngineConfig:
+        names = set(EngineConfig.field_names()) - {"model_id"}
+        kw = {k: v for k, v in self.model_dump().items() if k in names}
+        return EngineConfig(model_id=model_path or self.resolved_model_id(), **kw).validate()
+
+    # ------------------------------------------------------------------ sources
+    @classmethod
+    def from_sources(cls, cli: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                     file: dict[str, Any] | None = None) -> Settings:
+        """Merge the sources (CLI > environment > file > defaults); raise ``ValueError`` with every
+        problem named."""
+        env = os.environ if env is None else env
+        merged: dict[str, Any] = dict(file or {})
+        for name in cls.model_fields:
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is not None and raw != "":
+                merged[name] = _parse_env(name, raw)
+        merged.update({k: v for k, v in (cli or {}).items() if v is not None})
+        try:
+            return cls(**merged)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            raise ValueError(f"invalid settings: {problems}") from None
+
+
+def _parse_env(name: str, raw: str) -> Any:
+    if name == "autoscaling":
+        import json
+
+        return json.loads(raw)
+    if raw.lower() in ("none", "null"):
+        return None
+    return raw  # pydantic coerces "8", "true", "0.5"

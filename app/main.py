@@ -1,0 +1,63 @@
+"""Builds the Serve application from ``Settings``: LLM replicas behind the HTTP ingress.
+
+``serve run app.main:app_builder`` / ``serve deploy serve_config.yaml`` call ``app_builder`` with the
+config file's ``args``; ``radixserve serve`` calls ``build_app`` directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import AutoscalingConfig
+
+from app.config import Settings
+from deployments.ingress import Ingress
+from deployments.llm_server import LLMServer
+
+
+def llm_deployment(settings: Settings):
+    opts: dict[str, Any] = dict(
+        name=f"{settings.deployment_name}-llm",
+        max_ongoing_requests=settings.max_ongoing_requests,
+        ray_actor_options={"num_cpus": settings.replica_num_cpus, "num_gpus": settings.replica_num_gpus},
+        health_check_period_s=5,
+        graceful_shutdown_timeout_s=10,
+    )
+    if settings.autoscaling is not None:
+        a = settings.autoscaling
+        opts["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=a.min_replicas, max_replicas=a.max_replicas, initial_replicas=max(1, a.min_replicas),
+            target_ongoing_requests=a.target_ongoing_requests, upscale_delay_s=a.upscale_delay_s,
+            downscale_delay_s=a.downscale_delay_s)
+    else:
+        opts["num_replicas"] = settings.num_replicas
+    router = request_router_config(settings)
+    if router is not None:
+        opts["request_router_config"] = router
+    return serve.deployment(LLMServer).options(**opts)
+
+
+def request_router_config(settings: Settings):
+    """Serve's request router for the LLM deployment (``pow2`` is Serve's default)."""
+    from ray.serve.config import RequestRouterConfig
+
+    if settings.router == "pow2":
+        return RequestRouterConfig(request_routing_stats_period_s=settings.routing_stats_period_s)
+    try:
+        from routing.prefix_router import router_config
+    except ImportError:  # pragma: no cover - until the prefix router lands
+        return RequestRouterConfig(request_routing_stats_period_s=settings.routing_stats_period_s)
+    return router_config(settings)
+
+
+def build_app(settings: Settings):
+    settings.resolved_model_id()  # create the built-in model before replicas look for it
+    s = settings.model_dump()
+    llm = llm_deployment(settings).bind(s)
+    return Ingress.options(name=f"{settings.deployment_name}-ingress").bind(llm, s)
+
+
+def app_builder(args: dict[str, Any]):
+    """Entry point for ``serve run`` / ``serve deploy`` (``args`` from the Serve config file)."""
+    return build_app(Settings.from_sources(file=dict(args or {})))

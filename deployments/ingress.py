@@ -1,0 +1,324 @@
+"""HTTP ingress (FastAPI in Serve; no `from __future__ import annotations`: FastAPI reads the
+body models from real annotations): TGI and OpenAI APIs over the LLM deployment.
+
+Validates with pydantic, tokenizes once, sends token ids through the LLM handle, and streams
+server-sent events. Errors use each API's own format: TGI ``{"error", "error_type"}`` with 422,
+OpenAI ``{"error": {"message", "type", "param", "code"}}`` with 400/404. A client that goes away
+mid-stream cancels its request, which aborts it in the engine and frees its blocks.
+"""
+
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+
+from app.config import Settings
+from app.schemas import TGI_FINISH, ChatRequest, CompletionRequest, TGIRequest, WarmupRequest
+from deployments.metrics import hub_handle, render
+
+log = logging.getLogger("radixserve.ingress")
+DEFAULT_MAX_NEW_TOKENS = 64
+VERSION = "0.1.0"
+
+app = FastAPI(title="RadixServe", version=VERSION)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "validation", code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+
+
+def _is_openai(request: Request) -> bool:
+    return request.url.path.startswith("/v1/")
+
+
+def _error_response(request: Request, err: ApiError) -> JSONResponse:
+    if _is_openai(request):
+        etype = "invalid_request_error" if err.status < 500 else "server_error"
+        body = {"error": {"message": err.message, "type": etype, "param": err.param, "code": err.code}}
+        status = 400 if err.status == 422 else err.status
+        return JSONResponse(body, status_code=status)
+    return JSONResponse({"error": err.message, "error_type": err.kind}, status_code=err.status)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, err: ApiError):
+    return _error_response(request, err)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    param = next((str(e["loc"][-1]) for e in exc.errors() if e.get("loc")), None)
+    return _error_response(request, ApiError(422, "; ".join(parts) or "invalid request", param=param))
+
+
+def _sse(obj: Any) -> str:
+    return f"data:{json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+# Helpers sit above the class: serve.ingress captures the module's globals when it wraps it.
+async def _chain(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    yield first
+    async for ev in rest:
+        yield ev
+
+
+def _oai_finish(reason: str | None) -> str:
+    return "length" if reason in ("length", "abort", None) else "stop"
+
+
+def _usage(ev: dict) -> dict:
+    p, c = ev["num_prompt_tokens"], ev["num_output_tokens"]
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": ev["num_cached_tokens"]}}
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, llm_handle, settings: dict[str, Any]):
+        from transformers import AutoTokenizer
+
+        self.settings = Settings(**settings)
+        self.llm = llm_handle
+        self.model_name = self.settings.model_name()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.settings.resolved_model_id(), local_files_only=True)
+        self._info: dict[str, Any] | None = None
+        self._hub = hub_handle(self.settings.deployment_name)
+
+    # ------------------------------------------------------------------ plumbing
+    async def info_cached(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = await self.llm.info.remote()
+        return self._info
+
+    def _tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def _detok(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def _stream(self, ids: list[int], params: dict[str, Any]) -> tuple[dict, AsyncIterator[dict]]:
+        """Start a request; returns its first event and an iterator over the rest. A refused
+        request raises ``ApiError`` here, before any response byte is sent."""
+        gen = self.llm.options(stream=True).generate.remote(ids, params, uuid.uuid4().hex)
+        it = gen.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            raise ApiError(503, "the engine ended the request without an answer", "generation") from None
+        except Exception as e:  # noqa: BLE001 - a replica or engine failure: not the client's fault
+            gen.cancel()
+            log.exception("replica call failed")
+            raise ApiError(503, f"engine unavailable: {type(e).__name__}", "generation") from None
+        if first.get("error"):
+            gen.cancel()
+            status = 422 if first.get("error_kind") == "validation" else 503
+            raise ApiError(status, first["error"], "validation" if status == 422 else "generation")
+
+        async def rest() -> AsyncIterator[dict]:
+            done = first.get("finished", False)
+            try:
+                while not done:
+                    ev = await it.__anext__()
+                    done = ev.get("finished", False)
+                    yield ev
+            except StopAsyncIteration:
+                return
+            finally:
+                if not done:
+                    gen.cancel()  # client gone or failure: abort in the engine
+
+        return first, rest()
+
+    async def _collect(self, ids: list[int], params: dict[str, Any]) -> list[dict]:
+        first, rest = await self._stream(ids, params)
+        events = [first]
+        async for ev in rest:
+            events.append(ev)
+        if events[-1].get("error"):
+            raise ApiError(503, events[-1]["error"], "generation")
+        return events
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`).",
+                           code="model_not_found", param="model")
+
+    # ------------------------------------------------------------------ TGI
+    @app.post("/generate")
+    async def generate(self, req: TGIRequest):
+        ids = self._tokenize(req.inputs)
+        params = req.sampling(DEFAULT_MAX_NEW_TOKENS)
+        events = await self._collect(ids, params)
+        text = "".join(ev["text"] for ev in events)
+        out: dict[str, Any] = {"generated_text": (req.inputs + text) if req.parameters.return_full_text else text}
+        if req.parameters.details:
+            toks = [ev for ev in events if ev.get("token_id") is not None]
+            out["details"] = {
+                "finish_reason": TGI_FINISH.get(events[-1]["finish_reason"], "length"),
+                "generated_tokens": len(toks), "seed": req.parameters.seed, "prefill": [],
+                "cached_tokens": events[-1]["num_cached_tokens"],
+                "tokens": [{"id": ev["token_id"], "text": self._detok([ev["token_id"]]), "logprob": ev["logprob"],
+                            "special": ev["token_id"] in self.tokenizer.all_special_ids} for ev in toks]}
+        return out
+
+    @app.post("/generate_stream")
+    async def generate_stream(self, req: TGIRequest):
+        ids = self._tokenize(req.inputs)
+        first, rest = await self._stream(ids, req.sampling(DEFAULT_MAX_NEW_TOKENS))
+
+        async def body():
+            text, n = "", 0
+            async for ev in _chain(first, rest):
+                if ev.get("error"):
+                    yield _sse({"error": ev["error"], "error_type": "generation"})
+                    return
+                if ev.get("token_id") is None and not ev["finished"]:
+                    continue
+                text += ev["text"]
+                tok = ev.get("token_id")
+                token = {"id": tok if tok is not None else -1, "text": ev["text"], "logprob": ev.get("logprob"),
+                         "special": tok in self.tokenizer.all_special_ids if tok is not None else True}
+                msg = {"index": n, "token": token, "generated_text": None, "details": None}
+                n += 1
+                if ev["finished"]:
+                    msg["generated_text"] = (req.inputs + text) if req.parameters.return_full_text else text
+                    msg["details"] = {"finish_reason": TGI_FINISH.get(ev["finish_reason"], "length"),
+                                      "generated_tokens": ev["num_output_tokens"], "seed": req.parameters.seed}
+                yield _sse(msg)
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    @app.get("/info")
+    async def info(self):
+        i = await self.info_cached()
+        return {**{k: v for k, v in i.items() if k != "replica"}, "served_model_name": self.model_name,
+                "router": self.settings.router, "version": VERSION, "sha": None,
+                "max_concurrent_requests": self.settings.max_ongoing_requests * self.settings.num_replicas}
+
+    @app.get("/health")
+    async def health(self):
+        try:
+            await self.llm.info.remote()
+        except Exception as e:  # noqa: BLE001
+            raise ApiError(503, f"no healthy replica: {type(e).__name__}", "unhealthy") from None
+        return JSONResponse({"status": "ok"})
+
+    # ------------------------------------------------------------------ OpenAI
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "radixserve"}]}
+
+    @app.post("/v1/completions")
+    async def completions(self, req: CompletionRequest):
+        self._check_model(req.model)
+        ids = req.prompt if isinstance(req.prompt, list) else self._tokenize(req.prompt)
+        params = req.sampling(16, logprobs=req.logprobs is not None)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        prefix = (req.prompt if isinstance(req.prompt, str) else self._detok(ids)) if req.echo else ""
+        if req.stream:
+            return await self._openai_stream(ids, params, rid, created, "text_completion", req, prefix)
+        events = await self._collect(ids, params)
+        last = events[-1]
+        choice = {"index": 0, "text": prefix + "".join(ev["text"] for ev in events),
+                  "finish_reason": _oai_finish(last["finish_reason"]), "logprobs": None}
+        if req.logprobs is not None:
+            toks = [ev for ev in events if ev.get("token_id") is not None]
+            choice["logprobs"] = {"tokens": [self._detok([ev["token_id"]]) for ev in toks],
+                                  "token_logprobs": [ev["logprob"] for ev in toks], "top_logprobs": None,
+                                  "text_offset": None}
+        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": [choice], "usage": _usage(last)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, req: ChatRequest):
+        self._check_model(req.model)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions")
+        try:
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        except ValueError as e:
+            raise ApiError(422, str(e), param="messages") from None
+        enc = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+        params = req.sampling(DEFAULT_MAX_NEW_TOKENS, logprobs=req.logprobs)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return await self._openai_stream(ids, params, rid, created, "chat.completion.chunk", req, "")
+        events = await self._collect(ids, params)
+        last = events[-1]
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(ev["text"] for ev in events)},
+                  "finish_reason": _oai_finish(last["finish_reason"]), "logprobs": None}
+        if req.logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": self._detok([ev["token_id"]]), "logprob": ev["logprob"], "bytes": None, "top_logprobs": []}
+                for ev in events if ev.get("token_id") is not None]}
+        return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": [choice], "usage": _usage(last)}
+
+    async def _openai_stream(self, ids, params, rid, created, obj, req, prefix: str):
+        first, rest = await self._stream(ids, params)
+        chat = obj == "chat.completion.chunk"
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                if text:
+                    delta["content"] = text
+                c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                c = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
+
+        async def body():
+            if chat:
+                yield _sse(chunk("", None, role=True))
+            elif prefix:
+                yield _sse(chunk(prefix, None))
+            async for ev in _chain(first, rest):
+                if ev.get("error"):
+                    yield _sse({"error": {"message": ev["error"], "type": "server_error", "param": None,
+                                          "code": None}})
+                    return
+                if ev["text"] or ev["finished"]:
+                    yield _sse(chunk(ev["text"], _oai_finish(ev["finish_reason"]) if ev["finished"] else None))
+                if ev["finished"] and include_usage:
+                    yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                "choices": [], "usage": _usage(ev)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    # ------------------------------------------------------------------ RadixServe's own
+    @app.post("/warmup")
+    async def warmup(self, req: WarmupRequest):
+        prefixes = [p if isinstance(p, list) else self._tokenize(p) for p in req.prefixes]
+        if any(not p for p in prefixes):
+            raise ApiError(422, "prefixes must not be empty", param="prefixes")
+        try:
+            return await self.llm.warmup.remote(prefixes, req.cache_salt)
+        except Exception as e:  # noqa: BLE001 - the replica refused one of them
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise ApiError(422, msg) from None
+
+    @app.get("/metrics")
+    async def metrics(self):
+        snaps = await self._hub.snapshots.remote()
+        return PlainTextResponse(render(snaps), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,140 @@
+"""Replica metrics: each LLM replica pushes a snapshot to one small hub actor every second; the
+ingress renders the hub's view as Prometheus text, per replica and summed (``replica="all"``).
+
+Snapshots are plain dicts, so this module is testable without Ray (the hub is a thin actor shell).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+STALE_AFTER_S = 30.0
+
+COUNTERS = {
+    "radixserve_requests_total": ("requests_finished", "Requests finished."),
+    "radixserve_prompt_tokens_total": ("prompt_tokens", "Prompt tokens received."),
+    "radixserve_generation_tokens_total": ("generated_tokens", "Tokens generated."),
+    "radixserve_prefill_tokens_computed_total": ("prefill_tokens_computed",
+                                                 "Prompt tokens actually prefilled (not served from cache)."),
+    "radixserve_prefix_cache_queries_total": ("prefix_queries_tokens", "Prompt tokens looked up in the prefix cache."),
+    "radixserve_prefix_cache_hits_total": ("prefix_hit_tokens", "Prompt tokens served from the prefix cache."),
+    "radixserve_cache_evictions_total": ("evicted_blocks", "KV blocks evicted from the prefix cache."),
+    "radixserve_preemptions_total": ("preemptions", "Sequences preempted for lack of KV blocks."),
+    "radixserve_router_affinity_hits_total": ("router_affinity_hits",
+                                              "Requests routed to a replica that held part of their prefix."),
+}
+GAUGES = {
+    "radixserve_cache_blocks_used": ("blocks_used", "KV blocks in use or cached (not free)."),
+    "radixserve_cache_blocks_cached": ("blocks_cached", "KV blocks held by the prefix cache."),
+    "radixserve_cache_blocks_in_use": ("blocks_in_use", "KV blocks held by running requests."),
+    "radixserve_cache_blocks_total": ("blocks_total", "KV blocks in the pool."),
+    "radixserve_cache_block_size": ("block_size",
+                                    "Tokens per KV block: a shared prefix shorter than this cannot hit."),
+    "radixserve_running_requests": ("running", "Sequences in the running batch."),
+    "radixserve_queue_depth": ("waiting", "Requests waiting for admission."),
+}
+HISTOGRAMS = {
+    "radixserve_time_to_first_token_seconds": ("ttft", "Time to first token.", TTFT_BUCKETS),
+    "radixserve_inter_token_latency_seconds": ("itl", "Time between generated tokens.", ITL_BUCKETS),
+}
+
+
+class Histogram:
+    """Cumulative bucket counts (Prometheus style), fed from the engine's latency samples."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # last: +Inf
+        self.sum = 0.0
+
+    def observe(self, x: float) -> None:
+        for i, b in enumerate(self.buckets):
+            if x <= b:
+                self.counts[i] += 1
+                break
+        else:
+            self.counts[-1] += 1
+        self.sum += x
+
+    def to_dict(self) -> dict:
+        return {"counts": list(self.counts), "sum": self.sum}
+
+
+def _esc(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render(snapshots: dict[str, dict[str, Any]]) -> str:
+    """Prometheus text for every replica's snapshot, plus a ``replica="all"`` sum."""
+    snaps = dict(snapshots)
+    total: dict[str, Any] = {}
+    for s in snaps.values():
+        for key, val in s.items():
+            if isinstance(val, (int, float)) and not isinstance(val, bool):
+                total[key] = total.get(key, 0) + val
+            elif isinstance(val, dict) and "counts" in val:
+                t = total.setdefault(key, {"counts": [0] * len(val["counts"]), "sum": 0.0})
+                t["counts"] = [a + b for a, b in zip(t["counts"], val["counts"], strict=True)]
+                t["sum"] += val["sum"]
+    if snaps:
+        total["block_size"] = max(s.get("block_size", 0) for s in snaps.values())
+        snaps["all"] = total
+    lines: list[str] = []
+    for name, (key, help_) in COUNTERS.items():
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter"]
+        lines += [f'{name}{{replica="{_esc(r)}"}} {float(s.get(key, 0))}' for r, s in snaps.items()]
+    for name, (key, help_) in GAUGES.items():
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge"]
+        lines += [f'{name}{{replica="{_esc(r)}"}} {float(s.get(key, 0))}' for r, s in snaps.items()]
+    name = "radixserve_cache_hit_rate"
+    lines += [f"# HELP {name} Token-weighted prefix cache hit rate since start.", f"# TYPE {name} gauge"]
+    for r, s in snaps.items():
+        q = s.get("prefix_queries_tokens", 0)
+        lines.append(f'{name}{{replica="{_esc(r)}"}} {s.get("prefix_hit_tokens", 0) / q if q else 0.0}')
+    name = "radixserve_block_utilization"
+    lines += [f"# HELP {name} Share of KV blocks not free.", f"# TYPE {name} gauge"]
+    for r, s in snaps.items():
+        t = s.get("blocks_total", 0)
+        lines.append(f'{name}{{replica="{_esc(r)}"}} {s.get("blocks_used", 0) / t if t else 0.0}')
+    for name, (key, help_, buckets) in HISTOGRAMS.items():
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+        for r, s in snaps.items():
+            h = s.get(key) or {"counts": [0] * (len(buckets) + 1), "sum": 0.0}
+            cum = 0
+            for b, c in zip((*buckets, float("inf")), h["counts"], strict=True):
+                cum += c
+                le = "+Inf" if b == float("inf") else repr(b)
+                lines.append(f'{name}_bucket{{replica="{_esc(r)}",le="{le}"}} {float(cum)}')
+            lines.append(f'{name}_sum{{replica="{_esc(r)}"}} {h["sum"]}')
+            lines.append(f'{name}_count{{replica="{_esc(r)}"}} {float(cum)}')
+    return "\n".join(lines) + "\n"
+
+
+@ray.remote(num_cpus=0)
+class MetricsHub:
+    """Latest snapshot per replica; replicas that stop pushing drop out after ``STALE_AFTER_S``."""
+
+    def __init__(self):
+        self._snaps: dict[str, tuple[float, dict]] = {}
+
+    def push(self, replica: str, snapshot: dict) -> None:
+        self._snaps[replica] = (time.monotonic(), snapshot)
+
+    def forget(self, replica: str) -> None:
+        self._snaps.pop(replica, None)
+
+    def snapshots(self) -> dict[str, dict]:
+        now = time.monotonic()
+        self._snaps = {r: v for r, v in self._snaps.items() if now - v[0] < STALE_AFTER_S}
+        return {r: s for r, (_, s) in self._snaps.items()}
+
+
+def hub_handle(deployment_name: str):
+    """The hub of one deployment (created on first use, detached so replica restarts keep it)."""
+    return MetricsHub.options(name=f"{deployment_name}-metrics-hub", namespace="radixserve",
+                              get_if_exists=True, lifetime="detached").remote()

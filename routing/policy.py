@@ -1,0 +1,252 @@
+"""Prefix-aware routing policy: affinity, a per-candidate load gate, and cold spreading.
+
+Pure Python (no Ray, no torch), shared by the Ray Serve request router and the simulator.
+
+The router keeps, per replica, an approximate index of the block-hash chains it has sent there (the
+same ``cache.hashing`` chains the engines cache), bounded by that replica's KV capacity with LRU
+order, and corrected by what replicas report. A request is scored on each candidate as
+
+    score = matched_tokens - load_weight * outstanding_work
+
+in prefill-token units: a cached block saves its tokens' prefill, and work already queued on a replica
+delays the request by about as much. So a hot prefix stays on its holder until the holder is busier
+than the prefill it would save, then spills to a second replica, which caches it too. Requests that
+match nowhere go to the least-loaded replica, ties broken by the emptiest index and then by the
+replica that got a cold request least recently, so new and restarted replicas fill first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PolicyConfig:
+    block_size: int = 16
+    load_weight: float = 1.0  # prefill tokens one token of outstanding work is worth
+    decode_token_cost: float = 8.0  # outstanding work of one generated token, in prefill tokens
+    default_capacity_blocks: int = 4096  # index bound until a replica reports its pool size
+    min_match_blocks: int = 1  # fewer matched blocks than this counts as cold
+
+
+@dataclass(eq=False)
+class ReplicaView:
+    replica_id: str
+    capacity_blocks: int
+    index: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU first
+    outstanding: float = 0.0  # estimated work routed here and not completed (prefill tokens)
+    in_flight: int = 0
+    last_cold: int = 0  # routing counter when it last received a cold request
+    routed: int = 0
+    version: int = 0  # bumps when its load key changes (lazy heap of least-loaded replicas)
+
+
+class PrefixPolicy:
+    def __init__(self, config: PolicyConfig | None = None, seed: int = 0):
+        self.cfg = config or PolicyConfig()
+        self.replicas: dict[str, ReplicaView] = {}
+        self.holders: dict[int, set[str]] = {}  # block hash -> replicas whose index has it
+        self._counter = 0
+        self._rng = random.Random(seed)
+        self._heap: list[tuple] = []  # (outstanding, index size, last cold, version, id), lazily refreshed
+        self.affinity_hits = 0
+        self.cold_routes = 0
+
+    # ------------------------------------------------------------------ fleet
+    def add_replica(self, replica_id: str, capacity_blocks: int | None = None) -> None:
+        if replica_id not in self.replicas:
+            view = ReplicaView(replica_id, capacity_blocks or self.cfg.default_capacity_blocks)
+            self.replicas[replica_id] = view
+            self._push_load(view)
+
+    def remove_replica(self, replica_id: str) -> None:
+        """Forget a replica at once (it died or drained): its index must not attract traffic."""
+        view = self.replicas.pop(replica_id, None)
+        if view is None:
+            return
+        for h in view.index:
+            s = self.holders.get(h)
+            if s is not None:
+                s.discard(replica_id)
+                if not s:
+                    del self.holders[h]
+
+    def sync_replicas(self, replica_ids: Iterable[str]) -> None:
+        live = set(replica_ids)
+        for rid in list(self.replicas):
+            if rid not in live:
+                self.remove_replica(rid)
+        for rid in live:
+            self.add_replica(rid)
+
+    # ------------------------------------------------------------------ index upkeep
+    def _touch(self, view: ReplicaView, hashes: Sequence[int]) -> None:
+        idx = view.index
+        for h in hashes:
+            if h in idx:
+                idx.move_to_end(h)
+            else:
+                idx[h] = None
+                self.holders.setdefault(h, set()).add(view.replica_id)
+        self._trim(view, view.capacity_blocks)
+
+    def _trim(self, view: ReplicaView, limit: int) -> None:
+        idx = view.index
+        while len(idx) > limit:
+            h, _ = idx.popitem(last=False)
+            self._drop_holder(h, view.replica_id)
+
+    def _drop_holder(self, h: int, replica_id: str) -> None:
+        s = self.holders.get(h)
+        if s is not None:
+            s.discard(replica_id)
+            if not s:
+                del self.holders[h]
+
+    def forget_hashes(self, replica_id: str, hashes: Iterable[int]) -> None:
+        """A replica reported evictions: stop counting on those blocks there."""
+        view = self.replicas.get(replica_id)
+        if view is None:
+            return
+        for h in hashes:
+            if view.index.pop(h, 0) is None:
+                self._drop_holder(h, replica_id)
+
+    def learn_hashes(self, replica_id: str, hashes: Sequence[int]) -> None:
+        """A replica reported blocks it holds (warm-up, another router's traffic, the directory)."""
+        view = self.replicas.get(replica_id)
+        if view is not None:
+            self._touch(view, hashes)
+
+    def report(self, replica_id: str, capacity_blocks: int | None = None, cached_blocks: int | None = None,
+               in_flight: int | None = None) -> None:
+        """Correct the view from a replica's own stats (stale by up to a stats period)."""
+        view = self.replicas.get(replica_id)
+        if view is None:
+            return
+        if capacity_blocks:
+            view.capacity_blocks = capacity_blocks
+        limit = view.capacity_blocks if cached_blocks is None else max(cached_blocks, 0)
+        self._trim(view, min(view.capacity_blocks, limit) if cached_blocks is not None else view.capacity_blocks)
+        if in_flight is not None and in_flight == 0 and view.in_flight == 0:
+            view.outstanding = 0.0  # drift guard: nothing running there
+        self._push_load(view)
+
+    # ------------------------------------------------------------------ routing
+    def matches(self, hashes: Sequence[int], candidates: Iterable[str] | None = None) -> dict[str, int]:
+        """Matched leading blocks per replica (only replicas with at least one)."""
+        out: dict[str, int] = {}
+        if not hashes:
+            return out
+        alive = self.holders.get(hashes[0])
+        if not alive:
+            return out
+        alive = set(alive) if candidates is None else alive & set(candidates)
+        depth = 0
+        for h in hashes:
+            holders = self.holders.get(h)
+            if not holders:
+                break
+            alive = alive & holders
+            if not alive:
+                break
+            depth += 1
+            for r in alive:
+                out[r] = depth
+        return out
+
+    def work_of(self, prompt_tokens: int, matched_tokens: int, max_new_tokens: int) -> float:
+        return (prompt_tokens - matched_tokens) + self.cfg.decode_token_cost * max_new_tokens
+
+    def choose(self, hashes: Sequence[int], prompt_tokens: int, max_new_tokens: int = 0,
+               candidates: Sequence[str] | None = None) -> str | None:
+        """The best candidate. Cheap at any fleet size: only replicas that hold the prefix are scored
+        one by one; every other replica competes through the least-loaded of them (a heap)."""
+        if candidates is None or len(candidates) >= len(self.replicas):
+            cands = None
+            cold = self._least_loaded()
+        else:
+            cands = [c for c in candidates if c in self.replicas]
+            cold = min(cands, key=self._cold_key) if cands else None
+        if cold is None:
+            return None
+        bs, w = self.cfg.block_size, self.cfg.load_weight
+        best, best_score = cold, -w * self.replicas[cold].outstanding
+        for r, m in self.matches(hashes, cands).items():
+            if m < self.cfg.min_match_blocks:
+                continue
+            score = m * bs - w * self.replicas[r].outstanding
+            if score > best_score:
+                best, best_score = r, score
+        return best
+
+    def rank(self, hashes: Sequence[int], prompt_tokens: int, max_new_tokens: int = 0,
+             candidates: Sequence[str] | None = None) -> list[str]:
+        """All candidates, best first (for small fleets: the Serve router)."""
+        cands = list(self.replicas) if candidates is None else [c for c in candidates if c in self.replicas]
+        best = self.choose(hashes, prompt_tokens, max_new_tokens, cands)
+        if best is None:
+            return []
+        return [best] + sorted((c for c in cands if c != best), key=self._cold_key)
+
+    def _cold_key(self, rid: str) -> tuple:
+        v = self.replicas[rid]
+        return (v.outstanding, len(v.index), v.last_cold)
+
+    def _push_load(self, view: ReplicaView) -> None:
+        view.version += 1
+        heapq.heappush(self._heap, (*self._cold_key(view.replica_id), view.version, view.replica_id))
+        if len(self._heap) > 4 * len(self.replicas) + 64:
+            self._heap = [(*self._cold_key(r), v.version, r) for r, v in self.replicas.items()]
+            heapq.heapify(self._heap)
+
+    def _least_loaded(self) -> str | None:
+        heap = self._heap
+        while heap:
+            *_, version, rid = heap[0]
+            view = self.replicas.get(rid)
+            if view is not None and view.version == version:
+                return rid
+            heapq.heappop(heap)
+        if self.replicas:  # heap lost track (first use): rebuild
+            for v in self.replicas.values():
+                self._push_load(v)
+            return self._least_loaded()
+        return None
+
+    def on_routed(self, replica_id: str, hashes: Sequence[int], prompt_tokens: int, max_new_tokens: int = 0
+                  ) -> float:
+        """Record a routing decision; returns the work estimate to pass back to ``on_completed``."""
+        view = self.replicas.get(replica_id)
+        if view is None:
+            return 0.0
+        self._counter += 1
+        m = self.matches(hashes, (replica_id,)).get(replica_id, 0)
+        if m >= self.cfg.min_match_blocks:
+            self.affinity_hits += 1
+        else:
+            self.cold_routes += 1
+            view.last_cold = self._counter
+        work = self.work_of(prompt_tokens, m * self.cfg.block_size, max_new_tokens)
+        view.outstanding += work
+        view.in_flight += 1
+        view.routed += 1
+        self._touch(view, hashes)
+        self._push_load(view)
+        return work
+
+    def on_completed(self, replica_id: str, work: float) -> None:
+        view = self.replicas.get(replica_id)
+        if view is None:
+            return
+        view.outstanding = max(0.0, view.outstanding - work)
+        view.in_flight = max(0, view.in_flight - 1)
+        self._push_load(view)
+
+    def index_size(self, replica_id: str) -> int:
+        view = self.replicas.get(replica_id)
+        return len(view.index) if view else 0

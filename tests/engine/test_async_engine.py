@@ -1,0 +1,92 @@
+"""The async wrapper: concurrent streams, cancellation aborts, errors reach the caller."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import RequestError
+from engine.sequence import SamplingParams
+
+PROMPT = list(range(40, 110))
+
+
+def test_concurrent_streams_match_the_sync_engine(make_engine):
+    eng = make_engine("tiny")
+    expect = eng.generate([PROMPT, PROMPT[:30]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    ae = AsyncEngine(eng)
+
+    async def collect(prompt):
+        toks, text, last = [], "", None
+        async for ev in ae.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True)):
+            if ev.token_id is not None:
+                toks.append(ev.token_id)
+            text += ev.text
+            last = ev
+        return toks, last
+
+    async def main():
+        return await asyncio.gather(collect(PROMPT), collect(PROMPT[:30]))
+
+    try:
+        (a, la), (b, lb) = asyncio.run(main())
+        assert a == expect[0].output_ids and b == expect[1].output_ids
+        assert la.finish_reason == "length" and la.num_output_tokens == 12
+        assert la.num_cached_tokens == 64  # the sync run above cached this prompt
+        ae.call(lambda e: e.check_invariants())
+    finally:
+        ae.shutdown()
+
+
+def test_cancelled_consumer_aborts_and_frees_blocks(make_engine):
+    eng = make_engine("tiny", prefix_caching=False)
+    ae = AsyncEngine(eng)
+
+    async def main():
+        got = 0
+        async for _ in ae.generate(PROMPT, SamplingParams(max_new_tokens=2000, ignore_eos=True)):
+            got += 1
+            if got == 3:
+                break  # the client went away
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if ae.call(lambda e: e.kv.allocator.num_free == e.kv.allocator.num_blocks):
+                return True
+        return False
+
+    try:
+        assert asyncio.run(main())
+        assert ae.call(lambda e: len(e.requests)) == 0
+    finally:
+        ae.shutdown()
+
+
+def test_bad_request_raises_before_streaming(make_engine):
+    ae = AsyncEngine(make_engine("tiny"))
+
+    async def main():
+        async for _ in ae.generate([], SamplingParams()):
+            pass
+
+    try:
+        with pytest.raises(RequestError, match="empty"):
+            asyncio.run(main())
+    finally:
+        ae.shutdown()
+
+
+def test_shutdown_ends_open_streams(make_engine):
+    ae = AsyncEngine(make_engine("tiny"))
+
+    async def main():
+        events = []
+        async for ev in ae.generate(PROMPT, SamplingParams(max_new_tokens=100000 // 100, ignore_eos=True)):
+            events.append(ev)
+            if len(events) == 2:
+                asyncio.get_running_loop().run_in_executor(None, ae.shutdown)
+        return events[-1]
+
+    last = asyncio.run(asyncio.wait_for(main(), 30))
+    assert last.finished and last.finish_reason in ("abort", "length")

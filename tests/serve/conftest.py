@@ -1,0 +1,61 @@
+"""One real local Ray cluster and one Serve application (2 replicas of the tiny model) per session."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+
+from app.local_redis import LocalRedis, free_port
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    with LocalRedis() as r:
+        yield r
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+    from ray import serve
+
+    os.environ.pop("RAY_ADDRESS", None)
+    ray.init(num_cpus=4, include_dashboard=False, namespace="radixserve-test", log_to_driver=False)
+    yield ray
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_app(ray_cluster, model_dir, redis_server):
+    """Base URL of the service; settings as a user of the embedded default would have them."""
+    from ray import serve
+
+    from app.config import Settings
+    from app.main import build_app
+
+    port = free_port()
+    settings = Settings(model_id=model_dir("tiny"), num_replicas=2, replica_num_cpus=1,
+                        max_batch_total_tokens=4096, max_input_tokens=1024, max_total_tokens=2048,
+                        port=port, redis_url=redis_server.url, router="pow2")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(settings), name="radixserve", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    yield url
+
+
+@pytest.fixture
+def client(serve_app):
+    with httpx.Client(base_url=serve_app, timeout=60) as c:
+        yield c
