@@ -86,7 +86,8 @@ class Settings(BaseModel):
     def engine_config(self, model_path: str | None = None) -> EngineConfig:
         names = set(EngineConfig.field_names()) - {"model_id"}
         kw = {k: v for k, v in self.model_dump().items() if k in names}
-        return EngineConfig(model_id=model_path or self.resolved_model_id(), **kw).validate()
+        return EngineConfig(model_id=model_path or self.resolved_model_id(), cache_namespace=self.model_name(),
+                            **kw).validate()
 
     # ------------------------------------------------------------------ sources
     @classmethod

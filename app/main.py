@@ -32,23 +32,23 @@ def llm_deployment(settings: Settings):
             downscale_delay_s=a.downscale_delay_s)
     else:
         opts["num_replicas"] = settings.num_replicas
-    router = request_router_config(settings)
-    if router is not None:
-        opts["request_router_config"] = router
+    opts["request_router_config"] = request_router_config(settings)
     return serve.deployment(LLMServer).options(**opts)
 
 
 def request_router_config(settings: Settings):
-    """Serve's request router for the LLM deployment (``pow2`` is Serve's default)."""
+    """Serve's request router for the LLM deployment: ours (``prefix``, ``round_robin``) or Serve's
+    default power-of-two-choices (``pow2``)."""
     from ray.serve.config import RequestRouterConfig
 
+    period = settings.routing_stats_period_s
     if settings.router == "pow2":
-        return RequestRouterConfig(request_routing_stats_period_s=settings.routing_stats_period_s)
-    try:
-        from routing.prefix_router import router_config
-    except ImportError:  # pragma: no cover - until the prefix router lands
-        return RequestRouterConfig(request_routing_stats_period_s=settings.routing_stats_period_s)
-    return router_config(settings)
+        return RequestRouterConfig(request_routing_stats_period_s=period)
+    return RequestRouterConfig(
+        request_router_class="routing.prefix_router:PrefixAwareRequestRouter",
+        request_router_kwargs={"mode": settings.router, "block_size": settings.block_size,
+                               "model_id": settings.model_name()},
+        request_routing_stats_period_s=period)
 
 
 def build_app(settings: Settings):

@@ -87,9 +87,12 @@ class RadixCache:
         self.evictable_blocks = 0
         self.locked_blocks = 0
         self.counters = CacheCounters()
-        # ("stored" | "removed", hashes): drained by the replica to keep routers/directories current
+        # ("stored" | "removed", hashes): drained by the replica to keep routers/directories current;
+        # bounded, so a replica nobody drains cannot grow without limit (overflow tells the reader)
         self.record_events = record_events
         self.events: list[tuple[str, list[int]]] = []
+        self.max_events = 100_000
+        self.events_overflowed = False
 
     # ----------------------------------------------------------------- queries
     @property
@@ -206,7 +209,7 @@ class RadixCache:
                 self._push(leaf)
                 canonical.extend(leaf.blocks)
                 if self.record_events:
-                    self.events.append(("stored", list(new_hashes)))
+                    self._event("stored", list(new_hashes))
                 return InsertResult(leaf, canonical, redundant, new_hashes)
             m = self._common_blocks(child.key, packed, pos)
             if m < len(child.blocks):
@@ -289,7 +292,7 @@ class RadixCache:
             self.evictable_blocks -= take
             self.counters.evicted_blocks += take
             if self.record_events:
-                self.events.append(("removed", removed))
+                self._event("removed", removed)
             if cut:
                 leaf.key, leaf.blocks, leaf.hashes = leaf.key[: cut * self._step], leaf.blocks[:cut], leaf.hashes[:cut]
                 self._push(leaf)
@@ -342,6 +345,14 @@ class RadixCache:
         assert (evictable, locked) == (self.evictable_blocks, self.locked_blocks), (
             (evictable, locked), (self.evictable_blocks, self.locked_blocks))
 
-    def drain_events(self) -> list[tuple[str, list[int]]]:
-        events, self.events = self.events, []
-        return events
+    def _event(self, kind: str, hashes: list[int]) -> None:
+        if len(self.events) >= self.max_events:
+            del self.events[: len(self.events) // 2]
+            self.events_overflowed = True
+        self.events.append((kind, hashes))
+
+    def drain_events(self) -> tuple[list[tuple[str, list[int]]], bool]:
+        """Events since the last drain, and whether some were dropped (then resynchronize)."""
+        events, overflowed = self.events, self.events_overflowed
+        self.events, self.events_overflowed = [], False
+        return events, overflowed

@@ -77,6 +77,11 @@ async def _chain(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
         yield ev
 
 
+def _replica_header(events: list[dict]) -> dict[str, str]:
+    """Which replica served the request (debugging, and the routing tests)."""
+    return {"x-radixserve-replica": str(events[-1].get("replica", ""))}
+
+
 def _oai_finish(reason: str | None) -> str:
     return "length" if reason in ("length", "abort", None) else "stop"
 
@@ -115,16 +120,19 @@ class Ingress:
     async def _stream(self, ids: list[int], params: dict[str, Any]) -> tuple[dict, AsyncIterator[dict]]:
         """Start a request; returns its first event and an iterator over the rest. A refused
         request raises ``ApiError`` here, before any response byte is sent."""
-        gen = self.llm.options(stream=True).generate.remote(ids, params, uuid.uuid4().hex)
-        it = gen.__aiter__()
-        try:
-            first = await it.__anext__()
-        except StopAsyncIteration:
-            raise ApiError(503, "the engine ended the request without an answer", "generation") from None
-        except Exception as e:  # noqa: BLE001 - a replica or engine failure: not the client's fault
-            gen.cancel()
-            log.exception("replica call failed")
-            raise ApiError(503, f"engine unavailable: {type(e).__name__}", "generation") from None
+        for attempt in range(2):  # a replica that dies before the first token: retry once elsewhere
+            gen = self.llm.options(stream=True).generate.remote(ids, params, uuid.uuid4().hex)
+            it = gen.__aiter__()
+            try:
+                first = await it.__anext__()
+                break
+            except StopAsyncIteration:
+                raise ApiError(503, "the engine ended the request without an answer", "generation") from None
+            except Exception as e:  # noqa: BLE001 - a replica or engine failure: not the client's fault
+                gen.cancel()
+                log.warning("replica call failed (attempt %d): %s", attempt + 1, e)
+                if attempt == 1:
+                    raise ApiError(503, f"engine unavailable: {type(e).__name__}", "generation") from None
         if first.get("error"):
             gen.cancel()
             status = 422 if first.get("error_kind") == "validation" else 503
@@ -134,11 +142,17 @@ class Ingress:
             done = first.get("finished", False)
             try:
                 while not done:
-                    ev = await it.__anext__()
+                    try:
+                        ev = await it.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    except Exception as e:  # noqa: BLE001 - the replica died mid-request
+                        log.warning("replica failed mid-request: %s", e)
+                        done = True
+                        yield {"error": f"engine failure: {type(e).__name__}", "finished": True}
+                        return
                     done = ev.get("finished", False)
                     yield ev
-            except StopAsyncIteration:
-                return
             finally:
                 if not done:
                     gen.cancel()  # client gone or failure: abort in the engine
@@ -175,7 +189,7 @@ class Ingress:
                 "cached_tokens": events[-1]["num_cached_tokens"],
                 "tokens": [{"id": ev["token_id"], "text": self._detok([ev["token_id"]]), "logprob": ev["logprob"],
                             "special": ev["token_id"] in self.tokenizer.all_special_ids} for ev in toks]}
-        return out
+        return JSONResponse(out, headers=_replica_header(events))
 
     @app.post("/generate_stream")
     async def generate_stream(self, req: TGIRequest):
@@ -243,8 +257,8 @@ class Ingress:
             choice["logprobs"] = {"tokens": [self._detok([ev["token_id"]]) for ev in toks],
                                   "token_logprobs": [ev["logprob"] for ev in toks], "top_logprobs": None,
                                   "text_offset": None}
-        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": [choice], "usage": _usage(last)}
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                             "choices": [choice], "usage": _usage(last)}, headers=_replica_header(events))
 
     @app.post("/v1/chat/completions")
     async def chat(self, req: ChatRequest):
@@ -269,8 +283,8 @@ class Ingress:
             choice["logprobs"] = {"content": [
                 {"token": self._detok([ev["token_id"]]), "logprob": ev["logprob"], "bytes": None, "top_logprobs": []}
                 for ev in events if ev.get("token_id") is not None]}
-        return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": [choice], "usage": _usage(last)}
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                             "choices": [choice], "usage": _usage(last)}, headers=_replica_header(events))
 
     async def _openai_stream(self, ids, params, rid, created, obj, req, prefix: str):
         first, rest = await self._stream(ids, params)

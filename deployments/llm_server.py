@@ -23,6 +23,7 @@ from engine.llm_engine import LLMEngine, RequestError
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("radixserve.replica")
+MAX_REPORTED_HASHES = 20_000  # per stats period; more and routers just trim to the cached count
 
 
 class LLMServer:
@@ -33,6 +34,9 @@ class LLMServer:
             # replicas share the machine's cores; oversubscribed torch threads only slow everyone down
             cfg.num_threads = max(1, int(self.settings.replica_num_cpus) or 1)
         self.engine = LLMEngine(cfg)
+        if self.engine.kv.cache is not None:
+            self.engine.kv.cache.record_events = True  # drained by record_routing_stats
+        self._stats_seq = 0
         self.aengine = AsyncEngine(self.engine)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -115,9 +119,24 @@ class LLMServer:
                 log.debug("metrics push failed: %s", e)
 
     def record_routing_stats(self) -> dict[str, Any]:
-        s = self.aengine.call(lambda e: e.kv_stats(), timeout=5)
-        return {"queue": s["running"] + s["waiting"], "kv_free_blocks": s["blocks_free"] + s["blocks_evictable"],
-                "kv_total_blocks": s["blocks_total"], "cached_blocks": s["blocks_cached"]}
+        """Polled by Serve every stats period and handed to every router: load, capacity, and the
+        block hashes stored and evicted since the last poll, so routers correct their indexes."""
+        def collect(e: LLMEngine) -> dict[str, Any]:
+            s = e.kv_stats()
+            stored: list[int] = []
+            removed: list[int] = []
+            overflow = False
+            if e.kv.cache is not None:
+                events, overflow = e.kv.cache.drain_events()
+                for kind, hashes in events:
+                    (stored if kind == "stored" else removed).extend(hashes)
+            return {"queue": s["running"] + s["waiting"], "kv_free_blocks": s["blocks_free"] + s["blocks_evictable"],
+                    "kv_total_blocks": s["blocks_total"], "cached_blocks": s["blocks_cached"],
+                    "stored": stored[-MAX_REPORTED_HASHES:], "removed": removed[-MAX_REPORTED_HASHES:],
+                    "truncated": overflow or max(len(stored), len(removed)) > MAX_REPORTED_HASHES}
+
+        self._stats_seq += 1
+        return {**self.aengine.call(collect, timeout=5), "seq": self._stats_seq, "replica": self.replica_id}
 
     def record_autoscaling_stats(self) -> dict[str, Any]:
         s = self.aengine.call(lambda e: e.kv_stats(), timeout=5)

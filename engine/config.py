@@ -32,6 +32,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: vllm_flash_attn on CUDA when importable, else SDPA
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
+    cache_namespace: str | None = None  # seeds the block hashes (router and replicas must agree); default: model_id
 
     def validate(self) -> EngineConfig:
         def positive(name: str, value: int | None, allow_none: bool = True) -> None:

@@ -13,7 +13,7 @@ class KVManager:
                  model_id: str = "", window_size: int | None = None):
         self.block_size = block_size
         self.window_size = window_size
-        self.cache = RadixCache(block_size, model_id, record_events=True) if prefix_caching else None
+        self.cache = RadixCache(block_size, model_id) if prefix_caching else None
         self.allocator = BlockAllocator(num_blocks, block_size, self.cache)
 
     @property

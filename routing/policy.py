@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 @dataclass
 class PolicyConfig:
     block_size: int = 16
-    load_weight: float = 1.0  # prefill tokens one token of outstanding work is worth
+    # prefill tokens one token of outstanding work is worth: about 1/concurrency, since a replica
+    # batches its requests, so queued work delays a newcomer by roughly work / batch width
+    load_weight: float = 0.125
     decode_token_cost: float = 8.0  # outstanding work of one generated token, in prefill tokens
     default_capacity_blocks: int = 4096  # index bound until a replica reports its pool size
     min_match_blocks: int = 1  # fewer matched blocks than this counts as cold
@@ -43,6 +45,7 @@ class ReplicaView:
     last_cold: int = 0  # routing counter when it last received a cold request
     routed: int = 0
     version: int = 0  # bumps when its load key changes (lazy heap of least-loaded replicas)
+    stats_seq: int | None = None  # last replica report folded in
 
 
 class PrefixPolicy:

@@ -40,7 +40,7 @@ def serve_app(ray_cluster, model_dir, redis_server):
     port = free_port()
     settings = Settings(model_id=model_dir("tiny"), num_replicas=2, replica_num_cpus=1,
                         max_batch_total_tokens=4096, max_input_tokens=1024, max_total_tokens=2048,
-                        port=port, redis_url=redis_server.url, router="pow2")
+                        port=port, redis_url=redis_server.url, router="prefix")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(settings), name="radixserve", route_prefix="/")
     url = f"http://127.0.0.1:{port}"

@@ -1,0 +1,401 @@
+"""Discrete-event simulator of a fleet behind a router: real radix caches, modelled service times.
+
+    python -m bench.routing_sim --replicas 8 --workload gsp-zipf
+    python -m bench.routing_sim --replicas 1000 --requests 1000000 --policies ours,pow2   # scale run
+
+Each replica has a real ``RadixCache`` of fixed capacity (blocks) and ``--concurrency`` slots; a request
+occupies a slot for ``prefill_ms * uncached tokens + decode_ms * output tokens`` (its prefix is matched
+when it starts, as the engine does on admission). Arrivals are Poisson at ``--load`` of the fleet's
+capacity. The router policies see only what a real router sees: their own routing history, corrected
+by the replicas' eviction reports every ``--report-s`` seconds.
+
+Policies: ours (``routing.policy``), pow2 (Serve's default), round robin, consistent hashing of the
+first block, Ray-LLM-like (``PrefixCacheAffinityRouter``: match rate >= 0.1 wins, else smallest tenant,
+pow2 when imbalanced), SGLang-like (cache-aware: match rate > 0.3 wins, else smallest tree; shortest
+queue when max-min > 64 and max > 1.5 min), and an oracle (one cache with the fleet's capacity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import heapq
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from cache.allocator import BlockAllocator
+from cache.hashing import chain_hashes, pack_tokens, root_hash
+from cache.radix import RadixCache
+from routing.policy import PolicyConfig, PrefixPolicy
+
+BS = 16
+
+
+# ----------------------------------------------------------------------------- workloads
+@dataclass
+class SimRequest:
+    arrival: float
+    tokens: list[int]
+    hashes: list[int]
+    output: int
+    group: int
+
+
+@dataclass
+class Workload:
+    name: str
+    num_groups: int
+    system_len: int
+    question_len: int
+    output_len: int
+    zipf_alpha: float | None
+    turns: int = 1  # multiturn: each user's prompt grows by question + answer per turn
+
+
+def _systems(w: Workload, rng: random.Random) -> tuple[list[list[int]], list[list[int]]]:
+    systems = [[rng.randrange(3, 32000) for _ in range(w.system_len)] for _ in range(w.num_groups)]
+    seed = root_hash("sim")
+    return systems, [chain_hashes(pack_tokens(s), BS, seed) for s in systems]
+
+
+def generate(w: Workload, n: int, rate: float, seed: int = 0) -> Iterator[SimRequest]:
+    """Lazily: ``n`` requests with Poisson arrivals at ``rate``/s (memory stays flat at 1M requests)."""
+    rng = random.Random(seed)
+    systems, sys_hashes = _systems(w, rng)
+    weights = None if w.zipf_alpha is None else [1 / (r + 1) ** w.zipf_alpha for r in range(w.num_groups)]
+    cum = None if weights is None else list(_accumulate(weights))
+    histories: dict[int, list[int]] = {}
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        if w.turns > 1:  # multiturn: user u's history grows; group = user
+            u = rng.randrange(w.num_groups)
+            hist = histories.get(u) or list(systems[u % len(systems)])
+            hist = hist + [rng.randrange(3, 32000) for _ in range(w.question_len)]
+            toks = hist
+            histories[u] = hist + [rng.randrange(3, 32000) for _ in range(w.output_len)]
+            if len(histories[u]) > w.system_len * w.turns:
+                histories.pop(u)  # conversation over; the user starts a new one
+            hashes = chain_hashes(pack_tokens(toks), BS, root_hash("sim"))
+            yield SimRequest(t, toks, hashes, w.output_len, u)
+            continue
+        if cum is None:
+            g = rng.randrange(w.num_groups)
+        else:
+            g = bisect.bisect_left(cum, rng.random() * cum[-1])
+        q = [rng.randrange(3, 32000) for _ in range(w.question_len)]
+        sh = sys_hashes[g]
+        hashes = sh + chain_hashes(pack_tokens(systems[g][len(sh) * BS:] + q), BS, sh[-1] if sh else root_hash("sim"))
+        yield SimRequest(t, systems[g] + q, hashes, w.output_len, g)
+
+
+def _accumulate(xs):
+    s = 0.0
+    for x in xs:
+        s += x
+        yield s
+
+
+WORKLOADS = {
+    "gsp-small": Workload("gsp-small", 8, 1024, 64, 32, None),
+    "gsp-zipf": Workload("gsp-zipf", 64, 1024, 64, 32, 1.0),
+    "multiturn": Workload("multiturn", 64, 256, 64, 32, None, turns=6),
+    "churn": Workload("churn", 512, 1024, 64, 32, 0.6),  # far more prefixes than the fleet holds
+}
+
+
+# ----------------------------------------------------------------------------- replicas
+@dataclass
+class Replica:
+    rid: str
+    cache: RadixCache
+    alloc: BlockAllocator
+    slots: int
+    busy: int = 0
+    queue: list = field(default_factory=list)
+    work_s: float = 0.0
+    alive: bool = True
+    reported_evictions: list[int] = field(default_factory=list)
+
+    @classmethod
+    def make(cls, rid: str, capacity_blocks: int, slots: int) -> Replica:
+        cache = RadixCache(BS, record_events=True)
+        return cls(rid, cache, BlockAllocator(capacity_blocks, BS, cache), slots)
+
+
+class Sim:
+    def __init__(self, policy: str, replicas: int, capacity_blocks: int, slots: int, prefill_ms: float,
+                 decode_ms: float, report_s: float, seed: int, load_weight: float | None):
+        self.policy_name = policy
+        self.capacity = capacity_blocks
+        self.slots = slots
+        self.prefill_s = prefill_ms / 1000
+        self.decode_s = decode_ms / 1000
+        self.report_s = report_s
+        self.rng = random.Random(seed)
+        self.replicas: dict[str, Replica] = {}
+        cfg = PolicyConfig(block_size=BS, decode_token_cost=decode_ms / prefill_ms,
+                           load_weight=load_weight if load_weight is not None else 1.0 / slots,
+                           default_capacity_blocks=capacity_blocks)
+        self.policy = PrefixPolicy(cfg, seed=seed)  # ours, and the index the Ray/SGLang-likes use
+        self.rr = 0
+        self.ring: list[tuple[int, str]] = []
+        self.ttft: list[float] = []
+        self.prompt_tokens = 0
+        self.hit_tokens = 0
+        self.events: list = []
+        self.next_report = report_s
+        self.seq = 0
+        for i in range(replicas):
+            self.add_replica(f"r{i}")
+
+    # ------------------------------------------------------------------ fleet changes
+    def add_replica(self, rid: str) -> None:
+        self.replicas[rid] = Replica.make(rid, self.capacity, self.slots)
+        self.policy.add_replica(rid, self.capacity)
+        for v in range(64):
+            bisect.insort(self.ring, (xxhash.xxh64_intdigest(f"{rid}#{v}"), rid))
+
+    def remove_replica(self, rid: str) -> None:
+        self.replicas[rid].alive = False
+        self.policy.remove_replica(rid)
+        self.ring = [x for x in self.ring if x[1] != rid]
+
+    def live(self) -> list[str]:
+        return [r for r, rep in self.replicas.items() if rep.alive]
+
+    # ------------------------------------------------------------------ routing
+    def route(self, req: SimRequest) -> str:
+        p = self.policy_name
+        live = self.live()
+        if p == "ours":
+            return self.policy.choose(req.hashes, len(req.tokens), req.output)
+        if p == "round_robin":
+            self.rr += 1
+            return live[self.rr % len(live)]
+        if p == "pow2":
+            return self._pow2(live)
+        if p == "consistent_hash":
+            i = bisect.bisect_left(self.ring, (req.hashes[0] if req.hashes else 0, ""))
+            return self.ring[i % len(self.ring)][1]
+        matched = self.policy.matches(req.hashes)
+        n = max(1, len(req.tokens))
+        if p == "ray_llm":  # imbalanced_threshold defaults to inf: never falls back to pow2
+            best = max(matched.values(), default=0)
+            if best * BS / n >= 0.1:
+                tops = [r for r, m in matched.items() if m == best]
+                return self.rng.choice(tops)
+            return min(live, key=lambda r: (self.policy.index_size(r), self.rng.random()))
+        if p == "sglang":
+            loads = {r: self.replicas[r].busy + len(self.replicas[r].queue) for r in live}
+            lo, hi = min(loads.values()), max(loads.values())
+            if hi - lo > 64 and hi > 1.5 * lo:
+                return min(live, key=loads.__getitem__)
+            best = max(matched.items(), key=lambda kv: kv[1], default=(None, 0))
+            if best[0] is not None and best[1] * BS / n > 0.3:
+                return best[0]
+            return min(live, key=lambda r: (self.policy.index_size(r), loads[r]))
+        raise ValueError(p)
+
+    def _pow2(self, live: list[str]) -> str:
+        a, b = self.rng.sample(live, 2) if len(live) > 1 else (live[0], live[0])
+        la = self.replicas[a].busy + len(self.replicas[a].queue)
+        lb = self.replicas[b].busy + len(self.replicas[b].queue)
+        return a if la <= lb else b
+
+    # ------------------------------------------------------------------ service
+    def _start(self, rep: Replica, req: SimRequest, work_token: float, now: float) -> None:
+        m = rep.cache.match(req.tokens)
+        rep.cache.lock(m.node)
+        full = len(req.tokens) // BS
+        need = full - len(m.blocks)
+        if rep.alloc.can_allocate(need):
+            blocks = rep.alloc.allocate(need)
+            res = rep.cache.insert(req.tokens, m.blocks + blocks)
+            rep.alloc.free(res.redundant)
+            rep.cache.lock(res.node)
+            rep.cache.unlock(m.node)
+            node = res.node
+        else:  # pool full of locked blocks: run uncached
+            node = m.node
+        hit = len(m.blocks) * BS
+        self.prompt_tokens += len(req.tokens)
+        self.hit_tokens += hit
+        prefill = self.prefill_s * (len(req.tokens) - hit)
+        service = prefill + self.decode_s * req.output
+        rep.busy += 1
+        rep.work_s += service
+        self.ttft.append(now - req.arrival + prefill + self.decode_s)
+        self.seq += 1
+        heapq.heappush(self.events, (now + service, self.seq, "done", (rep, node, work_token)))
+
+    def run(self, requests: Iterator[SimRequest], changes: dict[int, str]) -> None:
+        for i, req in enumerate(requests):
+            if i in changes:
+                self._change(changes[i])
+            self._advance(req.arrival)
+            rid = self.route(req)
+            work = self.policy.on_routed(rid, req.hashes, len(req.tokens), req.output)
+            rep = self.replicas[rid]
+            if rep.busy < rep.slots:
+                self._start(rep, req, work, req.arrival)
+            else:
+                rep.queue.append((req, work))
+        self._advance(math.inf)
+
+    def _change(self, what: str) -> None:
+        if what == "add":
+            self.add_replica(f"r{len(self.replicas)}")
+        else:
+            victim = self.live()[0]
+            self.remove_replica(victim)
+
+    def _advance(self, until: float) -> None:
+        while self.events and self.events[0][0] <= until:
+            now, _, _, (rep, node, work) = heapq.heappop(self.events)
+            rep.busy -= 1
+            rep.cache.unlock(node)
+            self.policy.on_completed(rep.rid, work)
+            if rep.queue:
+                req, w = rep.queue.pop(0)
+                self._start(rep, req, w, now)
+            if now >= self.next_report:
+                self._report()
+                self.next_report = now + self.report_s
+        if until != math.inf and until >= self.next_report:
+            self._report()
+            self.next_report = until + self.report_s
+
+    def _report(self) -> None:
+        """Replicas tell the router what they evicted (as record_routing_stats does)."""
+        for rid, rep in self.replicas.items():
+            events, _ = rep.cache.drain_events()
+            if rep.alive:
+                removed = [h for kind, hs in events if kind == "removed" for h in hs]
+                self.policy.forget_hashes(rid, removed)
+
+
+def oracle_hit_rate(w: Workload, n: int, capacity_blocks: int, seed: int) -> float:
+    cache = RadixCache(BS)
+    alloc = BlockAllocator(capacity_blocks, BS, cache)
+    hit = total = 0
+    for req in generate(w, n, 1.0, seed):
+        m = cache.match(req.tokens)
+        full = len(req.tokens) // BS
+        need = full - len(m.blocks)
+        cache.lock(m.node)
+        if alloc.can_allocate(need):
+            res = cache.insert(req.tokens, m.blocks + alloc.allocate(need))
+            alloc.free(res.redundant)
+        cache.unlock(m.node)
+        hit += len(m.blocks) * BS
+        total += len(req.tokens)
+    return hit / total
+
+
+# ----------------------------------------------------------------------------- driver
+def simulate(policy: str, w: Workload, args, rate: float, changes: dict[int, str]) -> dict:
+    t0 = time.perf_counter()
+    sim = Sim(policy, args.replicas, args.capacity_blocks, args.concurrency, args.prefill_ms, args.decode_ms,
+              args.report_s, args.seed, args.load_weight)
+    sim.run(generate(w, args.requests, rate, args.seed), changes)
+    work = [r.work_s for r in sim.replicas.values() if r.alive]
+    mean = statistics.fmean(work)
+    ttft = sorted(sim.ttft)
+    return {"policy": policy, "hit_rate": sim.hit_tokens / sim.prompt_tokens,
+            "max_mean_load": max(work) / mean if mean else 0.0,
+            "load_cov": statistics.pstdev(work) / mean if mean else 0.0,
+            "ttft_p50_s": ttft[len(ttft) // 2], "ttft_p90_s": ttft[int(len(ttft) * 0.9)],
+            "wall_s": time.perf_counter() - t0}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--workload", choices=list(WORKLOADS), default="gsp-zipf")
+    ap.add_argument("--requests", type=int, default=4096)
+    ap.add_argument("--cache-prompts", type=int, default=8, help="system prompts one replica's cache holds")
+    ap.add_argument("--concurrency", type=int, default=8, help="requests a replica serves at once")
+    ap.add_argument("--prefill-ms", type=float, default=0.25, help="per uncached prompt token")
+    ap.add_argument("--decode-ms", type=float, default=5.0, help="per generated token (per request)")
+    ap.add_argument("--load", type=float, default=0.7, help="offered load vs. the fleet's capacity at full hit rate")
+    ap.add_argument("--report-s", type=float, default=1.0, help="replica eviction reports every this many seconds")
+    ap.add_argument("--load-weight", type=float, default=None, help="ours: default 1/concurrency")
+    ap.add_argument("--policies", default="ours,pow2,round_robin,consistent_hash,ray_llm,sglang")
+    ap.add_argument("--add-replica-at", type=float, default=None, help="fraction of the run")
+    ap.add_argument("--remove-replica-at", type=float, default=None, help="fraction of the run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", default=None, help="write a PNG of hit rate and load balance here")
+    args = ap.parse_args(argv)
+    w = WORKLOADS[args.workload]
+    sys_blocks = w.system_len // BS
+    q_blocks = -(-w.question_len // BS)
+    args.capacity_blocks = args.cache_prompts * sys_blocks + args.concurrency * (q_blocks + 1)
+    t_hit = args.prefill_ms / 1000 * w.question_len + args.decode_ms / 1000 * w.output_len
+    rate = args.load * args.replicas * args.concurrency / t_hit
+    changes: dict[int, str] = {}
+    if args.add_replica_at is not None:
+        changes[int(args.add_replica_at * args.requests)] = "add"
+    if args.remove_replica_at is not None:
+        changes[int(args.remove_replica_at * args.requests)] = "remove"
+
+    oracle = oracle_hit_rate(w, args.requests, args.capacity_blocks * args.replicas, args.seed)
+    rows = [simulate(p, w, args, rate, changes) for p in args.policies.split(",")]
+    print(f"workload {w.name}: {args.requests} requests, {args.replicas} replicas x {args.capacity_blocks} blocks,"
+          f" {rate:.0f} req/s; oracle hit rate {oracle:.3f}\n")
+    print("| policy | token hit rate | vs oracle | max/mean load | load CoV | TTFT p50 s | TTFT p90 s | sim s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['policy']} | {r['hit_rate']:.3f} | {r['hit_rate'] / oracle:.3f} | {r['max_mean_load']:.2f} "
+              f"| {r['load_cov']:.3f} | {r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['wall_s']:.1f} |")
+    by = {r["policy"]: r for r in rows}
+    out: dict = {"workload": w.name, "replicas": args.replicas, "requests": args.requests, "oracle_hit_rate": oracle}
+    if "ours" in by:
+        ours = by["ours"]
+        out.update({"hit_rate": ours["hit_rate"], "hit_rate_over_oracle": ours["hit_rate"] / oracle,
+                    "max_mean_load": ours["max_mean_load"], "ttft_p50_s": ours["ttft_p50_s"]})
+        for name, key in (("pow2", "pow2"), ("ray_llm", "ray_llm"), ("sglang", "sglang"),
+                          ("round_robin", "round_robin"), ("consistent_hash", "consistent_hash")):
+            if name in by:
+                out[f"hit_rate_vs_{key}"] = ours["hit_rate"] / max(by[name]["hit_rate"], 1e-9)
+                out[f"max_mean_load_{key}"] = by[name]["max_mean_load"]
+    if args.plot:
+        _plot(rows, oracle, w.name, Path(args.plot))
+    print(json.dumps(out))
+    return out
+
+
+def _plot(rows: list[dict], oracle: float, name: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["policy"] for r in rows]
+    a.bar(names, [r["hit_rate"] for r in rows], color=["tab:green" if n == "ours" else "tab:gray" for n in names])
+    a.axhline(oracle, ls="--", color="k", label=f"oracle {oracle:.2f}")
+    a.set_ylabel("token hit rate")
+    a.legend()
+    b.bar(names, [r["max_mean_load"] for r in rows], color=["tab:green" if n == "ours" else "tab:gray" for n in names])
+    b.axhline(1.1, ls="--", color="r", label="goal 1.1")
+    b.set_ylabel("max/mean work per replica")
+    b.legend()
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"routing simulator: {name}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The Ray Serve request router: ``routing.policy`` on the token ids the ingress passes.
+
+Attached to the LLM deployment with ``RequestRouterConfig``; it runs inside each caller's process
+(the ingress). Never blocks (no remote calls on the hot path) and never lets an exception escape
+``choose_replicas``: Serve would leave the request hanging, so errors fall back to Serve's own
+ranking and are counted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from cache.hashing import block_hashes
+from routing.policy import PolicyConfig, PrefixPolicy
+
+log = logging.getLogger("radixserve.router")
+
+
+def request_tokens(pending: PendingRequest | None) -> tuple[list[int], int, str | None]:
+    """(token ids, max_new_tokens, cache_salt) of a ``generate``/``warmup`` call; empty otherwise."""
+    if pending is None:
+        return [], 0, None
+    args = pending.args or ()
+    if not args:
+        return [], 0, None
+    first = args[0]
+    if isinstance(first, list) and first and isinstance(first[0], list):  # warmup(prefixes, salt)
+        salt = args[1] if len(args) > 1 and isinstance(args[1], str) else None
+        return first[0], 0, salt
+    if not isinstance(first, list):
+        return [], 0, None
+    params = args[1] if len(args) > 1 and isinstance(args[1], dict) else {}
+    return first, int(params.get("max_new_tokens", 0) or 0), params.get("cache_salt")
+
+
+class PrefixAwareRequestRouter(RequestRouter):
+    def initialize_state(self, mode: str = "prefix", block_size: int = 16, model_id: str = "",
+                         load_weight: float = 1.0, decode_token_cost: float = 8.0, **_: Any) -> None:
+        self.mode = mode
+        self.model_id = model_id
+        self.policy = PrefixPolicy(PolicyConfig(block_size=block_size, load_weight=load_weight,
+                                                decode_token_cost=decode_token_cost))
+        self._rr = itertools.count()
+        self._routed: dict[str, tuple[str, float]] = {}  # internal request id -> (replica, work)
+        self.errors = 0
+
+    # ------------------------------------------------------------------ routing
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        try:
+            return self._choose(candidate_replicas, pending_request)
+        except Exception:  # noqa: BLE001 - never let Serve hang a request on a routing bug
+            self.errors += 1
+            log.exception("prefix routing failed; falling back to Serve's ranking")
+            return [candidate_replicas]
+
+    def _choose(self, candidates: list[RunningReplica], pending: PendingRequest | None
+                ) -> list[list[RunningReplica]]:
+        if not candidates:
+            return []
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        self._absorb_stats(candidates)
+        if self.mode == "round_robin":
+            order = sorted(by_id)
+            start = next(self._rr) % len(order)
+            return [[by_id[i]] for i in order[start:] + order[:start]]
+        hashes = self._hashes(pending)
+        ids, max_new, _ = request_tokens(pending)
+        ranked = self.policy.rank(hashes, len(ids), max_new, list(by_id))
+        return [[by_id[r]] for r in ranked if r in by_id]
+
+    def _hashes(self, pending: PendingRequest | None) -> list[int]:
+        if pending is None:
+            return []
+        cached = getattr(pending, "_radixserve_hashes", None)
+        if cached is None:  # computed once per request, even when Serve retries the routing
+            ids, _, salt = request_tokens(pending)
+            cached = block_hashes(ids, self.policy.cfg.block_size, self.model_id, salt) if ids else []
+            pending._radixserve_hashes = cached
+        return cached
+
+    def _absorb_stats(self, replicas: list[RunningReplica]) -> None:
+        """Fold the replicas' latest reports into the index (stats arrive every stats period)."""
+        for r in replicas:
+            stats = r.routing_stats or {}
+            rid = r.replica_id.unique_id
+            self.policy.add_replica(rid, stats.get("kv_total_blocks"))
+            seq = stats.get("seq")
+            view = self.policy.replicas[rid]
+            if seq is None or view.stats_seq == seq:
+                continue
+            view.stats_seq = seq
+            self.policy.forget_hashes(rid, stats.get("removed", ()))
+            self.policy.learn_hashes(rid, stats.get("stored", ()))
+            self.policy.report(rid, capacity_blocks=stats.get("kv_total_blocks"),
+                               cached_blocks=stats.get("cached_blocks"), in_flight=stats.get("queue"))
+
+    # ------------------------------------------------------------------ lifecycle hooks
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        try:
+            if self.mode == "round_robin":
+                return
+            ids, max_new, _ = request_tokens(pending_request)
+            rid = replica_id.unique_id
+            self.policy.add_replica(rid)
+            work = self.policy.on_routed(rid, self._hashes(pending_request), len(ids), max_new)
+            self._routed[pending_request.metadata.internal_request_id] = (rid, work)
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+            log.exception("on_request_routed failed")
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        entry = self._routed.pop(internal_request_id, None)
+        if entry is not None:
+            self.policy.on_completed(*entry)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.policy.remove_replica(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.policy.sync_replicas(r.replica_id.unique_id for r in replicas)
