@@ -143,8 +143,9 @@ class Sim:
         self.rng = random.Random(seed)
         self.replicas: dict[str, Replica] = {}
         cfg = PolicyConfig(block_size=BS, decode_token_cost=decode_ms / prefill_ms,
-                           load_weight=load_weight if load_weight is not None else 1.0 / slots,
                            default_capacity_blocks=capacity_blocks)
+        if load_weight is not None:
+            cfg.load_weight = load_weight
         self.policy = PrefixPolicy(cfg, seed=seed)  # ours, and the index the Ray/SGLang-likes use
         self.rr = 0
         self.ring: list[tuple[int, str]] = []
@@ -162,7 +163,7 @@ class Sim:
         self.replicas[rid] = Replica.make(rid, self.capacity, self.slots)
         self.policy.add_replica(rid, self.capacity)
         for v in range(64):
-            bisect.insort(self.ring, (xxhash.xxh64_intdigest(f"{rid}#{v}"), rid))
+            bisect.insort(self.ring, (xxhash.xxh64_intdigest(f"{rid}#{v}".encode()), rid))
 
     def remove_replica(self, rid: str) -> None:
         self.replicas[rid].alive = False
@@ -328,7 +329,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-ms", type=float, default=5.0, help="per generated token (per request)")
     ap.add_argument("--load", type=float, default=0.7, help="offered load vs. the fleet's capacity at full hit rate")
     ap.add_argument("--report-s", type=float, default=1.0, help="replica eviction reports every this many seconds")
-    ap.add_argument("--load-weight", type=float, default=None, help="ours: default 1/concurrency")
+    ap.add_argument("--load-weight", type=float, default=None, help="ours: default PolicyConfig's")
     ap.add_argument("--policies", default="ours,pow2,round_robin,consistent_hash,ray_llm,sglang")
     ap.add_argument("--add-replica-at", type=float, default=None, help="fraction of the run")
     ap.add_argument("--remove-replica-at", type=float, default=None, help="fraction of the run")

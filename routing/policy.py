@@ -17,21 +17,37 @@ replica that got a cold request least recently, so new and restarted replicas fi
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import xxhash
+
 
 @dataclass
 class PolicyConfig:
     block_size: int = 16
-    # prefill tokens one token of outstanding work is worth: about 1/concurrency, since a replica
-    # batches its requests, so queued work delays a newcomer by roughly work / batch width
-    load_weight: float = 0.125
+    # prefill tokens one token of outstanding work is worth, for a prefix of one replica's fair share of
+    # traffic (scaled by popularity below); a replica batches requests, so queued work delays a
+    # newcomer by a fraction of its size (tuned in bench/routing_sim.py)
+    load_weight: float = 0.25
     decode_token_cost: float = 8.0  # outstanding work of one generated token, in prefill tokens
     default_capacity_blocks: int = 4096  # index bound until a replica reports its pool size
+    # Spills and new prefixes walk a consistent-hash ring from the prefix's first block and take the
+    # first replica whose outstanding work is under spill_load_factor x the fleet mean (+ slack), so
+    # a hot prefix spills to the same second replica each time instead of being copied everywhere.
+    spill_load_factor: float = 1.25
+    spill_slack_tokens: float = 256.0
+    ring_vnodes: int = 32
+    fill_threshold: float = 0.5  # replicas whose index is below this share of capacity get cold traffic first
+    # Load sensitivity scales with a prefix's popularity (its share of recent requests x replicas):
+    # a hot prefix spills readily to a second holder, a rare one stays put (a copy would only evict).
+    popularity_half_life: float = 2000.0  # requests
+    popularity_min_scale: float = 0.1
+    popularity_max_scale: float = 4.0
     min_match_blocks: int = 1  # fewer matched blocks than this counts as cold
 
 
@@ -56,6 +72,11 @@ class PrefixPolicy:
         self._counter = 0
         self._rng = random.Random(seed)
         self._heap: list[tuple] = []  # (outstanding, index size, last cold, version, id), lazily refreshed
+        self._ring: list[tuple[int, str]] = []  # (point, replica): consistent-hash order for cold routes
+        self._total_outstanding = 0.0
+        self._unfilled: set[str] = set()  # replicas whose index is still small (new, restarted)
+        self._pop: dict[int, tuple[float, int]] = {}  # first-block hash -> (decayed count, at request n)
+        self._pop_total = (0.0, 0)
         self.affinity_hits = 0
         self.cold_routes = 0
 
@@ -65,12 +86,18 @@ class PrefixPolicy:
             view = ReplicaView(replica_id, capacity_blocks or self.cfg.default_capacity_blocks)
             self.replicas[replica_id] = view
             self._push_load(view)
+            self._unfilled.add(replica_id)
+            for v in range(self.cfg.ring_vnodes):
+                bisect.insort(self._ring, (xxhash.xxh64_intdigest(f"{replica_id}#{v}".encode()), replica_id))
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica at once (it died or drained): its index must not attract traffic."""
         view = self.replicas.pop(replica_id, None)
         if view is None:
             return
+        self._total_outstanding -= view.outstanding
+        self._unfilled.discard(replica_id)
+        self._ring = [x for x in self._ring if x[1] != replica_id]
         for h in view.index:
             s = self.holders.get(h)
             if s is not None:
@@ -96,6 +123,13 @@ class PrefixPolicy:
                 idx[h] = None
                 self.holders.setdefault(h, set()).add(view.replica_id)
         self._trim(view, view.capacity_blocks)
+        self._update_fill(view)
+
+    def _update_fill(self, view: ReplicaView) -> None:
+        if len(view.index) < self.cfg.fill_threshold * view.capacity_blocks:
+            self._unfilled.add(view.replica_id)
+        else:
+            self._unfilled.discard(view.replica_id)
 
     def _trim(self, view: ReplicaView, limit: int) -> None:
         idx = view.index
@@ -118,6 +152,7 @@ class PrefixPolicy:
         for h in hashes:
             if view.index.pop(h, 0) is None:
                 self._drop_holder(h, replica_id)
+        self._update_fill(view)
 
     def learn_hashes(self, replica_id: str, hashes: Sequence[int]) -> None:
         """A replica reported blocks it holds (warm-up, another router's traffic, the directory)."""
@@ -135,7 +170,9 @@ class PrefixPolicy:
             view.capacity_blocks = capacity_blocks
         limit = view.capacity_blocks if cached_blocks is None else max(cached_blocks, 0)
         self._trim(view, min(view.capacity_blocks, limit) if cached_blocks is not None else view.capacity_blocks)
+        self._update_fill(view)
         if in_flight is not None and in_flight == 0 and view.in_flight == 0:
+            self._total_outstanding -= view.outstanding
             view.outstanding = 0.0  # drift guard: nothing running there
         self._push_load(view)
 
@@ -171,18 +208,20 @@ class PrefixPolicy:
         one by one; every other replica competes through the least-loaded of them (a heap)."""
         if candidates is None or len(candidates) >= len(self.replicas):
             cands = None
-            cold = self._least_loaded()
+            cold = self._cold_choice(hashes[0] if hashes else None, None)
         else:
             cands = [c for c in candidates if c in self.replicas]
-            cold = min(cands, key=self._cold_key) if cands else None
+            cold = self._cold_choice(hashes[0] if hashes else None, set(cands)) if cands else None
         if cold is None:
             return None
-        bs, w = self.cfg.block_size, self.cfg.load_weight
+        bs = self.cfg.block_size
+        w = self.cfg.load_weight * (self._popularity_scale(hashes[0]) if hashes else 1.0)
         best, best_score = cold, -w * self.replicas[cold].outstanding
         for r, m in self.matches(hashes, cands).items():
+            load = self.replicas[r].outstanding
             if m < self.cfg.min_match_blocks:
                 continue
-            score = m * bs - w * self.replicas[r].outstanding
+            score = m * bs - w * load
             if score > best_score:
                 best, best_score = r, score
         return best
@@ -195,6 +234,60 @@ class PrefixPolicy:
         if best is None:
             return []
         return [best] + sorted((c for c in cands if c != best), key=self._cold_key)
+
+    def _decayed(self, entry: tuple[float, int]) -> float:
+        value, at = entry
+        return value * 0.5 ** ((self._counter - at) / self.cfg.popularity_half_life)
+
+    def _popularity_scale(self, key: int) -> float:
+        """This prefix's share of recent requests, in units of one replica's fair share, clamped."""
+        total = self._decayed(self._pop_total)
+        if total <= 0:
+            return 1.0
+        share = self._decayed(self._pop.get(key, (0.0, self._counter))) / total
+        c = self.cfg
+        return min(c.popularity_max_scale, max(c.popularity_min_scale, share * len(self.replicas)))
+
+    def _count(self, key: int) -> None:
+        self._pop[key] = (self._decayed(self._pop.get(key, (0.0, self._counter))) + 1.0, self._counter)
+        self._pop_total = (self._decayed(self._pop_total) + 1.0, self._counter)
+        if len(self._pop) > 200_000:  # bounded memory: forget the rarest half
+            keep = sorted(self._pop.items(), key=lambda kv: -self._decayed(kv[1]))[:100_000]
+            self._pop = dict(keep)
+
+    def _load_bound(self, allowed) -> float:
+        """Outstanding work above which a replica takes no affinity or spill traffic."""
+        n = len(self.replicas) if allowed is None else len(allowed)
+        total = self._total_outstanding if allowed is None else sum(self.replicas[r].outstanding for r in allowed)
+        return self.cfg.spill_load_factor * total / max(n, 1) + self.cfg.spill_slack_tokens
+
+    def _cold_choice(self, key: int | None, allowed: set[str] | None) -> str | None:
+        """Where a request goes when no holder is worth it: a new or emptied replica first (so it fills),
+        else the first replica on the prefix's ring walk whose load is under the bound, else the least
+        loaded."""
+        n = len(self.replicas) if allowed is None else len(allowed)
+        if n == 0:
+            return None
+        unfilled = self._unfilled if allowed is None else self._unfilled & allowed
+        if unfilled:
+            return min(unfilled, key=self._cold_key)
+        bound = self._load_bound(allowed)
+        if key is not None and self._ring:
+            ring = self._ring
+            start = bisect.bisect_left(ring, (key, ""))
+            seen = 0
+            for i in range(len(ring)):
+                point, rid = ring[(start + i) % len(ring)]
+                if allowed is not None and rid not in allowed:
+                    continue
+                if self.replicas[rid].outstanding <= bound:
+                    return rid
+                seen += 1
+                if seen > 4 * self.cfg.ring_vnodes:  # everyone is busy: fall through to least loaded
+                    break
+        if allowed is None:
+            return self._least_loaded()
+        return min(allowed, key=self._cold_key)
 
     def _cold_key(self, rid: str) -> tuple:
         v = self.replicas[rid]
@@ -228,6 +321,8 @@ class PrefixPolicy:
         if view is None:
             return 0.0
         self._counter += 1
+        if hashes:
+            self._count(hashes[0])
         m = self.matches(hashes, (replica_id,)).get(replica_id, 0)
         if m >= self.cfg.min_match_blocks:
             self.affinity_hits += 1
@@ -236,6 +331,7 @@ class PrefixPolicy:
             view.last_cold = self._counter
         work = self.work_of(prompt_tokens, m * self.cfg.block_size, max_new_tokens)
         view.outstanding += work
+        self._total_outstanding += work
         view.in_flight += 1
         view.routed += 1
         self._touch(view, hashes)
@@ -246,7 +342,9 @@ class PrefixPolicy:
         view = self.replicas.get(replica_id)
         if view is None:
             return
+        before = view.outstanding
         view.outstanding = max(0.0, view.outstanding - work)
+        self._total_outstanding -= before - view.outstanding
         view.in_flight = max(0, view.in_flight - 1)
         self._push_load(view)
 
