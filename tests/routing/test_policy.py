@@ -87,7 +87,8 @@ def test_new_replica_gets_cold_traffic_first():
 
 def test_candidates_restrict_the_choice():
     p = fleet(3, load_weight=0.5)
-    r, _ = route(p, prompt(5))
+    r, w = route(p, prompt(5))
+    p.on_completed(r, w)
     h = block_hashes(prompt(5), BS)
     others = [x for x in p.replicas if x != r]
     assert p.choose(h, 128, 0, others) in others
@@ -120,3 +121,20 @@ def test_index_never_outgrows_the_replica_and_holders_stay_consistent(ops, capac
         for h in view.index:
             expect.setdefault(h, set()).add(rid)
     assert expect == p.holders
+
+
+def test_popular_prefix_spills_sooner_than_a_rare_one():
+    p = fleet(4, load_weight=0.25, decode_token_cost=8.0)
+    hot, rare = prompt(1), prompt(2)
+    for t in range(30):  # make prefix 1 popular
+        r, w = route(p, hot + [t])
+        p.on_completed(r, w)
+    r_rare, w_rare = route(p, rare)
+    p.on_completed(r_rare, w_rare)
+    assert p._popularity_scale(block_hashes(hot, BS)[0]) > p._popularity_scale(block_hashes(rare, BS)[0])
+    hot_holders = set(p.matches(block_hashes(hot, BS)))
+    # the same queue on their holders: the hot prefix moves, the rare one stays
+    for rid in hot_holders | {r_rare}:
+        p.replicas[rid].outstanding = 600.0
+    assert route(p, rare + [1])[0] == r_rare
+    assert route(p, hot + [99])[0] not in hot_holders
