@@ -47,13 +47,16 @@ def request_router_config(settings: Settings):
     return RequestRouterConfig(
         request_router_class="routing.prefix_router:PrefixAwareRequestRouter",
         request_router_kwargs={"mode": settings.router, "block_size": settings.block_size,
-                               "model_id": settings.model_name()},
+                               "model_id": settings.model_name(), "redis_url": settings.redis_url,
+                               "deployment": settings.deployment_name},
         request_routing_stats_period_s=period)
 
 
 def build_app(settings: Settings):
     settings.resolved_model_id()  # create the built-in model before replicas look for it
-    s = settings.model_dump()
+    # Replica counts stay out of the replicas' own arguments: changing them then scales the deployment
+    # in place instead of replacing every replica.
+    s = settings.model_dump(exclude={"num_replicas", "autoscaling"})
     llm = llm_deployment(settings).bind(s)
     return Ingress.options(name=f"{settings.deployment_name}-ingress").bind(llm, s)
 

@@ -223,7 +223,7 @@ class Ingress:
         i = await self.info_cached()
         return {**{k: v for k, v in i.items() if k != "replica"}, "served_model_name": self.model_name,
                 "router": self.settings.router, "version": VERSION, "sha": None,
-                "max_concurrent_requests": self.settings.max_ongoing_requests * self.settings.num_replicas}
+                "max_ongoing_requests_per_replica": self.settings.max_ongoing_requests}
 
     @app.get("/health")
     async def health(self):

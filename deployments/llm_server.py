@@ -1,12 +1,16 @@
 """The LLM replica: a Ray Serve deployment hosting one async engine.
 
 Takes token ids (the ingress tokenizes once), streams engine events as dicts, warms prefixes
-without generating, pushes metrics to the hub, and reports routing and autoscaling stats that
-Serve polls. Errors for a bad request come back as an event with ``error`` set, never as a crash.
+without generating, pushes metrics to the hub, keeps the Redis hot-prefix directory current, and
+reports routing and autoscaling stats that Serve polls. At start it prefills the directory's hottest
+prefixes before ``__init__`` returns, so it is warm before Serve sends it traffic. Errors for a bad
+request come back as an event with ``error`` set, never as a crash.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 import logging
 import os
@@ -17,6 +21,7 @@ from typing import Any
 from ray import serve
 
 from app.config import Settings
+from cache.directory import HotPrefixDirectory
 from deployments.metrics import HISTOGRAMS, Histogram, hub_handle
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine, RequestError
@@ -34,19 +39,57 @@ class LLMServer:
             # replicas share the machine's cores; oversubscribed torch threads only slow everyone down
             cfg.num_threads = max(1, int(self.settings.replica_num_cpus) or 1)
         self.engine = LLMEngine(cfg)
+        self.block_size = cfg.block_size
         if self.engine.kv.cache is not None:
-            self.engine.kv.cache.record_events = True  # drained by record_routing_stats
-        self._stats_seq = 0
-        self.aengine = AsyncEngine(self.engine)
+            self.engine.kv.cache.record_events = True  # drained by _collect_events
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve (tests)
             self.replica_id = f"local-{os.getpid()}"
+        self._stats_seq = 0
+        self._events_lock = threading.Lock()
+        self._route_stored: list[int] = []
+        self._route_removed: list[int] = []
+        self._overflow = False
+        self._dir_removed: list[int] = []
+        self._pending_records: collections.deque = collections.deque(maxlen=10_000)
+        self._recorded: set[int] = set()  # prefix hashes this replica put in the directory
+        self.directory: HotPrefixDirectory | None = None
+        if self.settings.redis_url and self.engine.kv.cache is not None:
+            self.directory = HotPrefixDirectory(self.settings.redis_url, self.settings.deployment_name,
+                                                cfg.cache_namespace or cfg.model_id, cfg.block_size)
+        self.first_request_cached_tokens: int | None = None
+        self.warmup_report = self._warm_up()  # before Serve marks this replica ready
+        self.aengine = AsyncEngine(self.engine)
         self._hists = {spec[0]: Histogram(spec[2]) for spec in HISTOGRAMS.values()}
         self._hub = hub_handle(self.settings.deployment_name)
         self._stop = threading.Event()
-        self._pusher = threading.Thread(target=self._push_loop, name="metrics-push", daemon=True)
-        self._pusher.start()
+        self._background = threading.Thread(target=self._background_loop, name="replica-background", daemon=True)
+        self._background.start()
+
+    def _warm_up(self) -> dict[str, Any]:
+        """Prefill the directory's hottest prefixes. Synchronous: the engine thread is not running yet
+        and Serve routes nothing here until ``__init__`` returns."""
+        k, budget = self.settings.warmup_top_k, self.settings.warmup_token_budget
+        report: dict[str, Any] = {"prefixes": 0, "tokens": 0, "seconds": 0.0}
+        if self.directory is None or k <= 0:
+            return report
+        t0 = time.monotonic()
+        for hp in self.directory.top_k(k, token_budget=budget):
+            try:
+                self.engine.add_request(hp.tokens, SamplingParams(max_new_tokens=1), prefill_only=True)
+            except RequestError as e:  # e.g. longer than this replica's limits
+                log.warning("skipping a hot prefix at warm-up: %s", e)
+                continue
+            self._pending_records.append(hp.tokens)  # this replica holds it now
+            report["prefixes"] += 1
+            report["tokens"] += len(hp.tokens)
+        while self.engine.has_work():
+            self.engine.step()
+        report["seconds"] = time.monotonic() - t0
+        log.info("warm-up: %d hot prefixes, %d tokens in %.2fs", report["prefixes"], report["tokens"],
+                 report["seconds"])
+        return report
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt_ids: list[int], params: dict[str, Any], request_id: str | None = None,
@@ -58,6 +101,8 @@ class LLMServer:
             async for ev in stream:
                 d = dataclasses.asdict(ev)
                 d["replica"] = self.replica_id
+                if ev.finished:
+                    self._note_finished(prompt_ids, ev.num_cached_tokens, sp.cache_salt, prefill_only)
                 yield d
         except RequestError as e:
             yield {"error": str(e), "error_kind": "validation", "finished": True, "replica": self.replica_id}
@@ -65,15 +110,22 @@ class LLMServer:
             yield {"error": f"bad parameters: {e}", "error_kind": "validation", "finished": True,
                    "replica": self.replica_id}
 
-    async def warmup(self, prefixes: list[list[int]], cache_salt: str | None = None) -> dict[str, Any]:
-        """Prefill ``prefixes`` into the radix cache without generating; returns what was cached."""
-        import asyncio
+    def _note_finished(self, prompt_ids: list[int], cached: int, salt: str | None, prefill_only: bool) -> None:
+        if self.first_request_cached_tokens is None and not prefill_only:
+            self.first_request_cached_tokens = cached
+        if self.directory is None or salt:
+            return
+        shared = len(prompt_ids) if prefill_only else cached  # what this request proved to be shared
+        if shared >= self.block_size:
+            self._pending_records.append(prompt_ids[:shared])
 
+    async def warmup(self, prefixes: list[list[int]], cache_salt: str | None = None) -> dict[str, Any]:
+        """Prefill ``prefixes`` into the radix cache without generating (and record them as hot)."""
         async def one(ids: list[int]) -> int:
             async for ev in self.generate(ids, {"max_new_tokens": 1, "cache_salt": cache_salt}, prefill_only=True):
                 if ev.get("error"):
                     raise RequestError(ev["error"])
-            return len(ids) // self.engine.config.block_size * self.engine.config.block_size
+            return len(ids) // self.block_size * self.block_size
 
         t0 = time.monotonic()
         cached = await asyncio.gather(*(one(p) for p in prefixes))
@@ -90,7 +142,7 @@ class LLMServer:
                 "max_batch_total_tokens": e.kv.capacity_tokens, "block_size": e.config.block_size,
                 "prefix_caching": e.config.prefix_caching, "kv_cache_dtype": e.config.kv_cache_dtype,
                 "window_size": e.window, "attention_backend": e.attention_backend,
-                "replica": self.replica_id}
+                "replica": self.replica_id, "warmup": self.warmup_report}
 
     # ------------------------------------------------------------------ stats
     def _snapshot(self, engine: LLMEngine) -> dict[str, Any]:
@@ -102,6 +154,11 @@ class LLMServer:
         return {**s, "blocks_used": s["blocks_total"] - s["blocks_free"],
                 "requests_finished": st.requests_finished, "prompt_tokens": st.prompt_tokens,
                 "generated_tokens": st.generated_tokens, "prefill_tokens_computed": st.prefill_tokens_computed,
+                "directory_errors": self.directory.errors if self.directory else 0,
+                "warmup_prefixes": self.warmup_report["prefixes"], "warmup_tokens": self.warmup_report["tokens"],
+                # -1 until the first request: how much of it warm-up had already cached
+                "first_request_cached_tokens": (-1 if self.first_request_cached_tokens is None
+                                                else self.first_request_cached_tokens),
                 **{k: h.to_dict() for k, h in self._hists.items()}}
 
     def stats(self) -> dict[str, Any]:
@@ -111,47 +168,81 @@ class LLMServer:
         self.aengine.call(lambda e: e.check_invariants())
         return True
 
-    def _push_loop(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
-                self._hub.push.remote(self.replica_id, self.aengine.call(self._snapshot, timeout=5))
-            except Exception as e:  # noqa: BLE001 - metrics must never take a replica down
-                log.debug("metrics push failed: %s", e)
+    def _collect_events(self) -> None:
+        """Drain the radix cache's stored/removed hashes into the router and directory buffers."""
+        if self.engine.kv.cache is None:
+            return
+        events, overflow = self.aengine.call(lambda e: e.kv.cache.drain_events(), timeout=5)
+        with self._events_lock:
+            self._overflow |= overflow
+            for kind, hashes in events:
+                if kind == "stored":
+                    self._route_stored.extend(hashes)
+                else:
+                    self._route_removed.extend(hashes)
+                    self._dir_removed.extend(h for h in hashes if h in self._recorded)
+            for buf in (self._route_stored, self._route_removed):
+                if len(buf) > MAX_REPORTED_HASHES:
+                    del buf[:-MAX_REPORTED_HASHES]
+                    self._overflow = True
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve every stats period and handed to every router: load, capacity, and the
         block hashes stored and evicted since the last poll, so routers correct their indexes."""
-        def collect(e: LLMEngine) -> dict[str, Any]:
-            s = e.kv_stats()
-            stored: list[int] = []
-            removed: list[int] = []
-            overflow = False
-            if e.kv.cache is not None:
-                events, overflow = e.kv.cache.drain_events()
-                for kind, hashes in events:
-                    (stored if kind == "stored" else removed).extend(hashes)
-            return {"queue": s["running"] + s["waiting"], "kv_free_blocks": s["blocks_free"] + s["blocks_evictable"],
-                    "kv_total_blocks": s["blocks_total"], "cached_blocks": s["blocks_cached"],
-                    "stored": stored[-MAX_REPORTED_HASHES:], "removed": removed[-MAX_REPORTED_HASHES:],
-                    "truncated": overflow or max(len(stored), len(removed)) > MAX_REPORTED_HASHES}
-
+        self._collect_events()
+        s = self.aengine.call(lambda e: e.kv_stats(), timeout=5)
+        with self._events_lock:
+            stored, removed, overflow = self._route_stored, self._route_removed, self._overflow
+            self._route_stored, self._route_removed, self._overflow = [], [], False
         self._stats_seq += 1
-        return {**self.aengine.call(collect, timeout=5), "seq": self._stats_seq, "replica": self.replica_id}
+        return {"queue": s["running"] + s["waiting"], "kv_free_blocks": s["blocks_free"] + s["blocks_evictable"],
+                "kv_total_blocks": s["blocks_total"], "cached_blocks": s["blocks_cached"],
+                "stored": stored, "removed": removed, "truncated": overflow, "seq": self._stats_seq,
+                "replica": self.replica_id}
 
     def record_autoscaling_stats(self) -> dict[str, Any]:
         s = self.aengine.call(lambda e: e.kv_stats(), timeout=5)
         return {"ongoing": float(s["running"] + s["waiting"]),
                 "kv_usage": float(s["blocks_in_use"]) / max(1, s["blocks_total"])}
 
+    def _background_loop(self) -> None:
+        """Every second: push metrics to the hub and flush directory records; never on the request path."""
+        while not self._stop.wait(1.0):
+            try:
+                self._hub.push.remote(self.replica_id, self.aengine.call(self._snapshot, timeout=5))
+            except Exception as e:  # noqa: BLE001 - metrics must never take a replica down
+                log.debug("metrics push failed: %s", e)
+            try:
+                self._flush_directory()
+            except Exception as e:  # noqa: BLE001
+                log.debug("directory flush failed: %s", e)
+
+    def _flush_directory(self) -> None:
+        if self.directory is None:
+            return
+        self._collect_events()
+        with self._events_lock:
+            removed, self._dir_removed = self._dir_removed, []
+        if removed:
+            self.directory.drop_holder(self.replica_id, removed)
+            self._recorded.difference_update(removed)
+        while self._pending_records and self.directory.available:
+            h = self.directory.record(self.replica_id, self._pending_records.popleft())
+            if h is not None:
+                self._recorded.add(h)
+
     def check_health(self) -> None:
         if not self.aengine.alive:
             raise RuntimeError("engine thread is not running")
 
     def __del__(self):
-        # Serve calls this on graceful shutdown: abort what is running so every block goes back.
+        # Serve calls this on graceful shutdown: abort what is running so every block goes back,
+        # and tell the directory this replica no longer holds anything.
         try:
             self._stop.set()
             self.aengine.shutdown()
             self._hub.forget.remote(self.replica_id)
+            if self.directory is not None:
+                self.directory.forget_replica(self.replica_id)
         except Exception:  # noqa: BLE001
             pass

@@ -25,8 +25,8 @@ COUNTERS = {
     "radixserve_prefix_cache_hits_total": ("prefix_hit_tokens", "Prompt tokens served from the prefix cache."),
     "radixserve_cache_evictions_total": ("evicted_blocks", "KV blocks evicted from the prefix cache."),
     "radixserve_preemptions_total": ("preemptions", "Sequences preempted for lack of KV blocks."),
-    "radixserve_router_affinity_hits_total": ("router_affinity_hits",
-                                              "Requests routed to a replica that held part of their prefix."),
+    "radixserve_directory_errors_total": ("directory_errors",
+                                          "Hot-prefix directory (Redis) calls that failed; serving went on."),
 }
 GAUGES = {
     "radixserve_cache_blocks_used": ("blocks_used", "KV blocks in use or cached (not free)."),
@@ -36,6 +36,9 @@ GAUGES = {
     "radixserve_cache_block_size": ("block_size",
                                     "Tokens per KV block: a shared prefix shorter than this cannot hit."),
     "radixserve_running_requests": ("running", "Sequences in the running batch."),
+    "radixserve_warmup_prefixes": ("warmup_prefixes", "Hot prefixes prefilled at replica start."),
+    "radixserve_first_request_cached_tokens": ("first_request_cached_tokens",
+                                               "Cached prompt tokens of the replica's first request (-1: none yet)."),
     "radixserve_queue_depth": ("waiting", "Requests waiting for admission."),
 }
 HISTOGRAMS = {

@@ -40,6 +40,8 @@ class KVManager:
         if seq.admitted_once:
             return
         seq.admitted_once = True
+        if seq.prefill_only:
+            return  # warm-up is not user traffic: keep it out of the hit rate
         seq.num_cached_prompt_tokens = min(seq.num_computed, len(seq.prompt_ids))
         if self.cache is not None:
             c = self.cache.counters

@@ -34,6 +34,7 @@ class EngineStats:
     """Counters and recent samples for metrics (read by the serving layer)."""
 
     requests_finished: int = 0
+    warmups_finished: int = 0  # prefill-only requests (warm-up), kept out of the request counters
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_tokens_computed: int = 0
@@ -227,7 +228,10 @@ class LLMEngine:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.requests.pop(seq.request_id, None)
-        self.stats.requests_finished += 1
+        if seq.prefill_only:
+            self.stats.warmups_finished += 1
+        else:
+            self.stats.requests_finished += 1
         return TokenEvent(seq.request_id, None, take_delta(seq, final=True), None, True, reason,
                           num_prompt_tokens=len(seq.prompt_ids), num_cached_tokens=seq.num_cached_prompt_tokens,
                           num_output_tokens=len(seq.output_ids))

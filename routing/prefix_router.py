@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
+import threading
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
@@ -39,14 +41,52 @@ def request_tokens(pending: PendingRequest | None) -> tuple[list[int], int, str 
 
 class PrefixAwareRequestRouter(RequestRouter):
     def initialize_state(self, mode: str = "prefix", block_size: int = 16, model_id: str = "",
-                         load_weight: float = 1.0, decode_token_cost: float = 8.0, **_: Any) -> None:
+                         load_weight: float | None = None, decode_token_cost: float = 8.0,
+                         redis_url: str | None = None, deployment: str = "radixserve",
+                         directory_sync_s: float = 5.0, directory_top_k: int = 64, **_: Any) -> None:
         self.mode = mode
         self.model_id = model_id
-        self.policy = PrefixPolicy(PolicyConfig(block_size=block_size, load_weight=load_weight,
-                                                decode_token_cost=decode_token_cost))
+        cfg = PolicyConfig(block_size=block_size, decode_token_cost=decode_token_cost)
+        if load_weight is not None:
+            cfg.load_weight = load_weight
+        self.policy = PrefixPolicy(cfg)
         self._rr = itertools.count()
         self._routed: dict[str, tuple[str, float]] = {}  # internal request id -> (replica, work)
         self.errors = 0
+        # Holders learned from the Redis directory (after a router restart, or for replicas this
+        # router never sent a prefix to); fetched off the hot path, applied at the next decision.
+        self._learned: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        if redis_url and mode == "prefix":
+            threading.Thread(target=self._sync_directory, args=(redis_url, deployment, directory_sync_s,
+                                                                directory_top_k),
+                             name="router-directory", daemon=True).start()
+
+    def _sync_directory(self, url: str, deployment: str, period: float, top_k: int) -> None:
+        from cache.directory import HotPrefixDirectory  # redis stays out of routing's import path
+
+        directory = HotPrefixDirectory(url, deployment, self.model_id, self.policy.cfg.block_size)
+        while not self._stop.wait(period):
+            try:
+                for hp in directory.top_k(top_k):
+                    holders = directory.holders(hp.hash)
+                    if holders:
+                        chain = block_hashes(hp.tokens, self.policy.cfg.block_size, self.model_id)
+                        for rid in holders:
+                            self._learned.put((rid, chain))
+            except Exception:  # noqa: BLE001 - the directory is a hint; never fail routing over it
+                log.debug("directory sync failed", exc_info=True)
+
+    def _apply_learned(self) -> None:
+        while True:
+            try:
+                rid, chain = self._learned.get_nowait()
+            except queue.Empty:
+                return
+            if rid in self.policy.replicas:
+                view = self.policy.replicas[rid]
+                if not all(h in view.index for h in chain):
+                    self.policy.learn_hashes(rid, chain)
 
     # ------------------------------------------------------------------ routing
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -64,6 +104,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             return []
         by_id = {r.replica_id.unique_id: r for r in candidates}
         self._absorb_stats(candidates)
+        self._apply_learned()
         if self.mode == "round_robin":
             order = sorted(by_id)
             start = next(self._rr) % len(order)

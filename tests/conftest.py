@@ -24,3 +24,12 @@ def model_dir(tmp_path_factory):
         return made[preset]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server on a free port (never 6379: Ray's GCS uses it)."""
+    from app.local_redis import LocalRedis
+
+    with LocalRedis() as r:
+        yield r

@@ -8,13 +8,7 @@ import time
 import httpx
 import pytest
 
-from app.local_redis import LocalRedis, free_port
-
-
-@pytest.fixture(scope="session")
-def redis_server():
-    with LocalRedis() as r:
-        yield r
+from app.local_redis import free_port
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +17,8 @@ def ray_cluster():
     from ray import serve
 
     os.environ.pop("RAY_ADDRESS", None)
-    ray.init(num_cpus=4, include_dashboard=False, namespace="radixserve-test", log_to_driver=False)
+    # logical CPUs: several apps of tiny-model replicas share the two real cores
+    ray.init(num_cpus=16, include_dashboard=False, namespace="radixserve-test", log_to_driver=False)
     yield ray
     serve.shutdown()
     ray.shutdown()

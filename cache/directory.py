@@ -1,0 +1,229 @@
+"""Hot-prefix directory in Redis: which prefixes are hot, who holds them, and the tokens to rebuild them.
+
+Replicas record the prefixes their requests shared (the matched part of a prompt); a replica that
+starts reads the top-K and prefills them before taking traffic; a router that restarts reads who
+holds what. Keys live under ``radixserve:{deployment}:{model}:`` and are:
+
+- ``hot``: sorted set, prefix hash -> decayed hit count. Decay without rewriting: each hit adds
+  ``2 ** ((now - epoch) / half_life)``, so older hits weigh exponentially less; scores are rescaled
+  (and the epoch moved) before they grow too large.
+- ``p:{hash}``: hash with ``tokens`` (packed uint32) and ``blocks``; expires after ``ttl_s``.
+- ``h:{hash}``: sorted set of holders, replica id -> expiry time.
+- ``r:{replica}``: set of hashes a replica holds, to forget them all when it dies or drains.
+
+Salted (tenant) prefixes are never written. Entries whose tokens do not hash back to their key are
+skipped (foreign or corrupt data never reaches a replica). Redis being down never raises: the call
+returns empty, a counter goes up, and reconnection waits with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+
+from cache.hashing import block_hashes, pack_tokens
+
+log = logging.getLogger(__name__)
+_MAX_EXP = 60.0  # rescale scores before 2**exp loses precision
+
+
+@dataclass
+class HotPrefix:
+    hash: int
+    tokens: list[int]
+    score: float
+
+
+class HotPrefixDirectory:
+    def __init__(self, url: str, deployment: str = "radixserve", model: str = "", block_size: int = 16,
+                 ttl_s: float = 3600.0, half_life_s: float = 600.0, socket_timeout_s: float = 0.5,
+                 max_prefix_tokens: int = 32768):
+        self.ns = f"radixserve:{deployment}:{model}:"
+        self.model = model
+        self.block_size = block_size
+        self.ttl_s = ttl_s
+        self.half_life_s = half_life_s
+        self.max_prefix_tokens = max_prefix_tokens
+        self._r = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
+        self.errors = 0
+        self.skipped = 0
+        self._down_until = 0.0
+        self._backoff = 0.5
+        self._lock = threading.Lock()
+        self._warned = False
+
+    # ------------------------------------------------------------------ resilience
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _call(self, fn, default):
+        """Run ``fn(redis)``; on a Redis failure count it, back off, and return ``default``."""
+        if not self.available:
+            return default
+        try:
+            out = fn(self._r)
+        except (redis.RedisError, OSError) as e:
+            with self._lock:
+                self.errors += 1
+                self._down_until = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, 30.0)
+            if not self._warned:
+                log.warning("hot-prefix directory unavailable (%s); serving goes on without it", e)
+                self._warned = True
+            return default
+        with self._lock:
+            if self._warned:
+                log.warning("hot-prefix directory is back")
+            self._backoff, self._warned = 0.5, False
+        return out
+
+    def ping(self) -> bool:
+        return bool(self._call(lambda r: r.ping(), False))
+
+    # ------------------------------------------------------------------ writes
+    def _increment(self, r, now: float) -> float:
+        epoch = r.get(self.ns + "epoch")
+        if epoch is None:
+            r.set(self.ns + "epoch", now, nx=True)
+            epoch = r.get(self.ns + "epoch")
+        exp = (now - float(epoch)) / self.half_life_s
+        if exp > _MAX_EXP:  # rescale everything by 2**-exp and move the epoch to now
+            r.zunionstore(self.ns + "hot", {self.ns + "hot": 2.0 ** -exp})
+            r.set(self.ns + "epoch", now)
+            exp = 0.0
+        return 2.0 ** exp
+
+    def record(self, replica: str, tokens: Sequence[int], hits: int = 1, cache_salt: str | None = None,
+               now: float | None = None) -> int | None:
+        """Note that ``replica`` holds (and served) the prefix ``tokens`` (whole blocks only).
+        Returns the prefix hash, or None when nothing was written (salted, too short, Redis down)."""
+        if cache_salt:
+            return None  # tenants' prefixes stay private
+        n = min(len(tokens), self.max_prefix_tokens) // self.block_size * self.block_size
+        if n == 0:
+            return None
+        toks = list(tokens[:n])
+        h = block_hashes(toks, self.block_size, self.model)[-1]
+        now = time.time() if now is None else now
+
+        def write(r):
+            inc = self._increment(r, now)
+            p = r.pipeline(transaction=False)
+            p.hset(self.ns + f"p:{h}", mapping={"tokens": pack_tokens(toks), "blocks": n // self.block_size})
+            p.expire(self.ns + f"p:{h}", int(self.ttl_s))
+            p.zincrby(self.ns + "hot", inc * hits, str(h))
+            p.zadd(self.ns + f"h:{h}", {replica: now + self.ttl_s})
+            p.expire(self.ns + f"h:{h}", int(self.ttl_s))
+            p.sadd(self.ns + f"r:{replica}", str(h))
+            p.expire(self.ns + f"r:{replica}", int(self.ttl_s))
+            p.execute()
+            return h
+
+        return self._call(write, None)
+
+    def drop_holder(self, replica: str, hashes: Sequence[int]) -> None:
+        """``replica`` evicted these prefixes (by their last-block hash)."""
+        if not hashes:
+            return
+
+        def write(r):
+            p = r.pipeline(transaction=False)
+            for h in hashes:
+                p.zrem(self.ns + f"h:{h}", replica)
+                p.srem(self.ns + f"r:{replica}", str(h))
+            p.execute()
+
+        self._call(write, None)
+
+    def forget_replica(self, replica: str) -> int:
+        """Drop everything ``replica`` holds (it died or drains). Returns how many entries."""
+        def write(r):
+            held = r.smembers(self.ns + f"r:{replica}")
+            p = r.pipeline(transaction=False)
+            for h in held:
+                p.zrem(self.ns + f"h:{h.decode()}", replica)
+            p.delete(self.ns + f"r:{replica}")
+            p.execute()
+            return len(held)
+
+        return self._call(write, 0)
+
+    # ------------------------------------------------------------------ reads
+    def top_k(self, k: int, token_budget: int | None = None) -> list[HotPrefix]:
+        """The ``k`` hottest prefixes (valid ones only), within ``token_budget`` tokens in all."""
+        if k <= 0:
+            return []
+
+        def read(r):
+            ranked = r.zrevrange(self.ns + "hot", 0, 4 * k - 1, withscores=True)
+            p = r.pipeline(transaction=False)
+            for member, _ in ranked:
+                p.hgetall(self.ns + f"p:{member.decode(errors='replace')}")
+            return ranked, p.execute(), r.get(self.ns + "epoch")
+
+        got = self._call(read, None)
+        if not got:
+            return []
+        ranked, entries, epoch = got
+        try:  # report decayed hit counts as of now
+            scale = 2.0 ** -((time.time() - float(epoch)) / self.half_life_s) if epoch else 1.0
+        except ValueError:
+            scale = 1.0
+        out: list[HotPrefix] = []
+        used = 0
+        stale: list[bytes] = []
+        for (member, score), entry in zip(ranked, entries, strict=True):
+            hp = self._parse(member, score * scale, entry)
+            if hp is None:
+                if not entry:
+                    stale.append(member)  # expired: drop from the ranking
+                continue
+            if token_budget is not None and used + len(hp.tokens) > token_budget:
+                continue
+            out.append(hp)
+            used += len(hp.tokens)
+            if len(out) == k:
+                break
+        if stale:
+            self._call(lambda r: r.zrem(self.ns + "hot", *stale), None)
+        return out
+
+    def _parse(self, member: bytes, score: float, entry: dict) -> HotPrefix | None:
+        """A checked entry, or None (counted) for anything malformed or foreign."""
+        try:
+            h = int(member)
+            raw = entry[b"tokens"]
+            if not raw or len(raw) % 4 or len(raw) // 4 % self.block_size or not math.isfinite(score):
+                raise ValueError("bad token payload")
+            toks = array("I")
+            toks.frombytes(raw)
+            tokens = toks.tolist()
+            if block_hashes(tokens, self.block_size, self.model)[-1] != h:
+                raise ValueError("tokens do not hash to the key")
+            return HotPrefix(h, tokens, float(score))
+        except (KeyError, ValueError, TypeError):
+            if entry:
+                self.skipped += 1
+            return None
+
+    def holders(self, h: int, now: float | None = None) -> list[str]:
+        now = time.time() if now is None else now
+        got = self._call(lambda r: r.zrangebyscore(self.ns + f"h:{h}", now, "+inf"), [])
+        return [m.decode(errors="replace") for m in got]
+
+    def clear(self) -> None:
+        """Delete the whole namespace (tests, resets)."""
+        def wipe(r):
+            keys = list(r.scan_iter(match=self.ns + "*", count=1000))
+            if keys:
+                r.delete(*keys)
+
+        self._call(wipe, None)
