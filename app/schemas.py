@@ -69,6 +69,7 @@ class _OpenAICommon(_Strict):
     seed: int | None = None
     user: str | None = None
     cache_salt: str | None = None  # tenant isolation of the prefix cache (as vLLM's field)
+    ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens even past EOS
 
     @field_validator("n")
     @classmethod
@@ -86,7 +87,7 @@ class _OpenAICommon(_Strict):
         return dict(max_new_tokens=self.max_completion_tokens or self.max_tokens or default_max_new_tokens,
                     temperature=self.temperature, top_k=self.top_k or 0, top_p=self.top_p,
                     repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed, stop=self.stop_list(),
-                    logprobs=logprobs, cache_salt=self.cache_salt)
+                    logprobs=logprobs, cache_salt=self.cache_salt, ignore_eos=self.ignore_eos)
 
 
 class CompletionRequest(_OpenAICommon):

@@ -1,0 +1,74 @@
+"""Closed-loop HTTP load for the end-to-end benchmarks: N clients stream ``/generate_stream`` and
+record time to first token and totals. Loopback only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+
+
+@dataclass
+class Result:
+    ttft_s: float
+    total_s: float
+    tokens: int
+    ok: bool
+
+
+async def _one(client: httpx.AsyncClient, ids: list[int], max_new: int) -> Result:
+    t0 = time.perf_counter()
+    ttft, n = None, 0
+    # token-id prompts through the OpenAI API: no tokenizer round trip changes the workload
+    body = {"prompt": ids, "max_tokens": max_new, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return Result(0, time.perf_counter() - t0, 0, False)
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.endswith("[DONE]"):
+                continue
+            ev = json.loads(line[5:])
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            n += 1 if ev.get("choices") and ev["choices"][0].get("text") is not None else 0
+    return Result(ttft or 0.0, time.perf_counter() - t0, n, True)
+
+
+async def run_load(base_url: str, prompts: list[list[int]], max_new: int, concurrency: int) -> dict:
+    queue = list(enumerate(prompts))
+    results: list[Result | None] = [None] * len(prompts)
+
+    async def worker(client):
+        while queue:
+            i, ids = queue.pop(0)
+            results[i] = await _one(client, ids, max_new)
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r and r.ok]
+    ttfts = sorted(r.ttft_s for r in ok)
+    return {"requests": len(prompts), "ok": len(ok), "wall_s": wall,
+            "req_s": len(ok) / wall, "ttft_p50_s": statistics.median(ttfts) if ttfts else float("nan"),
+            "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else float("nan"),
+            "ttfts": [r.ttft_s if r and r.ok else None for r in results]}
+
+
+def wait_healthy(url: str, timeout: float = 600) -> None:
+    """Poll ``url/health`` until it answers 200 (replicas load their model first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} did not come up within {timeout:.0f}s")

@@ -1,0 +1,126 @@
+"""End-to-end routing benchmark: the prefix router against Serve's power-of-two, over real HTTP.
+
+    python -m bench.serve_bench                      # both routers, side by side, one run
+    python -m bench.serve_bench --router prefix      # one router only
+
+A local Ray cluster, 2 replicas of the bench model whose KV pools each hold about half of the system
+prompts (``max_batch_total_tokens`` 8192), ``gsp-small`` with 16 prompts per group (128 requests),
+streamed over HTTP at concurrency 8. Prints a table and a final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.http_load import run_load, wait_healthy
+from bench.workloads import gsp
+
+
+def deploy(router: str, model_dir: str, port: int, total_tokens: int, name: str):
+    from ray import serve
+
+    from app.config import Settings
+    from app.main import build_app
+
+    s = Settings(model_id=model_dir, num_replicas=2, replica_num_cpus=1, max_batch_total_tokens=total_tokens,
+                 max_batch_prefill_tokens=2048, router=router, deployment_name=name, port=port)
+    serve.run(build_app(s), name=name, route_prefix=f"/{name}")
+    url = f"http://127.0.0.1:{port}/{name}"
+    wait_healthy(url)
+    return url
+
+
+def hit_rate(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name == "radixserve_cache_hit_rate" and s.labels.get("replica") == "all":
+                return s.value
+    return float("nan")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--router", choices=["prefix", "pow2", "both"], default="both")
+    ap.add_argument("--model-dir", default=str(Path.home() / ".cache/radixserve/models/bench"))
+    ap.add_argument("--per-group", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--total-tokens", type=int, default=8192)
+    ap.add_argument("--plot", default="docs/serve_bench.png", help="PNG path ('' for none)")
+    args = ap.parse_args(argv)
+    import ray
+    from ray import serve
+
+    from app.local_redis import free_port
+    from engine.model_init import write_model
+
+    if not Path(args.model_dir, "config.json").exists():
+        write_model(args.model_dir, "bench")
+    os.environ.pop("RAY_ADDRESS", None)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    reqs = gsp(num_groups=8, prompts_per_group=args.per_group)
+    prompts = [r.prompt for r in reqs]
+    routers = ["pow2", "prefix"] if args.router == "both" else [args.router]
+    rows = {}
+    try:
+        for router in routers:
+            name = f"sb-{router}"
+            url = deploy(router, args.model_dir, port, args.total_tokens, name)
+            asyncio.run(run_load(url, [prompts[0][:64]], 2, 1))  # warm the path (64 tokens: no real prefix)
+            res = asyncio.run(run_load(url, prompts, reqs[0].max_new_tokens, args.concurrency))
+            time.sleep(2.5)  # let the replicas push their metrics
+            res["hit_rate"] = hit_rate(url)
+            res["out_tok_s"] = res["ok"] * reqs[0].max_new_tokens / res["wall_s"]
+            rows[router] = res
+            serve.delete(name)
+            print(f"{router}: {res['ok']}/{res['requests']} ok in {res['wall_s']:.1f}s, {res['out_tok_s']:.1f} out tok/s,"
+                  f" TTFT p50 {res['ttft_p50_s']:.2f}s p90 {res['ttft_p90_s']:.2f}s, hit rate {res['hit_rate']:.2f}",
+                  flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print("\n| router | requests ok | wall s | output tok/s | TTFT p50 s | TTFT p90 s | cache hit rate |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for router, r in rows.items():
+        print(f"| {router} | {r['ok']}/{r['requests']} | {r['wall_s']:.1f} | {r['out_tok_s']:.1f} | "
+              f"{r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | {r['hit_rate']:.2f} |")
+    out = {k: {kk: v for kk, v in r.items() if kk != "ttfts"} for k, r in rows.items()}
+    if args.plot:
+        plot(out, Path(args.plot))
+    if len(rows) == 2:
+        out["throughput_prefix_over_pow2"] = rows["prefix"]["out_tok_s"] / rows["pow2"]["out_tok_s"]
+        out["ttft_p50_prefix_over_pow2"] = rows["prefix"]["ttft_p50_s"] / rows["pow2"]["ttft_p50_s"]
+    print(json.dumps(out))
+    return out
+
+
+def plot(rows: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k for k in rows if isinstance(rows[k], dict)]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, key, label in zip(axes, ("out_tok_s", "ttft_p50_s", "hit_rate"),
+                              ("output tokens/s", "TTFT p50 (s)", "prefix cache hit rate"), strict=True):
+        ax.bar(names, [rows[n][key] for n in names], color=["tab:green" if n == "prefix" else "tab:gray" for n in names])
+        ax.set_title(label)
+    fig.suptitle("2 replicas, bench model, gsp-small x16 over HTTP, concurrency 8")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
