@@ -155,17 +155,20 @@ class Sim:
         self.events: list = []
         self.next_report = report_s
         self.seq = 0
+        self._live_cache: list[str] | None = None  # reset on fleet changes
         for i in range(replicas):
             self.add_replica(f"r{i}")
 
     # ------------------------------------------------------------------ fleet changes
     def add_replica(self, rid: str) -> None:
+        self._live_cache = None
         self.replicas[rid] = Replica.make(rid, self.capacity, self.slots)
         self.policy.add_replica(rid, self.capacity)
         for v in range(64):
             bisect.insort(self.ring, (xxhash.xxh64_intdigest(f"{rid}#{v}".encode()), rid))
 
     def remove_replica(self, rid: str) -> None:
+        self._live_cache = None
         self.replicas[rid].alive = False
         self.policy.remove_replica(rid)
         self.ring = [x for x in self.ring if x[1] != rid]
@@ -173,12 +176,16 @@ class Sim:
     def live(self) -> list[str]:
         return [r for r, rep in self.replicas.items() if rep.alive]
 
+    def _refresh_live(self) -> list[str]:
+        self._live_cache = self.live()
+        return self._live_cache
+
     # ------------------------------------------------------------------ routing
     def route(self, req: SimRequest) -> str:
         p = self.policy_name
-        live = self.live()
-        if p == "ours":
+        if p == "ours":  # no per-request fleet scan: the policy's own structures are O(log R)
             return self.policy.choose(req.hashes, len(req.tokens), req.output)
+        live = self._live_cache if self._live_cache is not None else self._refresh_live()
         if p == "round_robin":
             self.rr += 1
             return live[self.rr % len(live)]

@@ -33,7 +33,7 @@ class PolicyConfig:
     # prefill tokens one token of outstanding work is worth, for a prefix of one replica's fair share of
     # traffic (scaled by popularity below); a replica batches requests, so queued work delays a
     # newcomer by a fraction of its size (tuned in bench/routing_sim.py)
-    load_weight: float = 0.25
+    load_weight: float = 0.4
     decode_token_cost: float = 8.0  # outstanding work of one generated token, in prefill tokens
     default_capacity_blocks: int = 4096  # index bound until a replica reports its pool size
     # Spills and new prefixes walk a consistent-hash ring from the prefix's first block and take the
@@ -42,6 +42,7 @@ class PolicyConfig:
     spill_load_factor: float = 1.25
     spill_slack_tokens: float = 256.0
     ring_vnodes: int = 32
+    small_fleet: int = 64  # up to this many replicas, cold placement may scan them all
     fill_threshold: float = 0.5  # replicas whose index is below this share of capacity get cold traffic first
     # Load sensitivity scales with a prefix's popularity (its share of recent requests x replicas):
     # a hot prefix spills readily to a second holder, a rare one stays put (a copy would only evict).
@@ -168,8 +169,9 @@ class PrefixPolicy:
             return
         if capacity_blocks:
             view.capacity_blocks = capacity_blocks
-        limit = view.capacity_blocks if cached_blocks is None else max(cached_blocks, 0)
-        self._trim(view, min(view.capacity_blocks, limit) if cached_blocks is not None else view.capacity_blocks)
+        # the replica caches no more than it says: trim the oldest guesses beyond that
+        limit = view.capacity_blocks if cached_blocks is None else min(view.capacity_blocks, max(cached_blocks, 0))
+        self._trim(view, limit)
         self._update_fill(view)
         if in_flight is not None and in_flight == 0 and view.in_flight == 0:
             self._total_outstanding -= view.outstanding
@@ -178,26 +180,31 @@ class PrefixPolicy:
 
     # ------------------------------------------------------------------ routing
     def matches(self, hashes: Sequence[int], candidates: Iterable[str] | None = None) -> dict[str, int]:
-        """Matched leading blocks per replica (only replicas with at least one)."""
+        """Matched leading blocks per replica (only replicas with at least one). Walks the chain
+        once; the set of holders only shrinks, so replicas get their depth when they drop out."""
         out: dict[str, int] = {}
         if not hashes:
             return out
-        alive = self.holders.get(hashes[0])
-        if not alive:
+        first = self.holders.get(hashes[0])
+        if not first:
             return out
-        alive = set(alive) if candidates is None else alive & set(candidates)
+        alive = first if candidates is None else first & set(candidates)
         depth = 0
         for h in hashes:
             holders = self.holders.get(h)
             if not holders:
                 break
-            alive = alive & holders
-            if not alive:
-                break
+            if not alive <= holders:
+                kept = alive & holders
+                for r in alive - kept:
+                    out[r] = depth
+                alive = kept
+                if not alive:
+                    break
             depth += 1
-            for r in alive:
-                out[r] = depth
-        return out
+        for r in alive:
+            out[r] = depth
+        return {r: d for r, d in out.items() if d > 0}
 
     def work_of(self, prompt_tokens: int, matched_tokens: int, max_new_tokens: int) -> float:
         return (prompt_tokens - matched_tokens) + self.cfg.decode_token_cost * max_new_tokens
@@ -217,11 +224,10 @@ class PrefixPolicy:
         bs = self.cfg.block_size
         w = self.cfg.load_weight * (self._popularity_scale(hashes[0]) if hashes else 1.0)
         best, best_score = cold, -w * self.replicas[cold].outstanding
-        for r, m in self.matches(hashes, cands).items():
-            load = self.replicas[r].outstanding
+        for r, m in sorted(self.matches(hashes, cands).items()):  # sorted: ties break the same every run
             if m < self.cfg.min_match_blocks:
                 continue
-            score = m * bs - w * load
+            score = m * bs - w * self.replicas[r].outstanding
             if score > best_score:
                 best, best_score = r, score
         return best
@@ -268,9 +274,15 @@ class PrefixPolicy:
         n = len(self.replicas) if allowed is None else len(allowed)
         if n == 0:
             return None
-        unfilled = self._unfilled if allowed is None else self._unfilled & allowed
-        if unfilled:
-            return min(unfilled, key=self._cold_key)
+        if n <= self.cfg.small_fleet:  # small fleets: new or emptied replicas fill first
+            unfilled = self._unfilled if allowed is None else self._unfilled & allowed
+            if unfilled:
+                return min(sorted(unfilled), key=self._cold_key)
+        elif allowed is None and self._unfilled:
+            # large fleets: the least-loaded heap (keyed by load, then index size) finds idle new replicas
+            rid = self._least_loaded()
+            if rid in self._unfilled:
+                return rid
         bound = self._load_bound(allowed)
         if key is not None and self._ring:
             ring = self._ring
@@ -287,7 +299,7 @@ class PrefixPolicy:
                     break
         if allowed is None:
             return self._least_loaded()
-        return min(allowed, key=self._cold_key)
+        return min(sorted(allowed), key=self._cold_key)
 
     def _cold_key(self, rid: str) -> tuple:
         v = self.replicas[rid]

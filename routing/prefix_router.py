@@ -137,8 +137,11 @@ class PrefixAwareRequestRouter(RequestRouter):
             view.stats_seq = seq
             self.policy.forget_hashes(rid, stats.get("removed", ()))
             self.policy.learn_hashes(rid, stats.get("stored", ()))
+            # The stored/removed hashes keep the index exact; only when the replica had to drop some
+            # (truncated) does its cached-block count bound the index instead.
             self.policy.report(rid, capacity_blocks=stats.get("kv_total_blocks"),
-                               cached_blocks=stats.get("cached_blocks"), in_flight=stats.get("queue"))
+                               cached_blocks=stats.get("cached_blocks") if stats.get("truncated") else None,
+                               in_flight=stats.get("queue"))
 
     # ------------------------------------------------------------------ lifecycle hooks
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
