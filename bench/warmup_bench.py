@@ -59,6 +59,9 @@ def run_variant(name: str, top_k: int, model_dir: str, redis_url: str, port: int
     deadline = time.monotonic() + 60  # wait for the new replicas' first metrics
     while time.monotonic() < deadline and len(set(metrics(url, "radixserve_cache_blocks_total")) - old) < 2:
         time.sleep(0.5)
+    # Two tiny requests (shorter than a block: nothing to hit) open the new ingress' routing path, so
+    # the measured TTFTs are about the replicas' caches, not the handle's start-up.
+    asyncio.run(run_load(url, [[5, 6, 7, 8], [9, 10, 11, 12]], 1, 1))
     res = asyncio.run(run_load(url, [r.prompt for r in after], after[0].max_new_tokens, args.concurrency))
     time.sleep(2.5)
     first = {r: v for r, v in metrics(url, "radixserve_first_request_cached_tokens").items() if r not in old}

@@ -111,8 +111,8 @@ class LLMServer:
                    "replica": self.replica_id}
 
     def _note_finished(self, prompt_ids: list[int], cached: int, salt: str | None, prefill_only: bool) -> None:
-        if self.first_request_cached_tokens is None and not prefill_only:
-            self.first_request_cached_tokens = cached
+        if self.first_request_cached_tokens is None and not prefill_only and len(prompt_ids) > self.block_size:
+            self.first_request_cached_tokens = cached  # (a prompt within one block could never hit)
         if self.directory is None or salt:
             return
         shared = len(prompt_ids) if prefill_only else cached  # what this request proved to be shared
