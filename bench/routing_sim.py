@@ -123,7 +123,6 @@ class Replica:
     queue: list = field(default_factory=list)
     work_s: float = 0.0
     alive: bool = True
-    reported_evictions: list[int] = field(default_factory=list)
 
     @classmethod
     def make(cls, rid: str, capacity_blocks: int, slots: int) -> Replica:
@@ -146,7 +145,7 @@ class Sim:
                            default_capacity_blocks=capacity_blocks)
         if load_weight is not None:
             cfg.load_weight = load_weight
-        self.policy = PrefixPolicy(cfg, seed=seed)  # ours, and the index the Ray/SGLang-likes use
+        self.policy = PrefixPolicy(cfg)  # ours, and the index the Ray/SGLang-likes use
         self.rr = 0
         self.ring: list[tuple[int, str]] = []
         self.ttft: list[float] = []

@@ -161,7 +161,7 @@ class LLMEngine:
         self._pending_finished = []
         plan = self.scheduler.schedule()
         for seq in plan.finished_at_admission:
-            events.append(self._finish(seq, "warmup", already_released=True))
+            events.append(self._finish(seq, "warmup"))
         if not plan.chunks:
             return events
         self.stats.steps += 1
@@ -179,8 +179,7 @@ class LLMEngine:
             if wants:
                 to_sample.append(seq)
             elif seq.prefill_only and seq.num_computed == seq.num_tokens:
-                self.scheduler.remove(seq)
-                events.append(self._finish(seq, "warmup", already_released=True))
+                events.append(self._finish(seq, "warmup"))
         if to_sample:
             if self.capture_logits is not None:
                 for row, seq in zip(logits, to_sample, strict=True):
@@ -217,13 +216,12 @@ class LLMEngine:
                               num_prompt_tokens=len(seq.prompt_ids),
                               num_cached_tokens=seq.num_cached_prompt_tokens,
                               num_output_tokens=len(seq.output_ids))
-        self.scheduler.remove(seq)
-        ev = self._finish(seq, reason, already_released=True)
+        ev = self._finish(seq, reason)
         ev.token_id, ev.logprob = tok, logprob
         return ev
 
-    def _finish(self, seq: Sequence, reason: str, already_released: bool = False) -> TokenEvent:
-        if not already_released and seq.status is not Status.FINISHED:
+    def _finish(self, seq: Sequence, reason: str) -> TokenEvent:
+        if seq.status is not Status.FINISHED:  # still queued or running: give its blocks back
             self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

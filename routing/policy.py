@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -66,12 +65,11 @@ class ReplicaView:
 
 
 class PrefixPolicy:
-    def __init__(self, config: PolicyConfig | None = None, seed: int = 0):
+    def __init__(self, config: PolicyConfig | None = None):
         self.cfg = config or PolicyConfig()
         self.replicas: dict[str, ReplicaView] = {}
         self.holders: dict[int, set[str]] = {}  # block hash -> replicas whose index has it
         self._counter = 0
-        self._rng = random.Random(seed)
         self._heap: list[tuple] = []  # (outstanding, index size, last cold, version, id), lazily refreshed
         self._ring: list[tuple[int, str]] = []  # (point, replica): consistent-hash order for cold routes
         self._total_outstanding = 0.0
