@@ -126,7 +126,7 @@ class Replica:
 
     @classmethod
     def make(cls, rid: str, capacity_blocks: int, slots: int) -> Replica:
-        cache = RadixCache(BS, record_events=True)
+        cache = RadixCache(BS, "sim", record_events=True, reuse_bonus=capacity_blocks)
         return cls(rid, cache, BlockAllocator(capacity_blocks, BS, cache), slots)
 
 
@@ -291,7 +291,7 @@ class Sim:
 
 
 def oracle_hit_rate(w: Workload, n: int, capacity_blocks: int, seed: int) -> float:
-    cache = RadixCache(BS)
+    cache = RadixCache(BS, reuse_bonus=capacity_blocks)
     alloc = BlockAllocator(capacity_blocks, BS, cache)
     hit = total = 0
     for req in generate(w, n, 1.0, seed):

@@ -14,6 +14,7 @@ Locking a node locks its whole path, so an interior node is never evicted before
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ class Node:
     children: dict[bytes, Node] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    reused: bool = False  # matched by a later request (or warmed on purpose): protected from eviction
     seed_hash: int = 0  # roots only: the chain's starting hash
     salt: str | None = None  # roots only
     alive: bool = True
@@ -73,15 +75,27 @@ class CacheCounters:
 
 
 class RadixCache:
-    def __init__(self, block_size: int, model_id: str = "", record_events: bool = False):
+    def __init__(self, block_size: int, model_id: str = "", record_events: bool = False,
+                 reuse_bonus: int = 0):
+        """``reuse_bonus``: how many cache operations (lookups + inserts) longer a block that was
+        reused, or recomputed soon after its eviction, outlives one that never was. Prompts' unique
+        tails (a question, a generated answer) would otherwise push out a shared system prompt as
+        soon as it is a little older than them (plain LRU is not scan-resistant). 0 is plain LRU;
+        the engine passes about its pool size."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if reuse_bonus < 0:
+            raise ValueError(f"reuse_bonus must be >= 0, got {reuse_bonus}")
         self.block_size = block_size
         self.model_id = model_id
+        self.reuse_bonus = reuse_bonus
+        # hashes of recently evicted blocks (bounded): a block computed again soon after eviction is
+        # in demand, so it comes back protected (the "ghost" list of ARC)
+        self._ghost: OrderedDict[int, None] = OrderedDict()
         self._step = block_size * 4
         self._roots: dict[str | None, Node] = {}
         self._clock = 0
-        self._heap: list[tuple[int, int, Node]] = []  # (last_access, tiebreak, leaf), lazily refreshed
+        self._heap: list[tuple[int, int, Node]] = []  # (eviction key, tiebreak, leaf), lazily refreshed
         self._tiebreak = 0
         self._num_nodes = 0
         self.evictable_blocks = 0
@@ -141,6 +155,7 @@ class RadixCache:
             if m < len(child.blocks):
                 child = self._split(child, m)
             child.last_access = self._clock
+            child.reused = True
             blocks.extend(child.blocks)
             hashes.extend(child.hashes)
             pos += m * step
@@ -169,7 +184,7 @@ class RadixCache:
         parent = node.parent
         assert parent is not None and 0 < m < len(node.blocks)
         prefix = Node(key=node.key[:cut], blocks=node.blocks[:m], hashes=node.hashes[:m],
-                      parent=parent, lock_ref=node.lock_ref, last_access=node.last_access)
+                      parent=parent, lock_ref=node.lock_ref, last_access=node.last_access, reused=node.reused)
         parent.children[node.key[: self._step]] = prefix
         node.key, node.blocks, node.hashes = node.key[cut:], node.blocks[m:], node.hashes[m:]
         node.parent = prefix
@@ -179,10 +194,11 @@ class RadixCache:
 
     # ----------------------------------------------------------------- insert
     def insert(self, token_ids: Sequence[int], blocks: Sequence[int],
-               cache_salt: str | None = None) -> InsertResult:
+               cache_salt: str | None = None, protect: bool = False) -> InsertResult:
         """Publish ``blocks`` (whose KV is already written) as the cache of ``token_ids``'s first
         ``len(blocks)`` full blocks. Where the prefix is already cached the cached blocks win and the
-        caller's duplicates come back as ``redundant``."""
+        caller's duplicates come back as ``redundant``. ``protect``: count the span as reused (warm-up
+        prefills prefixes known to be hot)."""
         k = len(blocks)
         if len(token_ids) < k * self.block_size:
             raise ValueError(f"{k} blocks need {k * self.block_size} tokens, got {len(token_ids)}")
@@ -201,13 +217,14 @@ class RadixCache:
             if child is None:
                 new_hashes = chain_hashes(packed[pos:], self.block_size, node.tail_hash())
                 leaf = Node(key=packed[pos:], blocks=list(blocks[i:]), hashes=new_hashes, parent=node,
-                            last_access=self._clock)
+                            last_access=self._clock, reused=protect)
                 node.children[packed[pos:pos + step]] = leaf
                 self._num_nodes += 1
                 self.evictable_blocks += len(leaf.blocks)
                 self.counters.inserted_blocks += len(leaf.blocks)
                 self._push(leaf)
                 canonical.extend(leaf.blocks)
+                self._protect_returning(leaf)  # may split it: after reading its blocks
                 if self.record_events:
                     self._event("stored", list(new_hashes))
                 return InsertResult(leaf, canonical, redundant, new_hashes)
@@ -219,10 +236,25 @@ class RadixCache:
                 if blocks[i + j] != cached:
                     redundant.append(blocks[i + j])
             child.last_access = self._clock
+            child.reused = child.reused or protect
             i += m
             pos += m * step
             node = child
         return InsertResult(node, canonical, redundant, new_hashes)
+
+    def _protect_returning(self, leaf: Node) -> None:
+        """Mark the leading blocks of a new leaf that were evicted recently as reused."""
+        if not self._ghost or leaf.reused:
+            return
+        n = 0
+        for h in leaf.hashes:
+            if h not in self._ghost:
+                break
+            n += 1
+        if n == len(leaf.blocks):
+            leaf.reused = True
+        elif n:
+            self._split(leaf, n).reused = True
 
     # ----------------------------------------------------------------- locking
     def lock(self, node: Node) -> None:
@@ -248,9 +280,12 @@ class RadixCache:
             self._push(leaf)
 
     # ----------------------------------------------------------------- eviction
+    def _evict_key(self, node: Node) -> int:
+        return node.last_access + (self.reuse_bonus if node.reused else 0)
+
     def _push(self, leaf: Node) -> None:
         self._tiebreak += 1
-        heapq.heappush(self._heap, (leaf.last_access, self._tiebreak, leaf))
+        heapq.heappush(self._heap, (self._evict_key(leaf), self._tiebreak, leaf))
         if len(self._heap) > 2 * self._num_nodes + 64:
             self._rebuild_heap()
 
@@ -260,7 +295,7 @@ class RadixCache:
         for node in self._iter_nodes():
             if node.lock_ref == 0 and not node.children:
                 self._tiebreak += 1
-                entries.append((node.last_access, self._tiebreak, node))
+                entries.append((self._evict_key(node), self._tiebreak, node))
         heapq.heapify(entries)
         self._heap = entries
 
@@ -270,15 +305,16 @@ class RadixCache:
             stamp, _, node = heapq.heappop(heap)
             if not node.alive or node.lock_ref or node.children:
                 continue  # stale: it will be pushed again when it becomes evictable
-            if stamp != node.last_access:  # touched since: re-queue at its true age
+            if stamp != self._evict_key(node):  # touched since: re-queue at its true age
                 self._tiebreak += 1
-                heapq.heappush(heap, (node.last_access, self._tiebreak, node))
+                heapq.heappush(heap, (self._evict_key(node), self._tiebreak, node))
                 continue
             return node
         return None
 
     def evict(self, num_blocks: int) -> list[int]:
-        """Free up to ``num_blocks`` blocks from unlocked leaves, least recently used first; a leaf
+        """Free up to ``num_blocks`` blocks from unlocked leaves, least recently used first (a reused
+        leaf counts as ``reuse_bonus`` operations younger than it is); a leaf
         is cut from its tail when only part of it is needed. Returns the freed block ids."""
         freed: list[int] = []
         while len(freed) < num_blocks:
@@ -293,6 +329,11 @@ class RadixCache:
             self.counters.evicted_blocks += take
             if self.record_events:
                 self._event("removed", removed)
+            if self.reuse_bonus:
+                ghost = self._ghost
+                ghost.update(dict.fromkeys(removed))
+                while len(ghost) > 4 * self.reuse_bonus:  # remembers a few pools of evictions
+                    ghost.popitem(last=False)
             if cut:
                 leaf.key, leaf.blocks, leaf.hashes = leaf.key[: cut * self._step], leaf.blocks[:cut], leaf.hashes[:cut]
                 self._push(leaf)

@@ -13,7 +13,8 @@ class KVManager:
                  model_id: str = "", window_size: int | None = None):
         self.block_size = block_size
         self.window_size = window_size
-        self.cache = RadixCache(block_size, model_id) if prefix_caching else None
+        # reused prefixes outlive unique tails by about one pool's worth of cache operations
+        self.cache = RadixCache(block_size, model_id, reuse_bonus=num_blocks) if prefix_caching else None
         self.allocator = BlockAllocator(num_blocks, block_size, self.cache)
 
     @property
@@ -73,7 +74,9 @@ class KVManager:
         full = written // self.block_size
         if full <= seq.num_cached_blocks:
             return
-        res = self.cache.insert(seq.tokens, seq.block_table[:full], cache_salt=seq.params.cache_salt)
+        # warm-up prefills prefixes known to be hot: protect them like reused ones
+        res = self.cache.insert(seq.tokens, seq.block_table[:full], cache_salt=seq.params.cache_salt,
+                                protect=seq.prefill_only)
         self.cache.lock(res.node)
         if seq.lock_node is not None:
             self.cache.unlock(seq.lock_node)

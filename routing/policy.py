@@ -1,50 +1,53 @@
-"""Prefix-aware routing policy: affinity, a per-candidate load gate, and cold spreading.
+"""Prefix-aware routing policy: affinity, a per-candidate load bound, and cold spreading.
 
 Pure Python (no Ray, no torch), shared by the Ray Serve request router and the simulator.
 
 The router keeps, per replica, an approximate index of the block-hash chains it has sent there (the
-same ``cache.hashing`` chains the engines cache), bounded by that replica's KV capacity with LRU
-order, and corrected by what replicas report. A request is scored on each candidate as
-
-    score = matched_tokens - load_weight * outstanding_work
-
-in prefill-token units: a cached block saves its tokens' prefill, and work already queued on a replica
-delays the request by about as much. So a hot prefix stays on its holder until the holder is busier
-than the prefill it would save, then spills to a second replica, which caches it too. Requests that
-match nowhere go to the least-loaded replica, ties broken by the emptiest index and then by the
-replica that got a cold request least recently, so new and restarted replicas fill first.
+same ``cache.hashing`` chains the engines cache), bounded by that replica's KV capacity and trimmed
+the way the replica evicts (``routing.block_index``), corrected by what replicas report. A request
+goes to the replica that holds the longest part of its prefix, unless that holder's recent work rate
+is above the fleet's mean by more than a tolerance; the tolerance shrinks as the prefix gets more
+popular, so a hot prefix gets a second holder early and a rare one is never copied for balance
+(a copy costs a full prefill and evicts something else). Among equal holders the least busy one
+wins, which splits a hot prefix's traffic between its copies. A request that matches nowhere goes
+to the replica that holds the fewest prefixes among those under the load bounds, so caches fill
+evenly and new or restarted replicas fill first. Work rates (decayed sums of routed work) balance
+the long run; outstanding work bounds bursts.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 
+from routing.block_index import BlockIndex
+
 
 @dataclass
 class PolicyConfig:
     block_size: int = 16
-    # prefill tokens one token of outstanding work is worth, for a prefix of one replica's fair share of
-    # traffic (scaled by popularity below); a replica batches requests, so queued work delays a
-    # newcomer by a fraction of its size (tuned in bench/routing_sim.py)
-    load_weight: float = 0.4
+    # prefill tokens one token of outstanding work costs a holder's score, for a prefix of one
+    # replica's fair share of traffic (scaled by popularity). 0: holders are ranked by match length,
+    # then by recent work; bursts are still bounded by spill_load_factor below.
+    load_weight: float = 0.0
     decode_token_cost: float = 8.0  # outstanding work of one generated token, in prefill tokens
     default_capacity_blocks: int = 4096  # index bound until a replica reports its pool size
-    # Spills and new prefixes walk a consistent-hash ring from the prefix's first block and take the
-    # first replica whose outstanding work is under spill_load_factor x the fleet mean (+ slack), so
-    # a hot prefix spills to the same second replica each time instead of being copied everywhere.
+    # A holder whose recent work rate exceeds the fleet mean x (1 + rate_tolerance / popularity)
+    # gets no more of that prefix; rates decay with this half-life (in routed requests).
+    rate_tolerance: float = 0.08
+    rate_half_life: float = 2000.0
+    # Nor does any replica whose outstanding work exceeds spill_load_factor x the fleet mean + slack.
     spill_load_factor: float = 1.25
     spill_slack_tokens: float = 256.0
-    ring_vnodes: int = 32
-    small_fleet: int = 64  # up to this many replicas, cold placement may scan them all
+    ring_vnodes: int = 32  # large fleets place cold prefixes by a consistent-hash ring walk
+    small_fleet: int = 64  # up to this many replicas, cold placement scans them all
+    heads_slack: int = 2  # a new prefix may go to a replica holding this many more prefixes than the emptiest
     fill_threshold: float = 0.5  # replicas whose index is below this share of capacity get cold traffic first
-    # Load sensitivity scales with a prefix's popularity (its share of recent requests x replicas):
-    # a hot prefix spills readily to a second holder, a rare one stays put (a copy would only evict).
+    # Popularity: a prefix's share of recent requests x replicas (1.0 = one replica's fair share).
     popularity_half_life: float = 2000.0  # requests
     popularity_min_scale: float = 0.1
     popularity_max_scale: float = 4.0
@@ -55,13 +58,16 @@ class PolicyConfig:
 class ReplicaView:
     replica_id: str
     capacity_blocks: int
-    index: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU first
+    index: BlockIndex = field(default_factory=BlockIndex)  # block hashes it likely caches
     outstanding: float = 0.0  # estimated work routed here and not completed (prefill tokens)
     in_flight: int = 0
     last_cold: int = 0  # routing counter when it last received a cold request
     routed: int = 0
     version: int = 0  # bumps when its load key changes (lazy heap of least-loaded replicas)
     stats_seq: int | None = None  # last replica report folded in
+    recent: float = 0.0  # decayed sum of work routed here (see PolicyConfig.rate_half_life)
+    recent_at: int = 0  # routing counter when ``recent`` was last brought up to date
+    heads: set = field(default_factory=set)  # first blocks of the prefixes in its index
 
 
 class PrefixPolicy:
@@ -76,6 +82,7 @@ class PrefixPolicy:
         self._unfilled: set[str] = set()  # replicas whose index is still small (new, restarted)
         self._pop: dict[int, tuple[float, int]] = {}  # first-block hash -> (decayed count, at request n)
         self._pop_total = (0.0, 0)
+        self._recent_total = (0.0, 0)
         self.affinity_hits = 0
         self.cold_routes = 0
 
@@ -95,6 +102,7 @@ class PrefixPolicy:
         if view is None:
             return
         self._total_outstanding -= view.outstanding
+        self._recent_total = (self._decayed(self._recent_total) - self._decayed((view.recent, view.recent_at)), self._counter)
         self._unfilled.discard(replica_id)
         self._ring = [x for x in self._ring if x[1] != replica_id]
         for h in view.index:
@@ -113,13 +121,12 @@ class PrefixPolicy:
             self.add_replica(rid)
 
     # ------------------------------------------------------------------ index upkeep
-    def _touch(self, view: ReplicaView, hashes: Sequence[int]) -> None:
+    def _touch(self, view: ReplicaView, hashes: Sequence[int], from_root: bool = True) -> None:
         idx = view.index
+        if from_root and hashes:
+            view.heads.add(hashes[0])
         for h in hashes:
-            if h in idx:
-                idx.move_to_end(h)
-            else:
-                idx[h] = None
+            if idx.touch(h):
                 self.holders.setdefault(h, set()).add(view.replica_id)
         self._trim(view, view.capacity_blocks)
         self._update_fill(view)
@@ -132,11 +139,13 @@ class PrefixPolicy:
 
     def _trim(self, view: ReplicaView, limit: int) -> None:
         idx = view.index
-        while len(idx) > limit:
-            h, _ = idx.popitem(last=False)
+        for h in idx.trim(limit):
             self._drop_holder(h, view.replica_id)
 
     def _drop_holder(self, h: int, replica_id: str) -> None:
+        v = self.replicas.get(replica_id)
+        if v is not None:
+            v.heads.discard(h)
         s = self.holders.get(h)
         if s is not None:
             s.discard(replica_id)
@@ -149,7 +158,7 @@ class PrefixPolicy:
         if view is None:
             return
         for h in hashes:
-            if view.index.pop(h, 0) is None:
+            if view.index.discard(h):
                 self._drop_holder(h, replica_id)
         self._update_fill(view)
 
@@ -210,25 +219,45 @@ class PrefixPolicy:
     def choose(self, hashes: Sequence[int], prompt_tokens: int, max_new_tokens: int = 0,
                candidates: Sequence[str] | None = None) -> str | None:
         """The best candidate. Cheap at any fleet size: only replicas that hold the prefix are scored
-        one by one; every other replica competes through the least-loaded of them (a heap)."""
+        one by one; the cold choice scans small fleets and walks a ring (or a heap) in large ones."""
         if candidates is None or len(candidates) >= len(self.replicas):
             cands = None
-            cold = self._cold_choice(hashes[0] if hashes else None, None)
         else:
             cands = [c for c in candidates if c in self.replicas]
-            cold = self._cold_choice(hashes[0] if hashes else None, set(cands)) if cands else None
+            if not cands:
+                return None
+        allowed = None if cands is None else set(cands)
+        matched = self.matches(hashes, cands)
+        cold = self._cold_choice(hashes[0] if hashes else None, allowed, spill=bool(matched))
         if cold is None:
             return None
         bs = self.cfg.block_size
-        w = self.cfg.load_weight * (self._popularity_scale(hashes[0]) if hashes else 1.0)
-        best, best_score = cold, -w * self.replicas[cold].outstanding
-        for r, m in sorted(self.matches(hashes, cands).items()):  # sorted: ties break the same every run
+        pop = self._popularity_scale(hashes[0]) if hashes else 1.0
+        w = self.cfg.load_weight * pop
+        rate_bound = self._rate_bound(allowed, pop)
+        best, best_score = cold, (-w * self.replicas[cold].outstanding, 0.0)
+        for r, m in sorted(matched.items()):  # sorted: ties break the same every run
             if m < self.cfg.min_match_blocks:
                 continue
-            score = m * bs - w * self.replicas[r].outstanding
+            view = self.replicas[r]
+            recent = self._recent(view)
+            if recent > rate_bound:
+                continue
+            score = (m * bs - w * view.outstanding, -recent)
             if score > best_score:
                 best, best_score = r, score
         return best
+
+    def _recent(self, view: ReplicaView) -> float:
+        return self._decayed((view.recent, view.recent_at), self.cfg.rate_half_life)
+
+    def _rate_bound(self, allowed: set[str] | None, pop: float) -> float:
+        """Recent work above which a replica gets no more of a prefix of this popularity."""
+        n = len(self.replicas) if allowed is None else len(allowed)
+        total = self._decayed(self._recent_total, self.cfg.rate_half_life) if allowed is None else sum(
+            self._recent(self.replicas[r]) for r in allowed)
+        # + one big prompt's worth: no bound at all while the fleet is nearly idle
+        return total / max(n, 1) * (1.0 + self.cfg.rate_tolerance / pop) + 2048.0
 
     def rank(self, hashes: Sequence[int], prompt_tokens: int, max_new_tokens: int = 0,
              candidates: Sequence[str] | None = None) -> list[str]:
@@ -239,9 +268,9 @@ class PrefixPolicy:
             return []
         return [best] + sorted((c for c in cands if c != best), key=self._cold_key)
 
-    def _decayed(self, entry: tuple[float, int]) -> float:
+    def _decayed(self, entry: tuple[float, int], half_life: float | None = None) -> float:
         value, at = entry
-        return value * 0.5 ** ((self._counter - at) / self.cfg.popularity_half_life)
+        return value * 0.5 ** ((self._counter - at) / (half_life or self.cfg.popularity_half_life))
 
     def _popularity_scale(self, key: int) -> float:
         """This prefix's share of recent requests, in units of one replica's fair share, clamped."""
@@ -265,39 +294,61 @@ class PrefixPolicy:
         total = self._total_outstanding if allowed is None else sum(self.replicas[r].outstanding for r in allowed)
         return self.cfg.spill_load_factor * total / max(n, 1) + self.cfg.spill_slack_tokens
 
-    def _cold_choice(self, key: int | None, allowed: set[str] | None) -> str | None:
-        """Where a request goes when no holder is worth it: a new or emptied replica first (so it fills),
-        else the first replica on the prefix's ring walk whose load is under the bound, else the least
-        loaded."""
+    def _cold_choice(self, key: int | None, allowed: set[str] | None, spill: bool = False) -> str | None:
+        """Where a request goes when no holder takes it, among replicas under both load bounds: a new
+        prefix to the replica holding the fewest prefixes (caches fill evenly, new replicas first), a
+        spilled one to the least busy. Large fleets: an idle new replica, else the first replica
+        under the bounds on the prefix's ring walk. Everyone over the bounds: the least loaded."""
         n = len(self.replicas) if allowed is None else len(allowed)
         if n == 0:
             return None
-        if n <= self.cfg.small_fleet:  # small fleets: new or emptied replicas fill first
-            unfilled = self._unfilled if allowed is None else self._unfilled & allowed
-            if unfilled:
-                return min(sorted(unfilled), key=self._cold_key)
+        bound = self._load_bound(allowed)
+        rate_bound = self._rate_bound(allowed, 1.0)
+
+        def ok(rid: str) -> bool:
+            view = self.replicas[rid]
+            return view.outstanding <= bound and self._recent(view) <= rate_bound
+
+        if n <= self.cfg.small_fleet:
+            pool = [r for r in sorted(self.replicas if allowed is None else allowed) if ok(r)]
+            if pool:
+                if spill:
+                    return min(pool, key=lambda r: self._recent(self.replicas[r]))
+                unfilled = [r for r in pool if r in self._unfilled]  # new or emptied replicas fill first
+                fewest = min(len(self.replicas[r].heads) for r in pool) + self.cfg.heads_slack
+                roomy = unfilled or [r for r in pool if len(self.replicas[r].heads) <= fewest]
+                if key is None or len(roomy) == 1 or unfilled:
+                    return min(roomy, key=lambda r: (len(self.replicas[r].heads), self._recent(self.replicas[r])))
+                return self._ring_walk(key, set(roomy))
         elif allowed is None and self._unfilled:
             # large fleets: the least-loaded heap (keyed by load, then index size) finds idle new replicas
             rid = self._least_loaded()
             if rid in self._unfilled:
                 return rid
-        bound = self._load_bound(allowed)
-        if key is not None and self._ring:
-            ring = self._ring
-            start = bisect.bisect_left(ring, (key, ""))
-            seen = 0
-            for i in range(len(ring)):
-                point, rid = ring[(start + i) % len(ring)]
-                if allowed is not None and rid not in allowed:
-                    continue
-                if self.replicas[rid].outstanding <= bound:
-                    return rid
-                seen += 1
-                if seen > 4 * self.cfg.ring_vnodes:  # everyone is busy: fall through to least loaded
-                    break
+        if key is not None and n > self.cfg.small_fleet:
+            rid = self._ring_walk(key, allowed, ok)
+            if rid is not None:
+                return rid
         if allowed is None:
             return self._least_loaded()
         return min(sorted(allowed), key=self._cold_key)
+
+    def _ring_walk(self, key: int, allowed: set[str] | None, ok=None) -> str | None:
+        """The first replica (in ``allowed``, passing ``ok``) on the consistent-hash ring from ``key``:
+        a prefix nobody is known to hold goes where it went last time, where it may still be cached."""
+        ring = self._ring
+        start = bisect.bisect_left(ring, (key, ""))
+        seen = 0
+        for i in range(len(ring)):
+            rid = ring[(start + i) % len(ring)][1]
+            if allowed is not None and rid not in allowed:
+                continue
+            if ok is None or ok(rid):
+                return rid
+            seen += 1
+            if seen > 4 * self.cfg.ring_vnodes:  # everyone is busy
+                break
+        return None
 
     def _cold_key(self, rid: str) -> tuple:
         v = self.replicas[rid]
@@ -340,6 +391,9 @@ class PrefixPolicy:
             self.cold_routes += 1
             view.last_cold = self._counter
         work = self.work_of(prompt_tokens, m * self.cfg.block_size, max_new_tokens)
+        hl = self.cfg.rate_half_life
+        view.recent, view.recent_at = self._recent(view) + work, self._counter
+        self._recent_total = (self._decayed(self._recent_total, hl) + work, self._counter)
         view.outstanding += work
         self._total_outstanding += work
         view.in_flight += 1

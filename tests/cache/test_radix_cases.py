@@ -86,6 +86,53 @@ def test_oldest_evicted_first_and_touch_refreshes():
     alloc.check_invariants([])
 
 
+def test_shared_prompt_outlives_the_unique_questions_after_it():
+    # plain LRU would evict the system prompt first: its last use is older than every question
+    cache = RadixCache(BS, reuse_bonus=100)
+    alloc = BlockAllocator(12, BS, cache)
+    system = [9] * 8
+    sys_blocks = publish(cache, alloc, system + [1] * 4)  # 2 prompt blocks + 1 question block
+    publish(cache, alloc, system + [2] * 4)  # hits the prompt: it is now "reused"
+    for q in range(3, 12):  # unique prompts fill the pool and force evictions
+        publish(cache, alloc, [q] * 12)
+    assert cache.match(system + [0]).blocks == sys_blocks[:2]
+    alloc.check_invariants([])
+
+
+def test_reuse_bonus_is_bounded_and_plain_lru_without_it():
+    for bonus, prompt_survives in ((100, True), (2, False), (0, False)):
+        cache = RadixCache(BS, reuse_bonus=bonus)
+        alloc = BlockAllocator(4, BS, cache)
+        a = publish(cache, alloc, [1] * 8)
+        cache.match([1] * 9)  # reused
+        for q in range(2, 6):
+            publish(cache, alloc, [q] * 4)  # 4 operations later, each evicting one block
+        assert (cache.match([1] * 9).blocks == a) == prompt_survives, bonus
+
+
+def test_prefix_recomputed_soon_after_its_eviction_comes_back_protected():
+    cache = RadixCache(BS, reuse_bonus=100)
+    alloc = BlockAllocator(6, BS, cache)
+    prompt = [5] * 8
+    publish(cache, alloc, prompt)
+    alloc.free(cache.evict(2))  # gone, but remembered
+    again = publish(cache, alloc, prompt + [6] * 4)  # computed again: its 2 blocks return protected
+    for q in range(7, 10):
+        publish(cache, alloc, [q] * 8)  # newer unique prompts: the returning prefix outlives them
+    assert cache.match(prompt + [6] * 4 + [0]).blocks == again[:2]  # its question was not protected
+    alloc.check_invariants([])
+
+
+def test_warm_up_inserts_can_be_protected_up_front():
+    cache = RadixCache(BS, reuse_bonus=100)
+    alloc = BlockAllocator(4, BS, cache)
+    hot = alloc.allocate(2)
+    cache.insert([4] * 8, hot, protect=True)
+    for q in range(1, 4):
+        publish(cache, alloc, [q] * 8)
+    assert cache.match([4] * 9).blocks == hot
+
+
 def test_partial_eviction_of_a_leaf_keeps_its_head():
     cache, alloc = make()
     blocks = publish(cache, alloc, list(range(16)))

@@ -2,7 +2,9 @@
 
 Any interleaving of request (match + lock + allocate), insert, finish (unlock + free) and evict
 must keep the pool's books balanced, hand no block out twice, never evict a block a live request
-uses, evict least-recently-used leaves first, and match exactly what the reference has cached.
+uses, evict least-recently-used leaves first, and match exactly what the reference has cached. The
+second machine runs with reuse protection: a reused (or recomputed-after-eviction) block counts as
+``BONUS`` operations younger than it is.
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ class Req:
 
 class CacheMachine(RuleBasedStateMachine):
     reqs = Bundle("reqs")
+    BONUS = 0
 
     def __init__(self):
         super().__init__()
-        self.cache = RadixCache(BS)
+        self.cache = RadixCache(BS, reuse_bonus=self.BONUS)
         self.alloc = BlockAllocator(POOL, BS, self.cache)
         self.ref: dict[tuple, int] = {}  # (salt, prefix tokens) -> block id, one entry per cached block
         self.access: dict[tuple, int] = {}
+        self.reused: set[tuple] = set()  # keys matched by a later request (or back soon after eviction)
+        self.ghost: set[tuple] = set()  # keys evicted so far (the test never fills the cache's ghost list)
         self.clock = 0
         self.live: list[Req] = []
 
@@ -78,6 +83,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert m.blocks == [self.ref[k] for k in keys]
         self.cache.lock(m.node)
         self._touch(keys)
+        self.reused.update(keys)
         need = -(-len(tokens) // BS) - len(m.blocks)
         evictable_before = self.cache.evictable_blocks
         locked_before = self._locked_keys()
@@ -99,6 +105,11 @@ class CacheMachine(RuleBasedStateMachine):
         full = len(req.tokens) // BS
         res = self.cache.insert(list(req.tokens), req.table[:full], cache_salt=req.salt)
         keys = self._prefixes(req.salt, req.tokens, full)
+        if self.BONUS:
+            for k in (k for k in keys if k not in self.ref):  # the new leaf's leading returning blocks
+                if k not in self.ghost:
+                    break
+                self.reused.add(k)
         for i, k in enumerate(keys):
             if k in self.ref:
                 assert res.blocks[i] == self.ref[k], "cached block must win over the duplicate"
@@ -141,9 +152,14 @@ class CacheMachine(RuleBasedStateMachine):
             "evicted a block that still has cached children"
         leaves = [k for k in self.ref if k not in locked and not any(
             s == k[0] and len(t) == len(k[1]) + BS and t[: len(k[1])] == k[1] for s, t in self.ref)]
-        assert self.access[key] == min(self.access[x] for x in leaves), "not least recently used"
+        assert self._age(key) == min(self._age(x) for x in leaves), "not least recently used"
         del self.ref[key]
         del self.access[key]
+        self.reused.discard(key)
+        self.ghost.add(key)
+
+    def _age(self, key) -> int:
+        return self.access[key] + (self.BONUS if key in self.reused else 0)
 
     def _sync_evictions(self, locked):
         """Allocation may have evicted: drop from the reference whatever the cache no longer has."""
@@ -151,7 +167,7 @@ class CacheMachine(RuleBasedStateMachine):
         gone = [b for b in self.ref.values() if b not in cached]
         # replay in LRU order so each step is checked against the reference policy
         key_of = {v: k for k, v in self.ref.items()}
-        gone.sort(key=lambda b: (self.access[key_of[b]], -len(key_of[b][1])))
+        gone.sort(key=lambda b: (self._age(key_of[b]), -len(key_of[b][1])))
         for b in gone:
             self._evict_ref_block(b, locked)
 
@@ -161,5 +177,11 @@ class CacheMachine(RuleBasedStateMachine):
         assert sorted(self.cache.block_ids()) == sorted(self.ref.values())
 
 
-CacheMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=50, deadline=None)
+class ProtectedCacheMachine(CacheMachine):
+    BONUS = 6  # a few operations: reused blocks usually, not always, outlive fresh ones
+
+
+for machine in (CacheMachine, ProtectedCacheMachine):
+    machine.TestCase.settings = settings(max_examples=400, stateful_step_count=50, deadline=None)
 TestCacheMachine = CacheMachine.TestCase
+TestProtectedCacheMachine = ProtectedCacheMachine.TestCase

@@ -116,6 +116,7 @@ def test_index_never_outgrows_the_replica_and_holders_stay_consistent(ops, capac
             p.on_completed(r, w)
         for view in p.replicas.values():
             assert len(view.index) <= capacity
+            assert view.heads <= set(view.index)
     expect: dict[int, set[str]] = {}
     for rid, view in p.replicas.items():
         for h in view.index:
@@ -138,3 +139,32 @@ def test_popular_prefix_spills_sooner_than_a_rare_one():
         p.replicas[rid].outstanding = 600.0
     assert route(p, rare + [1])[0] == r_rare
     assert route(p, hot + [99])[0] not in hot_holders
+
+
+def test_shared_prefix_outlives_unique_tails_in_the_index():
+    # the replica's cache protects a reused prompt; the router's guess must not drop it first
+    p = fleet(1)
+    p.replicas["r0"].capacity_blocks = 12
+    shared = block_hashes(prompt(1, n_blocks=4), BS)
+    for t in range(2):
+        route(p, prompt(1, n_blocks=4, tail=BS + t))
+    for g in range(2, 8):
+        route(p, prompt(g, n_blocks=2))  # unique prompts push the index over capacity
+    assert len(p.replicas["r0"].index) <= 12
+    assert p.matches(shared) == {"r0": 4}
+
+
+def test_one_hot_prefix_is_split_by_work_rate_even_without_queues():
+    p = fleet(2)
+    for t in range(400):  # every request completes at once: only the long-run rate can balance
+        p.on_completed(*route(p, prompt(1, tail=t % 5), out=32))
+    rates = [p._recent(v) for v in p.replicas.values()]
+    assert max(rates) / min(rates) < 1.2, rates
+    assert set(p.matches(block_hashes(prompt(1), BS))) == {"r0", "r1"}
+
+
+def test_new_prefixes_fill_caches_evenly():
+    p = fleet(3, heads_slack=0)
+    for g in range(9):
+        p.on_completed(*route(p, prompt(g)))
+    assert sorted(len(v.heads) for v in p.replicas.values()) == [3, 3, 3]
