@@ -162,11 +162,12 @@ class PrefixPolicy:
                 self._drop_holder(h, replica_id)
         self._update_fill(view)
 
-    def learn_hashes(self, replica_id: str, hashes: Sequence[int]) -> None:
-        """A replica reported blocks it holds (warm-up, another router's traffic, the directory)."""
+    def learn_hashes(self, replica_id: str, hashes: Sequence[int], from_root: bool = True) -> None:
+        """A replica reported blocks it holds (warm-up, another router's traffic, the directory).
+        ``from_root``: ``hashes`` is one chain from its first block (not a batch of stored events)."""
         view = self.replicas.get(replica_id)
         if view is not None:
-            self._touch(view, hashes)
+            self._touch(view, hashes, from_root)
 
     def report(self, replica_id: str, capacity_blocks: int | None = None, cached_blocks: int | None = None,
                in_flight: int | None = None) -> None:

@@ -136,7 +136,7 @@ class PrefixAwareRequestRouter(RequestRouter):
                 continue
             view.stats_seq = seq
             self.policy.forget_hashes(rid, stats.get("removed", ()))
-            self.policy.learn_hashes(rid, stats.get("stored", ()))
+            self.policy.learn_hashes(rid, stats.get("stored", ()), from_root=False)
             # The stored/removed hashes keep the index exact; only when the replica had to drop some
             # (truncated) does its cached-block count bound the index instead.
             self.policy.report(rid, capacity_blocks=stats.get("kv_total_blocks"),
