@@ -32,6 +32,7 @@ class Settings(BaseModel):
     served_model_name: str | None = Field(None, description="name clients pass as `model`; default: folder name")
     # engine (TGI names)
     max_batch_prefill_tokens: int = Field(4096, gt=0)
+    max_prefill_chunk_tokens: int = Field(512, gt=0, description="tokens of one prompt prefilled per step")
     max_batch_total_tokens: int | None = Field(None, gt=0)
     max_input_tokens: int | None = Field(None, gt=0)
     max_total_tokens: int | None = Field(None, gt=0)

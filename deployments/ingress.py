@@ -311,7 +311,9 @@ class Ingress:
                     yield _sse({"error": {"message": ev["error"], "type": "server_error", "param": None,
                                           "code": None}})
                     return
-                if ev["text"] or ev["finished"]:
+                # one chunk per generated token, even while its text is held back (a partial UTF-8
+                # character, a stop string in the making): clients see progress and a true TTFT
+                if ev["text"] or ev["finished"] or ev.get("token_id") is not None:
                     yield _sse(chunk(ev["text"], _oai_finish(ev["finish_reason"]) if ev["finished"] else None))
                 if ev["finished"] and include_usage:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,

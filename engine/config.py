@@ -18,6 +18,9 @@ class ConfigError(ValueError):
 class EngineConfig:
     model_id: str
     max_batch_prefill_tokens: int = 4096  # tokens prefilled per step (chunks longer prompts)
+    # tokens of one prompt prefilled per step: a long prompt goes in chunks, so the requests that
+    # share its steps (decodes, cache hits with a short uncached tail) are not held up for its length
+    max_prefill_chunk_tokens: int = 512
     max_batch_total_tokens: int | None = None  # KV pool size in tokens; None: from memory fraction
     kv_memory_fraction: float = 0.3  # share of free device memory for the pool when the above is unset
     max_input_tokens: int | None = None  # default: max_total_tokens - 1
@@ -41,7 +44,7 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("max_batch_prefill_tokens", "max_num_seqs", "block_size"):
+        for name in ("max_batch_prefill_tokens", "max_prefill_chunk_tokens", "max_num_seqs", "block_size"):
             positive(name, getattr(self, name), allow_none=False)
         for name in ("max_batch_total_tokens", "max_input_tokens", "max_total_tokens", "window_size",
                      "num_threads"):

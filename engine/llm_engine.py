@@ -71,7 +71,8 @@ class LLMEngine:
                            config.kv_cache_dtype, m.dtype, m.device)
         self.kv = KVManager(num_blocks, config.block_size, config.prefix_caching,
                             config.cache_namespace or m.model_id, self.window)
-        self.scheduler = Scheduler(self.kv, config.max_batch_prefill_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, config.max_batch_prefill_tokens, config.max_num_seqs,
+                                   config.max_prefill_chunk_tokens)
         use_flash = (config.attention_backend in ("auto", "flash") and attention.flash_available(m.device)
                      and self.pool.fp8_dtype is None and m.dtype in (torch.float16, torch.bfloat16)
                      and self.pool.storage_dtype == m.dtype)

@@ -1,7 +1,9 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-Every step: running decodes (1 token each), running prefills continued in chunks, then waiting
-requests admitted FCFS while the prefill budget (``max_batch_prefill_tokens``) and the pool allow.
+Every step: running decodes (1 token each), running prefills continued in chunks of at most
+``max_prefill_chunk_tokens``, then waiting requests admitted FCFS while the prefill budget
+(``max_batch_prefill_tokens``) and the pool allow. Chunking keeps a step short, so a cache hit admitted
+next to a long uncached prompt gets its first token after one short step, not after the whole prompt.
 Admission matches the radix cache first, so only the uncached suffix is prefilled. No request reserves
 ``input + max_new_tokens`` up front: blocks are taken as tokens arrive, and when the pool runs dry the
 most recently admitted sequence is preempted (its written blocks stay cached, so its recompute is
@@ -31,9 +33,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_batch_prefill_tokens: int, max_num_seqs: int):
+    def __init__(self, kv: KVManager, max_batch_prefill_tokens: int, max_num_seqs: int,
+                 max_prefill_chunk_tokens: int | None = None):
         self.kv = kv
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
+        self.max_chunk = max_prefill_chunk_tokens or max_batch_prefill_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -68,12 +72,17 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_batch_prefill_tokens
         scheduled: set[int] = set()
+        # next-block keys of prompts being prefilled: a waiting request that needs the same block waits
+        # for it to be published (one more step) instead of computing it twice
+        pending_keys: set[tuple[int, ...]] = set()
+        bs = self.kv.block_size
+        dedup = self.kv.cache is not None
         # 1. running sequences, oldest first; the newest are preempted when blocks run out
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             uncomputed = seq.num_uncomputed
-            n = uncomputed if uncomputed == 1 else min(uncomputed, budget)
+            n = uncomputed if uncomputed == 1 else min(uncomputed, budget, self.max_chunk)
             if n == 0:
                 continue
             while not self.kv.ensure_blocks(seq, seq.num_computed + n):
@@ -87,12 +96,14 @@ class Scheduler:
                 continue
             if uncomputed > 1:
                 budget -= n
+                if dedup:
+                    start = seq.num_computed // bs * bs
+                    pending_keys.add(tuple(seq.tokens[: start + bs]))
             plan.chunks.append(Chunk(seq, n))
             scheduled.add(id(seq))
         if plan.preempted:
             return plan  # the pool is tight: admit nothing new this step
-        # 2. admit waiting requests (FCFS), skipping one whose next block another admission computes
-        pending_keys: set[tuple[int, ...]] = set()
+        # 2. admit waiting requests (FCFS), skipping one whose next block another prefill computes
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
@@ -103,12 +114,12 @@ class Scheduler:
                 self.kv.release(seq)
                 seq.status = Status.FINISHED
                 continue
-            key = tuple(seq.tokens[: seq.num_computed + self.kv.block_size])
-            if len(key) == seq.num_computed + self.kv.block_size and key in pending_keys:
+            key = tuple(seq.tokens[: seq.num_computed + bs])
+            if dedup and len(key) == seq.num_computed + bs and key in pending_keys:
                 self.kv.release(seq)
                 skipped.append(seq)  # next step it will hit the blocks being computed now
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, budget, self.max_chunk)
             if not self.kv.ensure_blocks(seq, seq.num_computed + n):
                 self.kv.release(seq)
                 self.waiting.appendleft(seq)

@@ -39,7 +39,7 @@ class PolicyConfig:
     # A holder whose recent work rate exceeds the fleet mean x (1 + rate_tolerance / popularity)
     # gets no more of that prefix; rates decay with this half-life (in routed requests).
     rate_tolerance: float = 0.08
-    rate_half_life: float = 2000.0
+    rate_half_life: float = 250.0  # routed requests per replica (the fleet's half-life scales with its size)
     # Nor does any replica whose outstanding work exceeds spill_load_factor x the fleet mean + slack.
     spill_load_factor: float = 1.25
     spill_slack_tokens: float = 256.0
@@ -102,7 +102,9 @@ class PrefixPolicy:
         if view is None:
             return
         self._total_outstanding -= view.outstanding
-        self._recent_total = (self._decayed(self._recent_total) - self._decayed((view.recent, view.recent_at)), self._counter)
+        hl = self._rate_hl()
+        self._recent_total = (self._decayed(self._recent_total, hl) - self._decayed((view.recent, view.recent_at), hl),
+                              self._counter)
         self._unfilled.discard(replica_id)
         self._ring = [x for x in self._ring if x[1] != replica_id]
         for h in view.index:
@@ -250,12 +252,15 @@ class PrefixPolicy:
         return best
 
     def _recent(self, view: ReplicaView) -> float:
-        return self._decayed((view.recent, view.recent_at), self.cfg.rate_half_life)
+        return self._decayed((view.recent, view.recent_at), self._rate_hl())
+
+    def _rate_hl(self) -> float:
+        return self.cfg.rate_half_life * max(len(self.replicas), 1)
 
     def _rate_bound(self, allowed: set[str] | None, pop: float) -> float:
         """Recent work above which a replica gets no more of a prefix of this popularity."""
         n = len(self.replicas) if allowed is None else len(allowed)
-        total = self._decayed(self._recent_total, self.cfg.rate_half_life) if allowed is None else sum(
+        total = self._decayed(self._recent_total, self._rate_hl()) if allowed is None else sum(
             self._recent(self.replicas[r]) for r in allowed)
         # + one big prompt's worth: no bound at all while the fleet is nearly idle
         return total / max(n, 1) * (1.0 + self.cfg.rate_tolerance / pop) + 2048.0
@@ -392,7 +397,7 @@ class PrefixPolicy:
             self.cold_routes += 1
             view.last_cold = self._counter
         work = self.work_of(prompt_tokens, m * self.cfg.block_size, max_new_tokens)
-        hl = self.cfg.rate_half_life
+        hl = self._rate_hl()
         view.recent, view.recent_at = self._recent(view) + work, self._counter
         self._recent_total = (self._decayed(self._recent_total, hl) + work, self._counter)
         view.outstanding += work

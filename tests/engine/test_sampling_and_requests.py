@@ -131,6 +131,7 @@ def test_request_larger_than_the_pool_is_refused(make_engine):
     (dict(max_batch_total_tokens=4), "max_batch_total_tokens"),
     (dict(max_input_tokens=10, max_total_tokens=10), "max_input_tokens"),
     (dict(dtype="float64"), "dtype"),
+    (dict(max_prefill_chunk_tokens=0), "max_prefill_chunk_tokens"),
 ])
 def test_bad_config_fails_at_start(loaded, kw, msg):
     m = loaded("tiny")
@@ -179,3 +180,20 @@ def test_warmup_prefill_only_caches_whole_blocks(make_engine):
     assert eng.kv.cache.cached_blocks == len(PROMPT) // 16
     seq = run(eng, PROMPT + [3], max_new_tokens=2)
     assert seq.num_cached_prompt_tokens == len(PROMPT) // 16 * 16
+
+
+def test_long_prompt_is_chunked_and_a_cache_hit_beside_it_is_answered_first(make_engine):
+    eng = make_engine("tiny", max_prefill_chunk_tokens=32)
+    shared = list(range(10, 74))
+    run(eng, shared + [1], max_new_tokens=1)  # caches 4 blocks
+    long_id = eng.add_request([(7 * i) % 300 + 5 for i in range(160)], SamplingParams(max_new_tokens=2))
+    hit_id = eng.add_request(shared + [2, 3], SamplingParams(max_new_tokens=2))  # 2 uncached tokens; long: 160
+    first: dict[str, int] = {}
+    steps = 0
+    while eng.has_work():
+        steps += 1
+        for ev in eng.step():
+            if ev.token_id is not None:
+                first.setdefault(ev.request_id, steps)
+    assert first[hit_id] == 1  # not held up by the long prompt's prefill
+    assert first[long_id] == 5  # 160 tokens in chunks of 32
