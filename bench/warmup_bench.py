@@ -3,7 +3,7 @@ prefilling the Redis directory's top-K before they take traffic.
 
     python -m bench.warmup_bench
 
-Per variant (cold: ``warmup_top_k=0``; warm: ``warmup_top_k=8``), in one run on a local Ray cluster
+Per variant (cold: ``warmup_top_k=0``; warm: ``--warm-top-k``, the default's 16), in one run on a local Ray cluster
 with the bench model: Zipf ``gsp`` traffic on 1 replica, then the deployment goes to 2 replicas (Serve's
 Python API starts both afresh), and the next requests all land on new replicas. Reports their TTFT
 p50 and how much of the new replicas' first requests was already cached. Final JSON line with
@@ -88,6 +88,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--after", type=int, default=24, help="requests after scaling to 2")
     ap.add_argument("--first", type=int, default=8, help="how many of them count as 'first requests'")
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--warm-top-k", type=int, default=16, help="warmup_top_k of the warm variant (default: the default)")
     args = ap.parse_args(argv)
     import ray
     from ray import serve
@@ -106,7 +107,7 @@ def main(argv=None) -> dict:
     rows = []
     with LocalRedis() as redis:
         try:
-            for name, k in (("wb-cold", 0), ("wb-warm", 8)):
+            for name, k in (("wb-cold", 0), ("wb-warm", args.warm_top_k)):
                 rows.append(run_variant(name, k, args.model_dir, redis.url, port, before, after, args))
                 print(json.dumps({k: v for k, v in rows[-1].items()}), flush=True)
         finally:

@@ -302,6 +302,7 @@ class Ingress:
             return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
 
         async def body():
+            first_token = True
             if chat:
                 yield _sse(chunk("", None, role=True))
             elif prefix:
@@ -311,9 +312,11 @@ class Ingress:
                     yield _sse({"error": {"message": ev["error"], "type": "server_error", "param": None,
                                           "code": None}})
                     return
-                # one chunk per generated token, even while its text is held back (a partial UTF-8
-                # character, a stop string in the making): clients see progress and a true TTFT
-                if ev["text"] or ev["finished"] or ev.get("token_id") is not None:
+                # the first token is sent even while its text is held back (a partial UTF-8 character,
+                # a stop string in the making), so clients see generation start: a true TTFT; later
+                # tokens without text are not sent (each chunk costs a trip through Serve's proxy)
+                if ev["text"] or ev["finished"] or (first_token and ev.get("token_id") is not None):
+                    first_token = False
                     yield _sse(chunk(ev["text"], _oai_finish(ev["finish_reason"]) if ev["finished"] else None))
                 if ev["finished"] and include_usage:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,

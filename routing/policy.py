@@ -9,10 +9,11 @@ goes to the replica that holds the longest part of its prefix, unless that holde
 is above the fleet's mean by more than a tolerance; the tolerance shrinks as the prefix gets more
 popular, so a hot prefix gets a second holder early and a rare one is never copied for balance
 (a copy costs a full prefill and evicts something else). Among equal holders the least busy one
-wins, which splits a hot prefix's traffic between its copies. A request that matches nowhere goes
-to the replica that holds the fewest prefixes among those under the load bounds, so caches fill
-evenly and new or restarted replicas fill first. Work rates (decayed sums of routed work) balance
-the long run; outstanding work bounds bursts.
+wins, which splits a hot prefix's traffic between its copies. A request that matches nowhere goes to
+a new or emptied replica first, else to one holding few prefixes (within ``heads_slack`` of the
+emptiest), picked by the prefix's consistent-hash ring walk so that a prefix the router lost track of
+returns where it may still be cached. Work rates (decayed sums of routed work) balance the long run;
+outstanding work bounds bursts.
 """
 
 from __future__ import annotations
@@ -302,9 +303,9 @@ class PrefixPolicy:
 
     def _cold_choice(self, key: int | None, allowed: set[str] | None, spill: bool = False) -> str | None:
         """Where a request goes when no holder takes it, among replicas under both load bounds: a new
-        prefix to the replica holding the fewest prefixes (caches fill evenly, new replicas first), a
-        spilled one to the least busy. Large fleets: an idle new replica, else the first replica
-        under the bounds on the prefix's ring walk. Everyone over the bounds: the least loaded."""
+        prefix to an unfilled replica, else along its ring walk to one holding few prefixes (caches
+        fill evenly); a spilled one to the least busy. Large fleets: an idle new replica, else the
+        first replica under the bounds on the ring walk. Everyone over the bounds: the least loaded."""
         n = len(self.replicas) if allowed is None else len(allowed)
         if n == 0:
             return None
