@@ -53,6 +53,8 @@ class Settings(BaseModel):
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingSettings | None = None
     max_ongoing_requests: int = Field(64, gt=0)
+    # the HTTP ingress only forwards streams: Serve's default cap of 5 would queue the 6th client
+    ingress_max_ongoing_requests: int = Field(4096, gt=0)
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)
     router: Literal["prefix", "pow2", "round_robin"] = "prefix"

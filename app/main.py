@@ -58,7 +58,8 @@ def build_app(settings: Settings):
     # in place instead of replacing every replica.
     s = settings.model_dump(exclude={"num_replicas", "autoscaling"})
     llm = llm_deployment(settings).bind(s)
-    return Ingress.options(name=f"{settings.deployment_name}-ingress").bind(llm, s)
+    return Ingress.options(name=f"{settings.deployment_name}-ingress",
+                           max_ongoing_requests=settings.ingress_max_ongoing_requests).bind(llm, s)
 
 
 def app_builder(args: dict[str, Any]):

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -63,7 +64,7 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._inbox.put(("add", rid, list(prompt_ids), params, prefill_only))
+        self._inbox.put(("add", rid, list(prompt_ids), params, prefill_only, time.monotonic()))
         self._wake.set()
         finished = False
         try:
@@ -107,11 +108,11 @@ class AsyncEngine:
                 return
             kind = msg[0]
             if kind == "add":
-                _, rid, ids, params, prefill_only = msg
+                _, rid, ids, params, prefill_only, arrival = msg
                 if rid not in self._streams:
                     continue  # consumer left before we saw it
                 try:
-                    self.engine.add_request(ids, params, rid, prefill_only)
+                    self.engine.add_request(ids, params, rid, prefill_only, arrival)
                 except Exception as e:  # noqa: BLE001 - report to the one request, keep serving
                     self._emit(TokenEvent(rid, None, "", None, True, "error", error=str(e)))
             elif kind == "abort":

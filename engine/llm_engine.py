@@ -121,7 +121,10 @@ class LLMEngine:
             raise RequestError(f"{total} tokens do not fit the KV pool ({self.kv.capacity_tokens} tokens)")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, prefill_only: bool = False) -> str:
+                    request_id: str | None = None, prefill_only: bool = False,
+                    arrival: float | None = None) -> str:
+        """Queue a request. ``arrival`` (``time.monotonic()``): when it reached this replica, if earlier
+        than now (the async wrapper hands requests over between steps); TTFT counts from it."""
         params = params or SamplingParams()
         self.validate(prompt_ids, params, prefill_only)
         rid = request_id or uuid.uuid4().hex
@@ -131,6 +134,8 @@ class LLMEngine:
         if prefill_only:  # only whole blocks can be cached; the tail would be wasted work
             ids = ids[: len(ids) // self.config.block_size * self.config.block_size] or ids[:0]
         seq = Sequence(rid, ids, params, prefill_only=prefill_only)
+        if arrival is not None:
+            seq.arrival = arrival
         if not params.greedy:
             seq.generator = make_generator(params.seed)
         self.requests[rid] = seq

@@ -197,3 +197,13 @@ def test_long_prompt_is_chunked_and_a_cache_hit_beside_it_is_answered_first(make
                 first.setdefault(ev.request_id, steps)
     assert first[hit_id] == 1  # not held up by the long prompt's prefill
     assert first[long_id] == 5  # 160 tokens in chunks of 32
+
+
+def test_ttft_counts_from_the_arrival_the_caller_saw(make_engine):
+    import time
+
+    eng = make_engine("tiny")
+    eng.add_request(PROMPT, SamplingParams(max_new_tokens=1), arrival=time.monotonic() - 5.0)
+    while eng.has_work():
+        eng.step()
+    assert 5.0 <= eng.stats.ttft_s[-1] < 60

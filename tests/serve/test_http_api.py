@@ -158,3 +158,23 @@ def test_disconnect_mid_stream_frees_blocks(serve_app, client):
         time.sleep(0.5)
     assert m[("radixserve_cache_blocks_in_use", "all")] == 0
     assert m[("radixserve_running_requests", "all")] == 0
+
+
+def test_more_concurrent_streams_than_serve_default_are_all_served_at_once(serve_app):
+    # Serve caps a deployment at 5 ongoing requests unless told otherwise: the 6th client would wait
+    # for a whole answer before its first token
+    import concurrent.futures as cf
+
+    def one(i: int) -> tuple[float, float]:
+        body = {"prompt": f"{i} " + PROMPT, "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+        t_first = None
+        with httpx.stream("POST", serve_app + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data:") and t_first is None:
+                    t_first = time.monotonic()
+        return t_first, time.monotonic()
+
+    with cf.ThreadPoolExecutor(8) as ex:
+        times = list(ex.map(one, range(8)))
+    assert max(first for first, _ in times) < min(done for _, done in times)
