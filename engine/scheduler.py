@@ -3,7 +3,8 @@
 Every step: running decodes (1 token each), running prefills continued in chunks of at most
 ``max_prefill_chunk_tokens``, then waiting requests admitted FCFS while the prefill budget
 (``max_batch_prefill_tokens``) and the pool allow. Chunking keeps a step short, so a cache hit admitted
-next to a long uncached prompt gets its first token after one short step, not after the whole prompt.
+next to a long uncached prompt gets its first token after one short step, not after the whole prompt
+(and in a step where some request gets its first token, the other prompts' chunks shrink further).
 Admission matches the radix cache first, so only the uncached suffix is prefilled. No request reserves
 ``input + max_new_tokens`` up front: blocks are taken as tokens arrive, and when the pool runs dry the
 most recently admitted sequence is preempted (its written blocks stay cached, so its recompute is
@@ -131,4 +132,18 @@ class Scheduler:
             budget -= n
             plan.chunks.append(Chunk(seq, n))
         self.waiting.extendleft(reversed(skipped))
+        self._favor_first_tokens(plan)
         return plan
+
+    def _favor_first_tokens(self, plan: StepPlan) -> None:
+        """When a request gets its first token in this step, cut the other prompts' chunks to a quarter:
+        its time to first token is this step's length. (Their blocks are already reserved; the rest
+        of each prompt follows in the next steps.)"""
+        first = [c for c in plan.chunks if c.seq.first_token_time is None and not c.seq.prefill_only
+                 and c.num_tokens == c.seq.num_uncomputed]
+        if not first:
+            return
+        cut = max(self.kv.block_size, self.max_chunk // 4)
+        for c in plan.chunks:
+            if c.num_tokens > cut and c.num_tokens < c.seq.num_uncomputed:
+                c.num_tokens = cut

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import time
 
 import httpx
 import pytest
 
 from app.local_redis import free_port
+from bench.http_load import wait_healthy
 
 
 @pytest.fixture(scope="session")
@@ -39,14 +39,7 @@ def serve_app(ray_cluster, model_dir, redis_server):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(settings), name="radixserve", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    wait_healthy(url, timeout=120)
     yield url
 
 
