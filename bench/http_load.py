@@ -61,6 +61,14 @@ async def run_load(base_url: str, prompts: list[list[int]], max_new: int, concur
             "ttfts": [r.ttft_s if r and r.ok else None for r in results]}
 
 
+def metric_samples(url: str):
+    """Every Prometheus sample ``url/metrics`` exposes (name, labels, value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        yield from fam.samples
+
+
 def wait_healthy(url: str, timeout: float = 600) -> None:
     """Poll ``url/health`` until it answers 200 (replicas load their model first)."""
     deadline = time.monotonic() + timeout

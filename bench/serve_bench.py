@@ -3,9 +3,10 @@
     python -m bench.serve_bench                      # both routers, side by side, one run
     python -m bench.serve_bench --router prefix      # one router only
 
-A local Ray cluster, 2 replicas of the bench model whose KV pools each hold about half of the system
-prompts (``max_batch_total_tokens`` 8192), ``gsp-small`` with 16 prompts per group (128 requests),
-streamed over HTTP at concurrency 8. Prints a table and a final JSON line.
+A local Ray cluster, 2 replicas of the bench model with ``--total-tokens`` of KV pool each (8192, the
+issue's figure, holds all 8 system prompts of 1,024 tokens; ``--total-tokens 5120`` holds about half),
+``gsp-small`` with 16 prompts per group (128 requests), streamed over HTTP at concurrency 8. Prints a
+table and a final JSON line.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ import os
 import time
 from pathlib import Path
 
-import httpx
-
-from bench.http_load import run_load, wait_healthy
+from bench.http_load import metric_samples, run_load, wait_healthy
 from bench.workloads import gsp
 
 
@@ -40,17 +39,14 @@ def deploy(router: str, model_dir: str, port: int, total_tokens: int, name: str,
 
 def fleet_metrics(url: str) -> tuple[float, float]:
     """(prefix-cache hit rate, engine-side TTFT p50 interpolated in its histogram), all replicas."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     hit, buckets = float("nan"), []
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for s in fam.samples:
-            if s.labels.get("replica") != "all":
-                continue
-            if s.name == "radixserve_cache_hit_rate":
-                hit = s.value
-            elif s.name == "radixserve_time_to_first_token_seconds_bucket":
-                buckets.append((float(s.labels["le"]), s.value))
+    for s in metric_samples(url):
+        if s.labels.get("replica") != "all":
+            continue
+        if s.name == "radixserve_cache_hit_rate":
+            hit = s.value
+        elif s.name == "radixserve_time_to_first_token_seconds_bucket":
+            buckets.append((float(s.labels["le"]), s.value))
     buckets.sort()
     if not buckets or not buckets[-1][1]:
         return hit, float("nan")

@@ -19,20 +19,13 @@ import os
 import time
 from pathlib import Path
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
-from bench.http_load import run_load, wait_healthy
+from bench.http_load import metric_samples, run_load, wait_healthy
 from bench.workloads import gsp
 
 
 def metrics(url: str, name: str) -> dict[str, float]:
-    out = {}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for s in fam.samples:
-            if s.name == name and s.labels.get("replica") != "all":
-                out[s.labels["replica"]] = s.value
-    return out
+    return {s.labels["replica"]: s.value for s in metric_samples(url)
+            if s.name == name and s.labels.get("replica") != "all"}
 
 
 def run_variant(name: str, top_k: int, model_dir: str, redis_url: str, port: int, before, after, args) -> dict:

@@ -139,9 +139,8 @@ class Scheduler:
         """When a request gets its first token in this step, cut the other prompts' chunks to a quarter:
         its time to first token is this step's length. (Their blocks are already reserved; the rest
         of each prompt follows in the next steps.)"""
-        first = [c for c in plan.chunks if c.seq.first_token_time is None and not c.seq.prefill_only
-                 and c.num_tokens == c.seq.num_uncomputed]
-        if not first:
+        if not any(c.seq.first_token_time is None and not c.seq.prefill_only
+                   and c.num_tokens == c.seq.num_uncomputed for c in plan.chunks):
             return
         cut = max(self.kv.block_size, self.max_chunk // 4)
         for c in plan.chunks:
