@@ -14,6 +14,7 @@ import torch
 from cache.kv_pool import KVPool, KVShape, bytes_per_token, num_blocks_for
 from engine import attention
 from engine.config import ConfigError, EngineConfig
+from engine.cpu_linear import use_skinny_linear
 from engine.detokenizer import find_stop, take_delta, update_text
 from engine.kv_manager import KVManager
 from engine.model_loader import LoadedModel, load_model
@@ -80,6 +81,8 @@ class LLMEngine:
             raise ConfigError("attention_backend=flash needs CUDA, vllm_flash_attn, an fp16/bf16 model and a KV "
                               "cache of the same dtype")
         self.attention_backend = "flash" if use_flash else "sdpa"
+        if m.device.type == "cpu" and m.dtype == torch.float32:
+            use_skinny_linear(m.model)  # decode-sized GEMMs take MKL's faster kernel (engine.cpu_linear)
         self.runner = ModelRunner(m.model, self.pool, config.block_size, self.window, use_flash)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from routing.block_index import BlockIndex
+from routing.block_index import GHOST_POOLS, BlockIndex
 
 
 @dataclass
@@ -90,7 +90,8 @@ class PrefixPolicy:
     # ------------------------------------------------------------------ fleet
     def add_replica(self, replica_id: str, capacity_blocks: int | None = None) -> None:
         if replica_id not in self.replicas:
-            view = ReplicaView(replica_id, capacity_blocks or self.cfg.default_capacity_blocks)
+            cap = capacity_blocks or self.cfg.default_capacity_blocks
+            view = ReplicaView(replica_id, cap, BlockIndex(ghost_limit=GHOST_POOLS * cap))
             self.replicas[replica_id] = view
             self._push_load(view)
             self._unfilled.add(replica_id)
@@ -180,6 +181,7 @@ class PrefixPolicy:
             return
         if capacity_blocks:
             view.capacity_blocks = capacity_blocks
+            view.index.ghost_limit = GHOST_POOLS * capacity_blocks
         # the replica caches no more than it says: trim the oldest guesses beyond that
         limit = view.capacity_blocks if cached_blocks is None else min(view.capacity_blocks, max(cached_blocks, 0))
         self._trim(view, limit)

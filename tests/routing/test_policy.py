@@ -154,6 +154,22 @@ def test_shared_prefix_outlives_unique_tails_in_the_index():
     assert p.matches(shared) == {"r0": 4}
 
 
+def test_prefix_back_soon_after_its_drop_is_protected_like_the_replica_does():
+    # the replica's cache protects blocks recomputed soon after their eviction (its ghost list); a
+    # guess that put them on probation again would drop them first and send the next request elsewhere
+    p = fleet(1)
+    p.replicas["r0"].capacity_blocks = 12
+    back = block_hashes(prompt(1, n_blocks=4), BS)
+    route(p, prompt(1, n_blocks=4))
+    for g in range(2, 8):
+        route(p, prompt(g, n_blocks=2))
+    assert p.matches(back) == {}  # seen once, then pushed out by newer prompts
+    route(p, prompt(1, n_blocks=4))  # it comes back
+    for g in range(8, 14):
+        route(p, prompt(g, n_blocks=2))  # prompts seen once leave first
+    assert p.matches(back) == {"r0": 4}
+
+
 def test_one_hot_prefix_is_split_by_work_rate_even_without_queues():
     p = fleet(2)
     for t in range(400):  # every request completes at once: only the long-run rate can balance
