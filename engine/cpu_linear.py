@@ -1,10 +1,12 @@
-"""Faster linear layers for decode-sized batches on the CPU.
+"""A faster output projection (lm_head) for decode-sized batches on the CPU.
 
 With a few token rows (a decode step), MKL's float32 GEMM behind ``nn.Linear`` (``x @ W.T``) runs far
-below the memory bandwidth on the x86 CPUs we measured, while the same product taken as
-``(W @ x.T).T`` picks another kernel: the bench model's decode step went from ~38 to ~29 ms, its
-32k-vocabulary lm_head alone from 9.8 to 4.3 ms at 8 rows. Many rows (prefill chunks) keep
-``F.linear``, which is faster there. CUDA models are left alone.
+below the memory bandwidth on the x86 CPU we measured, while the same product taken as ``(W @ x.T).T``
+picks another kernel: the bench model's 32k-vocabulary lm_head went from 9.8 to 4.3 ms at 8 rows, its
+decode step from ~38 to ~32 ms. Many rows (prefill chunks) keep ``F.linear``, which is faster there.
+Only the output projection is switched: the body's small layers gained nothing measurable, and their
+changed rounding, carried through every layer, flipped a near-tie greedy token against transformers'
+own ``generate`` (1 of 64 bench outputs). CUDA models are left alone.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ class SkinnyLinear(nn.Linear):
 
 
 def use_skinny_linear(model: nn.Module) -> int:
-    """Switch ``model``'s plain linear layers to ``SkinnyLinear`` in place (same weights); returns how
-    many. Only worth it (and only done by the engine) for float32 models on the CPU."""
+    """Switch the plain linear layers in ``model`` to ``SkinnyLinear`` in place (same weights); returns
+    how many. The engine passes a float32 CPU model's output projection."""
     n = 0
     for mod in model.modules():
         if type(mod) is nn.Linear:

@@ -81,8 +81,9 @@ class LLMEngine:
             raise ConfigError("attention_backend=flash needs CUDA, vllm_flash_attn, an fp16/bf16 model and a KV "
                               "cache of the same dtype")
         self.attention_backend = "flash" if use_flash else "sdpa"
-        if m.device.type == "cpu" and m.dtype == torch.float32:
-            use_skinny_linear(m.model)  # decode-sized GEMMs take MKL's faster kernel (engine.cpu_linear)
+        head = m.model.get_output_embeddings()
+        if head is not None and m.device.type == "cpu" and m.dtype == torch.float32:
+            use_skinny_linear(head)  # a faster decode lm_head (engine.cpu_linear)
         self.runner = ModelRunner(m.model, self.pool, config.block_size, self.window, use_flash)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()

@@ -34,8 +34,11 @@ def test_only_plain_linear_layers_switch_and_weights_stay():
     assert use_skinny_linear(model) == 0  # idempotent
 
 
-def test_cpu_float32_engine_uses_it(make_engine):
+def test_cpu_float32_engine_uses_it_for_the_output_projection_only(make_engine):
     eng = make_engine("tiny")
     if eng.loaded.device.type != "cpu":
         pytest.skip("CPU only")
-    assert isinstance(eng.runner.model.lm_head, SkinnyLinear)
+    model = eng.runner.model
+    assert isinstance(model.lm_head, SkinnyLinear)
+    body = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    assert body and not any(isinstance(m, SkinnyLinear) for m in body)
