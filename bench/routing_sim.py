@@ -11,8 +11,15 @@ by the replicas' eviction reports every ``--report-s`` seconds.
 
 Policies: ours (``routing.policy``), pow2 (Serve's default), round robin, consistent hashing of the
 first block, Ray-LLM-like (``PrefixCacheAffinityRouter``: match rate >= 0.1 wins, else smallest tenant,
-pow2 when imbalanced), SGLang-like (cache-aware: match rate > 0.3 wins, else smallest tree; shortest
-queue when max-min > 64 and max > 1.5 min), and an oracle (one cache with the fleet's capacity).
+pow2 among the chosen; ``imbalanced_threshold`` defaults to infinity, so it never falls back),
+SGLang-like (cache-aware: match rate > 0.3 wins, else smallest tree; shortest queue when max-min > 64
+and max > 1.5 min), and an oracle (one cache with the fleet's capacity). Like the real routers, the
+Ray- and SGLang-likes keep a tree of what they routed where and hear nothing from the replicas (Ray's
+tree does not evict by default, ``do_eviction=False``; SGLang's approximate tree evicts by its own LRU
+only past ``max_tree_size``, millions of characters: never here); they match whole blocks of 16 tokens
+rather than characters. ``ray_llm_reports`` and ``sglang_reports`` are the same
+policies reading our router's index instead (bounded, trimmed like the replicas evict, corrected by
+their eviction reports): more than the real routers know.
 """
 
 from __future__ import annotations
@@ -112,6 +119,47 @@ WORKLOADS = {
 }
 
 
+# ----------------------------------------------------------------------------- baselines' trees
+class HistoryTree:
+    """What the Ray-LLM and SGLang routers track: every block chain routed to each replica, never
+    corrected by the replicas (an inverted index: block hash -> replicas it was routed to)."""
+
+    def __init__(self) -> None:
+        self.holders: dict[int, set[str]] = {}
+        self.size: dict[str, int] = {}  # tenant size: distinct blocks routed there
+
+    def add(self, rid: str) -> None:
+        self.size.setdefault(rid, 0)
+
+    def remove(self, rid: str) -> None:
+        self.size.pop(rid, None)
+        for s in self.holders.values():
+            s.discard(rid)
+
+    def insert(self, rid: str, hashes: list[int]) -> None:
+        for h in hashes:
+            s = self.holders.setdefault(h, set())
+            if rid not in s:
+                s.add(rid)
+                self.size[rid] = self.size.get(rid, 0) + 1
+
+    def match(self, hashes: list[int]) -> dict[str, int]:
+        """Matched leading blocks per replica (replicas with at least one)."""
+        out: dict[str, int] = {}
+        alive: set[str] | None = None
+        for depth, h in enumerate(hashes):
+            holders = self.holders.get(h, set())
+            kept = set(holders) if alive is None else alive & holders
+            for r in (alive or set()) - kept:
+                out[r] = depth
+            alive = kept
+            if not alive:
+                break
+        for r in alive or ():
+            out[r] = len(hashes)
+        return out
+
+
 # ----------------------------------------------------------------------------- replicas
 @dataclass
 class Replica:
@@ -145,7 +193,8 @@ class Sim:
                            default_capacity_blocks=capacity_blocks)
         if load_weight is not None:
             cfg.load_weight = load_weight
-        self.policy = PrefixPolicy(cfg)  # ours, and the index the Ray/SGLang-likes use
+        self.policy = PrefixPolicy(cfg)  # ours, and the index the *_reports variants read
+        self.tree = HistoryTree()  # what the Ray-LLM-like and SGLang-like routers remember
         self.rr = 0
         self.ring: list[tuple[int, str]] = []
         self.ttft: list[float] = []
@@ -163,6 +212,7 @@ class Sim:
         self._live_cache = None
         self.replicas[rid] = Replica.make(rid, self.capacity, self.slots)
         self.policy.add_replica(rid, self.capacity)
+        self.tree.add(rid)
         for v in range(64):
             bisect.insort(self.ring, (xxhash.xxh64_intdigest(f"{rid}#{v}".encode()), rid))
 
@@ -170,6 +220,7 @@ class Sim:
         self._live_cache = None
         self.replicas[rid].alive = False
         self.policy.remove_replica(rid)
+        self.tree.remove(rid)
         self.ring = [x for x in self.ring if x[1] != rid]
 
     def live(self) -> list[str]:
@@ -193,15 +244,21 @@ class Sim:
         if p == "consistent_hash":
             i = bisect.bisect_left(self.ring, (req.hashes[0] if req.hashes else 0, ""))
             return self.ring[i % len(self.ring)][1]
-        matched = self.policy.matches(req.hashes)
+        reports = p.endswith("_reports")
+        if reports:
+            matched, size = self.policy.matches(req.hashes), self.policy.index_size
+        else:
+            matched = {r: m for r, m in self.tree.match(req.hashes).items() if r in live}
+            size = self.tree.size.__getitem__
+        matched = dict(sorted(matched.items()))  # set order varies per process (string hashing): fix it
         n = max(1, len(req.tokens))
-        if p == "ray_llm":  # imbalanced_threshold defaults to inf: never falls back to pow2
+        if p.startswith("ray_llm"):  # imbalanced_threshold defaults to inf: never falls back to pow2
             best = max(matched.values(), default=0)
             if best * BS / n >= 0.1:
-                tops = [r for r, m in matched.items() if m == best]
-                return self.rng.choice(tops)
-            return min(live, key=lambda r: (self.policy.index_size(r), self.rng.random()))
-        if p == "sglang":
+                return self._pow2([r for r, m in matched.items() if m == best])
+            least = min(size(r) for r in live)
+            return self._pow2([r for r in live if size(r) == least])
+        if p.startswith("sglang"):
             loads = {r: self.replicas[r].busy + len(self.replicas[r].queue) for r in live}
             lo, hi = min(loads.values()), max(loads.values())
             if hi - lo > 64 and hi > 1.5 * lo:
@@ -209,11 +266,11 @@ class Sim:
             best = max(matched.items(), key=lambda kv: kv[1], default=(None, 0))
             if best[0] is not None and best[1] * BS / n > 0.3:
                 return best[0]
-            return min(live, key=lambda r: (self.policy.index_size(r), loads[r]))
+            return min(live, key=lambda r: (size(r), loads[r]))
         raise ValueError(p)
 
     def _pow2(self, live: list[str]) -> str:
-        a, b = self.rng.sample(live, 2) if len(live) > 1 else (live[0], live[0])
+        a, b = self.rng.sample(live, 2) if len(live) > 1 else (live[0], live[0])  # live: candidates
         la = self.replicas[a].busy + len(self.replicas[a].queue)
         lb = self.replicas[b].busy + len(self.replicas[b].queue)
         return a if la <= lb else b
@@ -251,6 +308,8 @@ class Sim:
             self._advance(req.arrival)
             rid = self.route(req)
             work = self.policy.on_routed(rid, req.hashes, len(req.tokens), req.output)
+            if self.policy_name in ("ray_llm", "sglang"):
+                self.tree.insert(rid, req.hashes)
             rep = self.replicas[rid]
             if rep.busy < rep.slots:
                 self._start(rep, req, work, req.arrival)
@@ -336,7 +395,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--load", type=float, default=0.7, help="offered load vs. the fleet's capacity at full hit rate")
     ap.add_argument("--report-s", type=float, default=1.0, help="replica eviction reports every this many seconds")
     ap.add_argument("--load-weight", type=float, default=None, help="ours: default PolicyConfig's")
-    ap.add_argument("--policies", default="ours,pow2,round_robin,consistent_hash,ray_llm,sglang")
+    ap.add_argument("--policies", default="ours,pow2,round_robin,consistent_hash,ray_llm,sglang,ray_llm_reports,"
+                    "sglang_reports")
     ap.add_argument("--add-replica-at", type=float, default=None, help="fraction of the run")
     ap.add_argument("--remove-replica-at", type=float, default=None, help="fraction of the run")
     ap.add_argument("--seed", type=int, default=0)
@@ -369,11 +429,11 @@ def main(argv=None) -> dict:
         ours = by["ours"]
         out.update({"hit_rate": ours["hit_rate"], "hit_rate_over_oracle": ours["hit_rate"] / oracle,
                     "max_mean_load": ours["max_mean_load"], "ttft_p50_s": ours["ttft_p50_s"]})
-        for name, key in (("pow2", "pow2"), ("ray_llm", "ray_llm"), ("sglang", "sglang"),
-                          ("round_robin", "round_robin"), ("consistent_hash", "consistent_hash")):
+        for name in ("pow2", "ray_llm", "sglang", "round_robin", "consistent_hash", "ray_llm_reports",
+                     "sglang_reports"):
             if name in by:
-                out[f"hit_rate_vs_{key}"] = ours["hit_rate"] / max(by[name]["hit_rate"], 1e-9)
-                out[f"max_mean_load_{key}"] = by[name]["max_mean_load"]
+                out[f"hit_rate_vs_{name}"] = ours["hit_rate"] / max(by[name]["hit_rate"], 1e-9)
+                out[f"max_mean_load_{name}"] = by[name]["max_mean_load"]
     if args.plot:
         _plot(rows, oracle, w.name, Path(args.plot))
     print(json.dumps(out))

@@ -3,8 +3,10 @@
 Pure Python (no Ray, no torch), shared by the Ray Serve request router and the simulator.
 
 The router keeps, per replica, an approximate index of the block-hash chains it has sent there (the
-same ``cache.hashing`` chains the engines cache), bounded by that replica's KV capacity and trimmed
-the way the replica evicts (``routing.block_index``), corrected by what replicas report. A request
+same ``cache.hashing`` chains the engines cache), bounded by that replica's KV capacity plus the new
+blocks of its requests in flight (a queued prompt is cached only when it runs, so trimming to the
+capacity at routing time dropped prefixes the replica still held), trimmed the way the replica evicts
+(``routing.block_index``) and corrected by what replicas report. A request
 goes to the replica that holds the longest part of its prefix, unless that holder's recent work rate
 is above the fleet's mean by more than a tolerance; the tolerance shrinks as the prefix gets more
 popular, so a hot prefix gets a second holder early and a rare one is never copied for balance
@@ -55,6 +57,14 @@ class PolicyConfig:
     min_match_blocks: int = 1  # fewer matched blocks than this counts as cold
 
 
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """What ``on_routed`` returns, to pass back to ``on_completed`` when the request ends."""
+
+    work: float  # estimated work (prefill tokens)
+    new_blocks: int  # blocks the request adds to the replica's cache (its unmatched part)
+
+
 @dataclass(eq=False)
 class ReplicaView:
     replica_id: str
@@ -62,6 +72,7 @@ class ReplicaView:
     index: BlockIndex = field(default_factory=BlockIndex)  # block hashes it likely caches
     outstanding: float = 0.0  # estimated work routed here and not completed (prefill tokens)
     in_flight: int = 0
+    pending_blocks: int = 0  # new blocks of the requests in flight there (not all cached yet)
     last_cold: int = 0  # routing counter when it last received a cold request
     routed: int = 0
     version: int = 0  # bumps when its load key changes (lazy heap of least-loaded replicas)
@@ -132,7 +143,7 @@ class PrefixPolicy:
         for h in hashes:
             if idx.touch(h):
                 self.holders.setdefault(h, set()).add(view.replica_id)
-        self._trim(view, view.capacity_blocks)
+        self._trim(view, view.capacity_blocks + view.pending_blocks)
         self._update_fill(view)
 
     def _update_fill(self, view: ReplicaView) -> None:
@@ -182,13 +193,15 @@ class PrefixPolicy:
         if capacity_blocks:
             view.capacity_blocks = capacity_blocks
             view.index.ghost_limit = GHOST_POOLS * capacity_blocks
-        # the replica caches no more than it says: trim the oldest guesses beyond that
+        # the replica caches no more than it says (plus what its requests in flight will add): trim the
+        # oldest guesses beyond that
         limit = view.capacity_blocks if cached_blocks is None else min(view.capacity_blocks, max(cached_blocks, 0))
-        self._trim(view, limit)
+        self._trim(view, limit + view.pending_blocks)
         self._update_fill(view)
         if in_flight is not None and in_flight == 0 and view.in_flight == 0:
             self._total_outstanding -= view.outstanding
             view.outstanding = 0.0  # drift guard: nothing running there
+            view.pending_blocks = 0
         self._push_load(view)
 
     # ------------------------------------------------------------------ routing
@@ -385,11 +398,11 @@ class PrefixPolicy:
         return None
 
     def on_routed(self, replica_id: str, hashes: Sequence[int], prompt_tokens: int, max_new_tokens: int = 0
-                  ) -> float:
-        """Record a routing decision; returns the work estimate to pass back to ``on_completed``."""
+                  ) -> Routed:
+        """Record a routing decision; returns what to pass back to ``on_completed``."""
         view = self.replicas.get(replica_id)
         if view is None:
-            return 0.0
+            return Routed(0.0, 0)
         self._counter += 1
         if hashes:
             self._count(hashes[0])
@@ -407,16 +420,20 @@ class PrefixPolicy:
         self._total_outstanding += work
         view.in_flight += 1
         view.routed += 1
+        new_blocks = max(0, len(hashes) - m)
+        view.pending_blocks += new_blocks
         self._touch(view, hashes)
         self._push_load(view)
-        return work
+        return Routed(work, new_blocks)
 
-    def on_completed(self, replica_id: str, work: float) -> None:
+    def on_completed(self, replica_id: str, routed: Routed) -> None:
         view = self.replicas.get(replica_id)
         if view is None:
             return
+        view.pending_blocks = max(0, view.pending_blocks - routed.new_blocks)
+        self._trim(view, view.capacity_blocks + view.pending_blocks)
         before = view.outstanding
-        view.outstanding = max(0.0, view.outstanding - work)
+        view.outstanding = max(0.0, view.outstanding - routed.work)
         self._total_outstanding -= before - view.outstanding
         view.in_flight = max(0, view.in_flight - 1)
         self._push_load(view)

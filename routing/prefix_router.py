@@ -17,7 +17,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from cache.hashing import block_hashes
-from routing.policy import PolicyConfig, PrefixPolicy
+from routing.policy import PolicyConfig, PrefixPolicy, Routed
 
 log = logging.getLogger("radixserve.router")
 
@@ -51,7 +51,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             cfg.load_weight = load_weight
         self.policy = PrefixPolicy(cfg)
         self._rr = itertools.count()
-        self._routed: dict[str, tuple[str, float]] = {}  # internal request id -> (replica, work)
+        self._routed: dict[str, tuple[str, Routed]] = {}  # internal request id -> (replica, ticket)
         self.errors = 0
         # Holders learned from the Redis directory (after a router restart, or for replicas this
         # router never sent a prefix to); fetched off the hot path, applied at the next decision.
