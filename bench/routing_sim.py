@@ -41,7 +41,7 @@ import xxhash
 from cache.allocator import BlockAllocator
 from cache.hashing import chain_hashes, pack_tokens, root_hash
 from cache.radix import RadixCache
-from routing.policy import PolicyConfig, PrefixPolicy
+from routing.policy import PolicyConfig, PrefixPolicy, chain_matches
 
 BS = 16
 
@@ -145,19 +145,7 @@ class HistoryTree:
 
     def match(self, hashes: list[int]) -> dict[str, int]:
         """Matched leading blocks per replica (replicas with at least one)."""
-        out: dict[str, int] = {}
-        alive: set[str] | None = None
-        for depth, h in enumerate(hashes):
-            holders = self.holders.get(h, set())
-            kept = set(holders) if alive is None else alive & holders
-            for r in (alive or set()) - kept:
-                out[r] = depth
-            alive = kept
-            if not alive:
-                break
-        for r in alive or ():
-            out[r] = len(hashes)
-        return out
+        return chain_matches(self.holders, hashes)
 
 
 # ----------------------------------------------------------------------------- replicas

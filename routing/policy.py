@@ -30,6 +30,34 @@ import xxhash
 from routing.block_index import GHOST_POOLS, BlockIndex
 
 
+def chain_matches(holders: dict[int, set[str]], hashes: Sequence[int], candidates: Iterable[str] | None = None
+                  ) -> dict[str, int]:
+    """Leading blocks of ``hashes`` each replica holds, by an inverted index (block hash -> replicas);
+    only replicas with at least one. Walks the chain once: the set of holders only shrinks, so each
+    replica gets its depth when it drops out."""
+    out: dict[str, int] = {}
+    first = holders.get(hashes[0]) if hashes else None
+    if not first:
+        return out
+    alive = first if candidates is None else first & set(candidates)
+    depth = 0
+    for h in hashes:
+        held = holders.get(h)
+        if not held:
+            break
+        if not alive <= held:
+            kept = alive & held
+            for r in alive - kept:
+                out[r] = depth
+            alive = kept
+            if not alive:
+                break
+        depth += 1
+    for r in alive:
+        out[r] = depth
+    return {r: d for r, d in out.items() if d > 0}
+
+
 @dataclass
 class PolicyConfig:
     block_size: int = 16
@@ -206,31 +234,8 @@ class PrefixPolicy:
 
     # ------------------------------------------------------------------ routing
     def matches(self, hashes: Sequence[int], candidates: Iterable[str] | None = None) -> dict[str, int]:
-        """Matched leading blocks per replica (only replicas with at least one). Walks the chain
-        once; the set of holders only shrinks, so replicas get their depth when they drop out."""
-        out: dict[str, int] = {}
-        if not hashes:
-            return out
-        first = self.holders.get(hashes[0])
-        if not first:
-            return out
-        alive = first if candidates is None else first & set(candidates)
-        depth = 0
-        for h in hashes:
-            holders = self.holders.get(h)
-            if not holders:
-                break
-            if not alive <= holders:
-                kept = alive & holders
-                for r in alive - kept:
-                    out[r] = depth
-                alive = kept
-                if not alive:
-                    break
-            depth += 1
-        for r in alive:
-            out[r] = depth
-        return {r: d for r, d in out.items() if d > 0}
+        """Matched leading blocks per replica (only replicas with at least one)."""
+        return chain_matches(self.holders, hashes, candidates)
 
     def work_of(self, prompt_tokens: int, matched_tokens: int, max_new_tokens: int) -> float:
         return (prompt_tokens - matched_tokens) + self.cfg.decode_token_cost * max_new_tokens
