@@ -171,7 +171,7 @@ class PrefixPolicy:
         for h in hashes:
             if idx.touch(h):
                 self.holders.setdefault(h, set()).add(view.replica_id)
-        self._trim(view, view.capacity_blocks + view.pending_blocks)
+        self._trim(view)
         self._update_fill(view)
 
     def _update_fill(self, view: ReplicaView) -> None:
@@ -180,7 +180,10 @@ class PrefixPolicy:
         else:
             self._unfilled.discard(view.replica_id)
 
-    def _trim(self, view: ReplicaView, limit: int) -> None:
+    def _trim(self, view: ReplicaView, cached: int | None = None) -> None:
+        """Bound the index to what the replica caches (``cached``, default its capacity) plus the new
+        blocks of its requests in flight, which it caches only when they run."""
+        limit = (view.capacity_blocks if cached is None else cached) + view.pending_blocks
         idx = view.index
         for h in idx.trim(limit):
             self._drop_holder(h, view.replica_id)
@@ -221,10 +224,9 @@ class PrefixPolicy:
         if capacity_blocks:
             view.capacity_blocks = capacity_blocks
             view.index.ghost_limit = GHOST_POOLS * capacity_blocks
-        # the replica caches no more than it says (plus what its requests in flight will add): trim the
-        # oldest guesses beyond that
+        # the replica caches no more than it says: trim the oldest guesses beyond that
         limit = view.capacity_blocks if cached_blocks is None else min(view.capacity_blocks, max(cached_blocks, 0))
-        self._trim(view, limit + view.pending_blocks)
+        self._trim(view, limit)
         self._update_fill(view)
         if in_flight is not None and in_flight == 0 and view.in_flight == 0:
             self._total_outstanding -= view.outstanding
@@ -436,7 +438,7 @@ class PrefixPolicy:
         if view is None:
             return
         view.pending_blocks = max(0, view.pending_blocks - routed.new_blocks)
-        self._trim(view, view.capacity_blocks + view.pending_blocks)
+        self._trim(view)
         before = view.outstanding
         view.outstanding = max(0.0, view.outstanding - routed.work)
         self._total_outstanding -= before - view.outstanding
