@@ -13,7 +13,9 @@ Policies: ours (``routing.policy``), pow2 (Serve's default), round robin, consis
 first block, Ray-LLM-like (``PrefixCacheAffinityRouter``: match rate >= 0.1 wins, else smallest tenant,
 pow2 among the chosen; ``imbalanced_threshold`` defaults to infinity, so it never falls back),
 SGLang-like (cache-aware: match rate > 0.3 wins, else smallest tree; shortest queue when max-min > 64
-and max > 1.5 min), and an oracle (one cache with the fleet's capacity). Like the real routers, the
+and max > 1.5 min), and an oracle (one cache with the fleet's capacity). ``clairvoyant`` is a reference no
+router can be: told each group's popularity in advance, it plans copies and placement once
+(``clairvoyant_plan``) and sends each request to the least busy of its group's homes. Like the real routers, the
 Ray- and SGLang-likes keep a tree of what they routed where and hear nothing from the replicas (Ray's
 tree does not evict by default, ``do_eviction=False``; SGLang's approximate tree evicts by its own LRU
 only past ``max_tree_size``, millions of characters: never here); they match whole blocks of 16 tokens
@@ -104,6 +106,37 @@ def generate(w: Workload, n: int, rate: float, seed: int = 0) -> Iterator[SimReq
         yield SimRequest(t, systems[g] + q, hashes, w.output_len, g)
 
 
+def group_shares(w: Workload) -> list[float]:
+    """Each group's expected share of the requests (what the clairvoyant reference is told)."""
+    weights = [1.0 if w.zipf_alpha is None else 1 / (r + 1) ** w.zipf_alpha for r in range(w.num_groups)]
+    total = sum(weights)
+    return [x / total for x in weights]
+
+
+def clairvoyant_plan(shares: list[float], replicas: list[str], slots: int, per_copy: float = 0.7
+                     ) -> dict[int, list[str]]:
+    """Where each group lives when its popularity is known in advance: a group gets one copy per
+    ``per_copy`` of a replica's fair share it carries, then largest-first onto the least-planned
+    replica that has a free slot (its cache holds ``slots`` prefixes) and lacks that group."""
+    n = len(replicas)
+    items = []
+    for g, share in enumerate(shares):
+        k = min(n, max(1, math.ceil(share * n / per_copy)))
+        items += [(share / k, g)] * k
+    items.sort(key=lambda x: (-x[0], x[1]))
+    planned = {r: 0.0 for r in replicas}
+    held: dict[str, set[int]] = {r: set() for r in replicas}
+    home: dict[int, list[str]] = {}
+    for share, g in items:
+        free = [r for r in replicas if g not in held[r]]
+        roomy = [r for r in free if len(held[r]) < slots] or free
+        r = min(roomy, key=lambda r: (planned[r], r))
+        planned[r] += share
+        held[r].add(g)
+        home.setdefault(g, []).append(r)
+    return home
+
+
 def _accumulate(xs):
     s = 0.0
     for x in xs:
@@ -168,8 +201,13 @@ class Replica:
 
 class Sim:
     def __init__(self, policy: str, replicas: int, capacity_blocks: int, slots: int, prefill_ms: float,
-                 decode_ms: float, report_s: float, seed: int, load_weight: float | None):
+                 decode_ms: float, report_s: float, seed: int, load_weight: float | None,
+                 shares: list[float] | None = None, cache_prompts: int = 8, plan_copy_share: float = 0.7):
         self.policy_name = policy
+        self.shares = shares  # the clairvoyant reference's knowledge of each group's popularity
+        self.cache_prompts = cache_prompts
+        self.plan_copy_share = plan_copy_share
+        self.plan: dict[int, list[str]] | None = None
         self.capacity = capacity_blocks
         self.slots = slots
         self.prefill_s = prefill_ms / 1000
@@ -198,6 +236,7 @@ class Sim:
     # ------------------------------------------------------------------ fleet changes
     def add_replica(self, rid: str) -> None:
         self._live_cache = None
+        self.plan = None
         self.replicas[rid] = Replica.make(rid, self.capacity, self.slots)
         self.policy.add_replica(rid, self.capacity)
         self.tree.add(rid)
@@ -206,6 +245,7 @@ class Sim:
 
     def remove_replica(self, rid: str) -> None:
         self._live_cache = None
+        self.plan = None
         self.replicas[rid].alive = False
         self.policy.remove_replica(rid)
         self.tree.remove(rid)
@@ -229,6 +269,11 @@ class Sim:
             return live[self.rr % len(live)]
         if p == "pow2":
             return self._pow2(live)
+        if p == "clairvoyant":  # knows each group's popularity; sends to its least busy planned home
+            if self.plan is None:
+                self.plan = clairvoyant_plan(self.shares or [1.0], live, self.cache_prompts, self.plan_copy_share)
+            homes = self.plan.get(req.group) or live
+            return min(homes, key=lambda r: (self.replicas[r].work_s, r))
         if p == "consistent_hash":
             i = bisect.bisect_left(self.ring, (req.hashes[0] if req.hashes else 0, ""))
             return self.ring[i % len(self.ring)][1]
@@ -359,7 +404,7 @@ def oracle_hit_rate(w: Workload, n: int, capacity_blocks: int, seed: int) -> flo
 def simulate(policy: str, w: Workload, args, rate: float, changes: dict[int, str]) -> dict:
     t0 = time.perf_counter()
     sim = Sim(policy, args.replicas, args.capacity_blocks, args.concurrency, args.prefill_ms, args.decode_ms,
-              args.report_s, args.seed, args.load_weight)
+              args.report_s, args.seed, args.load_weight, group_shares(w), args.cache_prompts, args.plan_copy_share)
     sim.run(generate(w, args.requests, rate, args.seed), changes)
     work = [r.work_s for r in sim.replicas.values() if r.alive]
     mean = statistics.fmean(work)
@@ -384,7 +429,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--report-s", type=float, default=1.0, help="replica eviction reports every this many seconds")
     ap.add_argument("--load-weight", type=float, default=None, help="ours: default PolicyConfig's")
     ap.add_argument("--policies", default="ours,pow2,round_robin,consistent_hash,ray_llm,sglang,ray_llm_reports,"
-                    "sglang_reports")
+                    "sglang_reports,clairvoyant")
+    ap.add_argument("--plan-copy-share", type=float, default=0.7,
+                    help="clairvoyant: one copy of a group per this much of a replica's fair share of traffic")
     ap.add_argument("--add-replica-at", type=float, default=None, help="fraction of the run")
     ap.add_argument("--remove-replica-at", type=float, default=None, help="fraction of the run")
     ap.add_argument("--seed", type=int, default=0)
@@ -418,7 +465,7 @@ def main(argv=None) -> dict:
         out.update({"hit_rate": ours["hit_rate"], "hit_rate_over_oracle": ours["hit_rate"] / oracle,
                     "max_mean_load": ours["max_mean_load"], "ttft_p50_s": ours["ttft_p50_s"]})
         for name in ("pow2", "ray_llm", "sglang", "round_robin", "consistent_hash", "ray_llm_reports",
-                     "sglang_reports"):
+                     "sglang_reports", "clairvoyant"):
             if name in by:
                 out[f"hit_rate_vs_{name}"] = ours["hit_rate"] / max(by[name]["hit_rate"], 1e-9)
                 out[f"max_mean_load_{name}"] = by[name]["max_mean_load"]

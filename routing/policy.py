@@ -11,17 +11,19 @@ goes to the replica that holds the longest part of its prefix, unless that holde
 is above the fleet's mean by more than a tolerance; the tolerance shrinks as the prefix gets more
 popular, so a hot prefix gets a second holder early and a rare one is never copied for balance
 (a copy costs a full prefill and evicts something else). Among equal holders the least busy one
-wins, which splits a hot prefix's traffic between its copies. A request that matches nowhere goes to
-a new or emptied replica first, else to one holding few prefixes (within ``heads_slack`` of the
-emptiest), picked by the prefix's consistent-hash ring walk so that a prefix the router lost track of
-returns where it may still be cached. Work rates (decayed sums of routed work) balance the long run;
-outstanding work bounds bursts.
+wins, which splits a hot prefix's traffic between its copies. A request that matches nowhere goes back
+to the replica its prefix last went to if that one is under the load bounds (the index lost track of
+it, but the replica may still cache part of it; a prefix that wanders evicts another one elsewhere);
+a new prefix goes to a new or emptied replica first, else to the one that is home to the fewest
+prefixes (ties broken by the prefix's consistent-hash ring walk). Work rates (decayed
+sums of routed work) balance the long run; outstanding work bounds bursts.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -76,13 +78,15 @@ class PolicyConfig:
     spill_slack_tokens: float = 256.0
     ring_vnodes: int = 32  # large fleets place cold prefixes by a consistent-hash ring walk
     small_fleet: int = 64  # up to this many replicas, cold placement scans them all
-    heads_slack: int = 2  # a new prefix may go to a replica holding this many more prefixes than the emptiest
+    # a new prefix may go to a replica that is home to this many more prefixes than the fewest
+    placement_slack: int = 0
     fill_threshold: float = 0.5  # replicas whose index is below this share of capacity get cold traffic first
     # Popularity: a prefix's share of recent requests x replicas (1.0 = one replica's fair share).
     popularity_half_life: float = 2000.0  # requests
     popularity_min_scale: float = 0.1
     popularity_max_scale: float = 4.0
     min_match_blocks: int = 1  # fewer matched blocks than this counts as cold
+    home_memory: int = 200_000  # prefixes whose last replica is remembered (see _cold_choice)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +111,7 @@ class ReplicaView:
     stats_seq: int | None = None  # last replica report folded in
     recent: float = 0.0  # decayed sum of work routed here (see PolicyConfig.rate_half_life)
     recent_at: int = 0  # routing counter when ``recent`` was last brought up to date
-    heads: set = field(default_factory=set)  # first blocks of the prefixes in its index
+    homes: int = 0  # prefixes whose last request went here (PrefixPolicy._home)
 
 
 class PrefixPolicy:
@@ -122,6 +126,7 @@ class PrefixPolicy:
         self._unfilled: set[str] = set()  # replicas whose index is still small (new, restarted)
         self._pop: dict[int, tuple[float, int]] = {}  # first-block hash -> (decayed count, at request n)
         self._pop_total = (0.0, 0)
+        self._home: OrderedDict[int, str] = OrderedDict()  # first-block hash -> replica it last went to
         self._recent_total = (0.0, 0)
         self.affinity_hits = 0
         self.cold_routes = 0
@@ -131,6 +136,7 @@ class PrefixPolicy:
         if replica_id not in self.replicas:
             cap = capacity_blocks or self.cfg.default_capacity_blocks
             view = ReplicaView(replica_id, cap, BlockIndex(ghost_limit=GHOST_POOLS * cap))
+            view.homes = sum(1 for r in self._home.values() if r == replica_id)  # it came back
             self.replicas[replica_id] = view
             self._push_load(view)
             self._unfilled.add(replica_id)
@@ -164,10 +170,8 @@ class PrefixPolicy:
             self.add_replica(rid)
 
     # ------------------------------------------------------------------ index upkeep
-    def _touch(self, view: ReplicaView, hashes: Sequence[int], from_root: bool = True) -> None:
+    def _touch(self, view: ReplicaView, hashes: Sequence[int]) -> None:
         idx = view.index
-        if from_root and hashes:
-            view.heads.add(hashes[0])
         for h in hashes:
             if idx.touch(h):
                 self.holders.setdefault(h, set()).add(view.replica_id)
@@ -189,9 +193,6 @@ class PrefixPolicy:
             self._drop_holder(h, view.replica_id)
 
     def _drop_holder(self, h: int, replica_id: str) -> None:
-        v = self.replicas.get(replica_id)
-        if v is not None:
-            v.heads.discard(h)
         s = self.holders.get(h)
         if s is not None:
             s.discard(replica_id)
@@ -210,10 +211,13 @@ class PrefixPolicy:
 
     def learn_hashes(self, replica_id: str, hashes: Sequence[int], from_root: bool = True) -> None:
         """A replica reported blocks it holds (warm-up, another router's traffic, the directory).
-        ``from_root``: ``hashes`` is one chain from its first block (not a batch of stored events)."""
+        ``from_root``: ``hashes`` is one chain from its first block (not a batch of stored events); a
+        prefix the router has not placed yet gets that replica as its home."""
         view = self.replicas.get(replica_id)
         if view is not None:
-            self._touch(view, hashes, from_root)
+            self._touch(view, hashes)
+            if from_root and hashes and hashes[0] not in self._home:
+                self._remember_home(hashes[0], replica_id)
 
     def report(self, replica_id: str, capacity_blocks: int | None = None, cached_blocks: int | None = None,
                in_flight: int | None = None) -> None:
@@ -317,6 +321,22 @@ class PrefixPolicy:
             keep = sorted(self._pop.items(), key=lambda kv: -self._decayed(kv[1]))[:100_000]
             self._pop = dict(keep)
 
+    def _remember_home(self, key: int, replica_id: str) -> None:
+        home = self._home
+        old = home.get(key)
+        if old != replica_id:
+            self._count_home(old, -1)
+            self._count_home(replica_id, 1)
+        home[key] = replica_id
+        home.move_to_end(key)
+        if len(home) > self.cfg.home_memory:
+            self._count_home(home.popitem(last=False)[1], -1)
+
+    def _count_home(self, replica_id: str | None, delta: int) -> None:
+        view = self.replicas.get(replica_id) if replica_id is not None else None
+        if view is not None:
+            view.homes += delta
+
     def _load_bound(self, allowed) -> float:
         """Outstanding work above which a replica takes no affinity or spill traffic."""
         n = len(self.replicas) if allowed is None else len(allowed)
@@ -324,10 +344,11 @@ class PrefixPolicy:
         return self.cfg.spill_load_factor * total / max(n, 1) + self.cfg.spill_slack_tokens
 
     def _cold_choice(self, key: int | None, allowed: set[str] | None, spill: bool = False) -> str | None:
-        """Where a request goes when no holder takes it, among replicas under both load bounds: a new
-        prefix to an unfilled replica, else along its ring walk to one holding few prefixes (caches
-        fill evenly); a spilled one to the least busy. Large fleets: an idle new replica, else the
-        first replica under the bounds on the ring walk. Everyone over the bounds: the least loaded."""
+        """Where a request goes when no holder takes it, among replicas under both load bounds: a prefix
+        seen before to the replica it last went to; a new one to an unfilled replica, else to the one
+        that is home to the fewest prefixes (first on its ring walk among equals), so caches fill
+        evenly; a spilled one to the least busy. Large fleets: an idle new replica, else the first
+        replica under the bounds on the ring walk. Everyone over the bounds: the least loaded."""
         n = len(self.replicas) if allowed is None else len(allowed)
         if n == 0:
             return None
@@ -338,16 +359,22 @@ class PrefixPolicy:
             view = self.replicas[rid]
             return view.outstanding <= bound and self._recent(view) <= rate_bound
 
+        if not spill and key is not None:
+            # a prefix the index lost track of goes back to where it went last: that replica may still
+            # cache part of it, and otherwise its own eviction decides (prefixes do not wander the fleet)
+            home = self._home.get(key)
+            if home is not None and home in self.replicas and (allowed is None or home in allowed) and ok(home):
+                return home
         if n <= self.cfg.small_fleet:
             pool = [r for r in sorted(self.replicas if allowed is None else allowed) if ok(r)]
             if pool:
                 if spill:
                     return min(pool, key=lambda r: self._recent(self.replicas[r]))
                 unfilled = [r for r in pool if r in self._unfilled]  # new or emptied replicas fill first
-                fewest = min(len(self.replicas[r].heads) for r in pool) + self.cfg.heads_slack
-                roomy = unfilled or [r for r in pool if len(self.replicas[r].heads) <= fewest]
+                fewest = min(self.replicas[r].homes for r in pool) + self.cfg.placement_slack
+                roomy = unfilled or [r for r in pool if self.replicas[r].homes <= fewest]
                 if key is None or len(roomy) == 1 or unfilled:
-                    return min(roomy, key=lambda r: (len(self.replicas[r].heads), self._recent(self.replicas[r])))
+                    return min(roomy, key=lambda r: (self.replicas[r].homes, self._recent(self.replicas[r])))
                 return self._ring_walk(key, set(roomy))
         elif allowed is None and self._unfilled:
             # large fleets: the least-loaded heap (keyed by load, then index size) finds idle new replicas
@@ -364,7 +391,7 @@ class PrefixPolicy:
 
     def _ring_walk(self, key: int, allowed: set[str] | None, ok=None) -> str | None:
         """The first replica (in ``allowed``, passing ``ok``) on the consistent-hash ring from ``key``:
-        a prefix nobody is known to hold goes where it went last time, where it may still be cached."""
+        the same replicas in the same order for a prefix every time, while the fleet stays the same."""
         ring = self._ring
         start = bisect.bisect_left(ring, (key, ""))
         seen = 0
@@ -413,6 +440,7 @@ class PrefixPolicy:
         self._counter += 1
         if hashes:
             self._count(hashes[0])
+            self._remember_home(hashes[0], replica_id)
         m = self.matches(hashes, (replica_id,)).get(replica_id, 0)
         if m >= self.cfg.min_match_blocks:
             self.affinity_hits += 1

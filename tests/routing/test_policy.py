@@ -119,7 +119,8 @@ def test_index_never_outgrows_the_replica_and_holders_stay_consistent(ops, capac
             open_routes.append((r, w))
         for view in p.replicas.values():  # the cache, plus what its requests in flight will add
             assert len(view.index) <= capacity + view.pending_blocks
-            assert view.heads <= set(view.index)
+        homes = list(p._home.values())
+        assert all(v.homes == homes.count(rid) for rid, v in p.replicas.items())
     for r, w in open_routes:
         p.on_completed(r, w)
     for view in p.replicas.values():
@@ -200,7 +201,59 @@ def test_one_hot_prefix_is_split_by_work_rate_even_without_queues():
 
 
 def test_new_prefixes_fill_caches_evenly():
-    p = fleet(3, heads_slack=0)
+    p = fleet(3)
     for g in range(9):
         p.on_completed(*route(p, prompt(g)))
-    assert sorted(len(v.heads) for v in p.replicas.values()) == [3, 3, 3]
+    assert sorted(v.homes for v in p.replicas.values()) == [3, 3, 3]
+    held = [sum(block_hashes(prompt(g), BS)[0] in v.index for g in range(9)) for v in p.replicas.values()]
+    assert held == [3, 3, 3]
+
+
+def test_prefix_the_index_lost_goes_back_to_its_last_replica():
+    p = fleet(4)
+    for g in range(4):  # one prefix per replica
+        p.on_completed(*route(p, prompt(g)))
+    home, w = route(p, prompt(9))
+    p.on_completed(home, w)
+    p.forget_hashes(home, block_hashes(prompt(9), BS))  # evicted there, or the guess was trimmed
+    assert p.matches(block_hashes(prompt(9), BS)) == {}
+    p.add_replica("new", 256)  # an empty replica would get a new prefix first...
+    assert route(p, prompt(99))[0] == "new"
+    assert route(p, prompt(9))[0] == home  # ...but a known one returns where it may still be cached
+
+
+def test_lost_prefix_does_not_return_to_an_overloaded_home():
+    p = fleet(2, spill_slack_tokens=0.0)
+    home, w = route(p, prompt(3))
+    p.on_completed(home, w)
+    p.forget_hashes(home, block_hashes(prompt(3), BS))
+    for t in range(4):  # a burst of other work piles up at the home
+        p.on_routed(home, block_hashes(prompt(50 + t), BS), 128, 50)
+    assert route(p, prompt(3))[0] != home
+
+
+def test_remembered_homes_are_bounded():
+    p = fleet(2, home_memory=10)
+    for g in range(50):
+        p.on_completed(*route(p, prompt(g)))
+    assert len(p._home) == 10
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["route", "route", "remove", "add"]), st.integers(0, 15), st.integers(0, 3)),
+                min_size=1, max_size=120))
+def test_home_counts_match_the_bounded_map_through_fleet_changes(ops):
+    p = PrefixPolicy(PolicyConfig(block_size=BS, home_memory=4))
+    for i in range(4):
+        p.add_replica(f"r{i}", capacity_blocks=64)
+    for op, group, replica in ops:
+        rid = f"r{replica}"
+        if op == "route" and p.replicas:
+            p.on_completed(*route(p, prompt(group, 2)))
+        elif op == "remove" and len(p.replicas) > 1:
+            p.remove_replica(rid)
+        elif op == "add":
+            p.add_replica(rid, 64)
+        assert len(p._home) <= 4
+        homes = list(p._home.values())
+        assert all(v.homes == homes.count(r) for r, v in p.replicas.items())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.routing_sim import HistoryTree, main
+from bench.routing_sim import WORKLOADS, HistoryTree, clairvoyant_plan, group_shares, main
 
 
 def test_history_tree_remembers_every_route_and_never_hears_of_evictions():
@@ -22,7 +22,27 @@ def test_history_tree_remembers_every_route_and_never_hears_of_evictions():
 def test_small_run_beats_pow2_and_reports_every_baseline(capsys):
     out = main(["--replicas", "4", "--requests", "400", "--cache-prompts", "8"])
     assert out["hit_rate_vs_pow2"] > 1.5  # pow2 scatters 64 prefixes over 4 caches
-    for name in ("ray_llm", "sglang", "ray_llm_reports", "sglang_reports", "consistent_hash"):
+    for name in ("ray_llm", "sglang", "ray_llm_reports", "sglang_reports", "consistent_hash", "clairvoyant"):
         assert out[f"hit_rate_vs_{name}"] > 0 and out[f"max_mean_load_{name}"] >= 1.0
     assert out["hit_rate_over_oracle"] > 0.8
     assert "| ray_llm_reports |" in capsys.readouterr().out
+
+
+def test_clairvoyant_plan_copies_hot_groups_and_fills_every_cache_evenly():
+    shares = group_shares(WORKLOADS["gsp-zipf"])
+    assert abs(sum(shares) - 1.0) < 1e-9 and shares[0] > 0.2  # Zipf(1.0) over 64: the hottest is ~21%
+    replicas = [f"r{i}" for i in range(8)]
+    plan = clairvoyant_plan(shares, replicas, slots=8)
+    assert sorted(plan) == list(range(64))  # every group has a home
+    assert len(plan[0]) == 3 and len(plan[1]) == 2 and len(plan[2]) == 1  # copies by share / 0.7 of a replica
+    assert all(len(set(homes)) == len(homes) for homes in plan.values())  # copies on distinct replicas
+    per_replica = {r: sum(r in h for h in plan.values()) for r in replicas}
+    assert max(per_replica.values()) - min(per_replica.values()) <= 1  # 67 copies over 64 slots
+    planned = {r: sum(shares[g] / len(h) for g, h in plan.items() if r in h) for r in replicas}
+    assert max(planned.values()) < 1.1 / 8
+
+
+def test_clairvoyant_plan_uniform_groups_one_copy_each():
+    plan = clairvoyant_plan([1 / 8] * 8, ["a", "b"], slots=4)
+    assert all(len(h) == 1 for h in plan.values())
+    assert sorted(sum(r in h for h in plan.values()) for r in ("a", "b")) == [4, 4]
