@@ -122,12 +122,13 @@ class RadixCache:
         return node
 
     def match(self, token_ids: Sequence[int], cache_salt: str | None = None,
-              max_blocks: int | None = None, count: bool = True) -> PrefixMatch:
+              max_blocks: int | None = None, count: bool = True, reuse: bool = True) -> PrefixMatch:
         """Longest cached prefix of ``token_ids``, in whole blocks.
 
         By default at most ``(n - 1) // block_size`` blocks match: the last prompt token is always
         recomputed, since its logits start generation. Touches the path (LRU) and splits a node
-        when the match ends inside it, so the returned node can be locked exactly.
+        when the match ends inside it, so the returned node can be locked exactly. ``reuse``: the
+        matched blocks count as reused (protected); False for a request taking back its own blocks.
         """
         n = len(token_ids)
         limit = (n - 1) // self.block_size if max_blocks is None else min(max_blocks, n // self.block_size)
@@ -137,7 +138,7 @@ class RadixCache:
         hashes: list[int] = []
         if limit > 0:
             packed = pack_tokens(token_ids[: limit * self.block_size])
-            node = self._walk(node, packed, blocks, hashes)
+            node = self._walk(node, packed, blocks, hashes, reuse)
         if count:
             c = self.counters
             c.queries += 1
@@ -145,7 +146,7 @@ class RadixCache:
             c.hit_tokens += len(blocks) * self.block_size
         return PrefixMatch(blocks, hashes, node, self.block_size)
 
-    def _walk(self, node: Node, packed: bytes, blocks: list[int], hashes: list[int]) -> Node:
+    def _walk(self, node: Node, packed: bytes, blocks: list[int], hashes: list[int], reuse: bool = True) -> Node:
         step, pos, end = self._step, 0, len(packed)
         while pos < end:
             child = node.children.get(packed[pos:pos + step])
@@ -155,7 +156,7 @@ class RadixCache:
             if m < len(child.blocks):
                 child = self._split(child, m)
             child.last_access = self._clock
-            child.reused = True
+            child.reused = child.reused or reuse
             blocks.extend(child.blocks)
             hashes.extend(child.hashes)
             pos += m * step

@@ -29,7 +29,9 @@ class KVManager:
         if self.cache is None:
             return
         max_blocks = len(seq.tokens) // self.block_size if seq.prefill_only else None
-        m = self.cache.match(seq.tokens, cache_salt=seq.params.cache_salt, max_blocks=max_blocks, count=False)
+        # after a preemption the sequence takes back blocks it published itself: no one else reused them
+        m = self.cache.match(seq.tokens, cache_salt=seq.params.cache_salt, max_blocks=max_blocks, count=False,
+                             reuse=not seq.admitted_once)
         self.cache.lock(m.node)
         seq.lock_node = m.node
         seq.block_table = list(m.blocks)

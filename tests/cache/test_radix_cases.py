@@ -217,3 +217,16 @@ def test_cached_hashes_match_the_shared_function():
     tokens = list(range(20))
     publish(cache, alloc, tokens, salt="t")
     assert cache.match(tokens + [0], cache_salt="t").hashes == block_hashes(tokens, BS, cache_salt="t")
+
+
+def test_taking_back_ones_own_blocks_does_not_protect_them():
+    # a preempted request re-matching the blocks it published is not a second user of them
+    for reuse, prompt_survives in ((True, True), (False, False)):
+        cache = RadixCache(BS, reuse_bonus=100)
+        alloc = BlockAllocator(4, BS, cache)
+        a = publish(cache, alloc, [1] * 8)
+        assert cache.match([1] * 9, reuse=reuse).blocks == a
+        for q in range(2, 6):
+            publish(cache, alloc, [q] * 4)
+        assert (cache.match([1] * 9).blocks == a) == prompt_survives, reuse
+        alloc.check_invariants([])
