@@ -15,7 +15,8 @@ pow2 among the chosen; ``imbalanced_threshold`` defaults to infinity, so it neve
 SGLang-like (cache-aware: match rate > 0.3 wins, else smallest tree; shortest queue when max-min > 64
 and max > 1.5 min), and an oracle (one cache with the fleet's capacity). ``clairvoyant`` is a reference no
 router can be: told each group's popularity in advance, it plans copies and placement once
-(``clairvoyant_plan``) and sends each request to the least busy of its group's homes. Like the real routers, the
+(``clairvoyant_plan``; again from scratch when the fleet changes, so it is a weak reference for runs
+that add or remove replicas) and sends each request to the least busy of its group's homes. Like the real routers, the
 Ray- and SGLang-likes keep a tree of what they routed where and hear nothing from the replicas (Ray's
 tree does not evict by default, ``do_eviction=False``; SGLang's approximate tree evicts by its own LRU
 only past ``max_tree_size``, millions of characters: never here); they match whole blocks of 16 tokens
@@ -437,6 +438,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default=None, help="write a PNG of hit rate and load balance here")
     args = ap.parse_args(argv)
+    if args.plan_copy_share <= 0:
+        ap.error("--plan-copy-share must be positive")
     w = WORKLOADS[args.workload]
     sys_blocks = w.system_len // BS
     q_blocks = -(-w.question_len // BS)

@@ -122,13 +122,14 @@ class RadixCache:
         return node
 
     def match(self, token_ids: Sequence[int], cache_salt: str | None = None,
-              max_blocks: int | None = None, count: bool = True, reuse: bool = True) -> PrefixMatch:
+              max_blocks: int | None = None, count: bool = True, own_blocks: int = 0) -> PrefixMatch:
         """Longest cached prefix of ``token_ids``, in whole blocks.
 
         By default at most ``(n - 1) // block_size`` blocks match: the last prompt token is always
         recomputed, since its logits start generation. Touches the path (LRU) and splits a node
-        when the match ends inside it, so the returned node can be locked exactly. ``reuse``: the
-        matched blocks count as reused (protected); False for a request taking back its own blocks.
+        when the match ends inside it, so the returned node can be locked exactly. Matched blocks
+        count as reused (protected), except nodes within the first ``own_blocks``: a request taking
+        back blocks it published itself (after a preemption) is not a second user of them.
         """
         n = len(token_ids)
         limit = (n - 1) // self.block_size if max_blocks is None else min(max_blocks, n // self.block_size)
@@ -138,7 +139,7 @@ class RadixCache:
         hashes: list[int] = []
         if limit > 0:
             packed = pack_tokens(token_ids[: limit * self.block_size])
-            node = self._walk(node, packed, blocks, hashes, reuse)
+            node = self._walk(node, packed, blocks, hashes, own_blocks)
         if count:
             c = self.counters
             c.queries += 1
@@ -146,7 +147,7 @@ class RadixCache:
             c.hit_tokens += len(blocks) * self.block_size
         return PrefixMatch(blocks, hashes, node, self.block_size)
 
-    def _walk(self, node: Node, packed: bytes, blocks: list[int], hashes: list[int], reuse: bool = True) -> Node:
+    def _walk(self, node: Node, packed: bytes, blocks: list[int], hashes: list[int], own_blocks: int = 0) -> Node:
         step, pos, end = self._step, 0, len(packed)
         while pos < end:
             child = node.children.get(packed[pos:pos + step])
@@ -156,7 +157,8 @@ class RadixCache:
             if m < len(child.blocks):
                 child = self._split(child, m)
             child.last_access = self._clock
-            child.reused = child.reused or reuse
+            if len(blocks) + len(child.blocks) > own_blocks:
+                child.reused = True
             blocks.extend(child.blocks)
             hashes.extend(child.hashes)
             pos += m * step

@@ -29,9 +29,11 @@ class KVManager:
         if self.cache is None:
             return
         max_blocks = len(seq.tokens) // self.block_size if seq.prefill_only else None
-        # after a preemption the sequence takes back blocks it published itself: no one else reused them
+        # after a preemption the sequence takes back the blocks it held: matching them is no reuse
+        # (blocks past them, published by others meanwhile, are)
+        own = seq.own_cached_blocks if seq.admitted_once else 0
         m = self.cache.match(seq.tokens, cache_salt=seq.params.cache_salt, max_blocks=max_blocks, count=False,
-                             reuse=not seq.admitted_once)
+                             own_blocks=own)
         self.cache.lock(m.node)
         seq.lock_node = m.node
         seq.block_table = list(m.blocks)
@@ -100,6 +102,7 @@ class KVManager:
         if self.cache is not None and seq.lock_node is not None:
             self.cache.unlock(seq.lock_node)
         self.allocator.free(seq.private_blocks)
+        seq.own_cached_blocks = seq.num_cached_blocks  # what a re-admission takes back
         seq.lock_node = None
         seq.block_table = []
         seq.num_cached_blocks = 0

@@ -80,6 +80,7 @@ class Sequence:
     # KV bookkeeping
     block_table: list[int] = field(default_factory=list)  # cached blocks first, then private ones
     num_cached_blocks: int = 0  # leading block_table entries owned by the radix cache
+    own_cached_blocks: int = 0  # cached blocks it held when last released (taken back on re-admission)
     lock_node: Node | None = None  # deepest cache node this sequence holds locked
     num_computed: int = 0  # tokens whose KV is in the pool
     # stats

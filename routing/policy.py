@@ -14,8 +14,9 @@ popular, so a hot prefix gets a second holder early and a rare one is never copi
 wins, which splits a hot prefix's traffic between its copies. A request that matches nowhere goes back
 to the replica its prefix last went to if that one is under the load bounds (the index lost track of
 it, but the replica may still cache part of it; a prefix that wanders evicts another one elsewhere);
-a new prefix goes to a new or emptied replica first, else to the one that is home to the fewest
-prefixes (ties broken by the prefix's consistent-hash ring walk). Work rates (decayed
+a new prefix goes to a new or emptied replica first, else (up to ``small_fleet`` replicas) to the one
+that is home to the fewest prefixes, ties broken by the prefix's consistent-hash ring walk (larger
+fleets: the first replica on that walk under the load bounds). Work rates (decayed
 sums of routed work) balance the long run; outstanding work bounds bursts.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -111,7 +112,11 @@ class ReplicaView:
     stats_seq: int | None = None  # last replica report folded in
     recent: float = 0.0  # decayed sum of work routed here (see PolicyConfig.rate_half_life)
     recent_at: int = 0  # routing counter when ``recent`` was last brought up to date
-    homes: int = 0  # prefixes whose last request went here (PrefixPolicy._home)
+    # placement count: the prefixes homed here (PrefixPolicy._home_counts, set by routing and by
+    # learn_hashes) plus a head start: a replica added to a running fleet starts one cache's worth of
+    # prefixes behind the emptiest one, not at zero (old replicas' counts include every prefix the
+    # router still remembers, most long gone from their caches)
+    home_base: int = 0
 
 
 class PrefixPolicy:
@@ -127,6 +132,8 @@ class PrefixPolicy:
         self._pop: dict[int, tuple[float, int]] = {}  # first-block hash -> (decayed count, at request n)
         self._pop_total = (0.0, 0)
         self._home: OrderedDict[int, str] = OrderedDict()  # first-block hash -> replica it last went to
+        self._home_counts: Counter[str] = Counter()  # replica -> entries of _home pointing at it (any id)
+        self._prompt_blocks = 0.0  # running mean of prompt length in blocks (sizes a cache in prefixes)
         self._recent_total = (0.0, 0)
         self.affinity_hits = 0
         self.cold_routes = 0
@@ -136,7 +143,10 @@ class PrefixPolicy:
         if replica_id not in self.replicas:
             cap = capacity_blocks or self.cfg.default_capacity_blocks
             view = ReplicaView(replica_id, cap, BlockIndex(ghost_limit=GHOST_POOLS * cap))
-            view.homes = sum(1 for r in self._home.values() if r == replica_id)  # it came back
+            if self.replicas:  # joins a running fleet: one cache's worth of prefixes behind the emptiest
+                fill = cap / max(self._prompt_blocks, 1.0)
+                view.home_base = max(0, round(min(self.homes(r) for r in self.replicas) - fill)
+                                     - self._home_counts[replica_id])
             self.replicas[replica_id] = view
             self._push_load(view)
             self._unfilled.add(replica_id)
@@ -216,7 +226,7 @@ class PrefixPolicy:
         view = self.replicas.get(replica_id)
         if view is not None:
             self._touch(view, hashes)
-            if from_root and hashes and hashes[0] not in self._home:
+            if from_root and hashes and self._home.get(hashes[0]) not in self.replicas:
                 self._remember_home(hashes[0], replica_id)
 
     def report(self, replica_id: str, capacity_blocks: int | None = None, cached_blocks: int | None = None,
@@ -322,20 +332,27 @@ class PrefixPolicy:
             self._pop = dict(keep)
 
     def _remember_home(self, key: int, replica_id: str) -> None:
-        home = self._home
+        home, counts = self._home, self._home_counts
         old = home.get(key)
         if old != replica_id:
-            self._count_home(old, -1)
-            self._count_home(replica_id, 1)
+            if old is not None:
+                self._uncount_home(old)
+            counts[replica_id] += 1
         home[key] = replica_id
         home.move_to_end(key)
         if len(home) > self.cfg.home_memory:
-            self._count_home(home.popitem(last=False)[1], -1)
+            self._uncount_home(home.popitem(last=False)[1])
 
-    def _count_home(self, replica_id: str | None, delta: int) -> None:
-        view = self.replicas.get(replica_id) if replica_id is not None else None
-        if view is not None:
-            view.homes += delta
+    def _uncount_home(self, replica_id: str) -> None:
+        counts = self._home_counts
+        counts[replica_id] -= 1
+        if counts[replica_id] <= 0:
+            del counts[replica_id]  # bounded: only ids that some remembered prefix points at
+
+    def homes(self, replica_id: str) -> int:
+        """How many prefixes count as living on this replica, for placing new ones."""
+        view = self.replicas.get(replica_id)
+        return self._home_counts[replica_id] + (view.home_base if view is not None else 0)
 
     def _load_bound(self, allowed) -> float:
         """Outstanding work above which a replica takes no affinity or spill traffic."""
@@ -371,10 +388,10 @@ class PrefixPolicy:
                 if spill:
                     return min(pool, key=lambda r: self._recent(self.replicas[r]))
                 unfilled = [r for r in pool if r in self._unfilled]  # new or emptied replicas fill first
-                fewest = min(self.replicas[r].homes for r in pool) + self.cfg.placement_slack
-                roomy = unfilled or [r for r in pool if self.replicas[r].homes <= fewest]
+                fewest = min(self.homes(r) for r in pool) + self.cfg.placement_slack
+                roomy = unfilled or [r for r in pool if self.homes(r) <= fewest]
                 if key is None or len(roomy) == 1 or unfilled:
-                    return min(roomy, key=lambda r: (self.replicas[r].homes, self._recent(self.replicas[r])))
+                    return min(roomy, key=lambda r: (self.homes(r), self._recent(self.replicas[r])))
                 return self._ring_walk(key, set(roomy))
         elif allowed is None and self._unfilled:
             # large fleets: the least-loaded heap (keyed by load, then index size) finds idle new replicas
@@ -438,6 +455,7 @@ class PrefixPolicy:
         if view is None:
             return Routed(0.0, 0)
         self._counter += 1
+        self._prompt_blocks += (len(hashes) - self._prompt_blocks) / min(self._counter, 1000)
         if hashes:
             self._count(hashes[0])
             self._remember_home(hashes[0], replica_id)

@@ -221,12 +221,12 @@ def test_cached_hashes_match_the_shared_function():
 
 def test_taking_back_ones_own_blocks_does_not_protect_them():
     # a preempted request re-matching the blocks it published is not a second user of them
-    for reuse, prompt_survives in ((True, True), (False, False)):
+    for own, prompt_survives in ((0, True), (1, True), (2, False)):  # own: its first blocks were its own
         cache = RadixCache(BS, reuse_bonus=100)
         alloc = BlockAllocator(4, BS, cache)
         a = publish(cache, alloc, [1] * 8)
-        assert cache.match([1] * 9, reuse=reuse).blocks == a
+        assert cache.match([1] * 9, own_blocks=own).blocks == a
         for q in range(2, 6):
             publish(cache, alloc, [q] * 4)
-        assert (cache.match([1] * 9).blocks == a) == prompt_survives, reuse
+        assert (cache.match([1] * 9).blocks == a) == prompt_survives, own
         alloc.check_invariants([])

@@ -1,4 +1,4 @@
-"""The KV manager's admission after a preemption: the sequence takes back its own blocks unprotected."""
+"""The KV manager's admission after a preemption: a sequence takes back its own blocks unprotected."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ def admit_and_publish(kv: KVManager, seq: Sequence) -> None:
 
 
 def protected(kv: KVManager, tokens: list[int]) -> list[bool]:
-    node, out = kv.cache.match(tokens + [0], reuse=False).node, []
+    """Reuse marks along the cached path of ``tokens``, root first (looking does not mark)."""
+    node, out = kv.cache.match(tokens + [0], own_blocks=10**9).node, []
     while node is not None and not node.is_root:
-        out.append(node.reused)
+        out += [node.reused] * len(node.blocks)
         node = node.parent
-    return out
+    return out[::-1]
 
 
 def test_readmission_after_preemption_does_not_mark_own_blocks_reused():
@@ -31,10 +32,30 @@ def test_readmission_after_preemption_does_not_mark_own_blocks_reused():
     kv.release(seq)  # preempted: its published blocks stay cached
     kv.match(seq)  # re-admitted: takes them back
     assert seq.num_computed == 8  # the last block is recomputed for its logits
-    assert protected(kv, [3] * 12) and not any(protected(kv, [3] * 12))
+    assert protected(kv, [3] * 12) == [False, False, False]
     kv.release(seq)
     other = Sequence("b", [3] * 8 + [4] * 4, SamplingParams())  # another request sharing the prefix
     kv.match(other)
-    assert any(protected(kv, [3] * 8))
+    assert protected(kv, [3] * 12) == [True, True, False]
     kv.release(other)
+    kv.check([])
+
+
+def test_readmission_marks_blocks_others_published_while_it_waited():
+    kv = KVManager(num_blocks=16, block_size=BS)
+    seq = Sequence("a", [3] * 16, SamplingParams())
+    kv.match(seq)
+    kv.count_admission(seq)
+    assert kv.ensure_blocks(seq, 8)
+    seq.num_computed = 8  # a first chunk of its prompt, then preempted
+    kv.publish(seq)
+    kv.release(seq)
+    twin = Sequence("b", [3] * 16, SamplingParams())  # the same prompt, computed in full meanwhile
+    admit_and_publish(kv, twin)
+    kv.release(twin)
+    assert protected(kv, [3] * 16) == [True, True, False, False]  # the twin reused the first two
+    kv.match(seq)  # takes back its 2 blocks and matches 1 more of the twin's: a real reuse
+    assert seq.num_computed == 12
+    assert protected(kv, [3] * 16) == [True, True, True, False]
+    kv.release(seq)
     kv.check([])

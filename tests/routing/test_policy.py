@@ -119,8 +119,6 @@ def test_index_never_outgrows_the_replica_and_holders_stay_consistent(ops, capac
             open_routes.append((r, w))
         for view in p.replicas.values():  # the cache, plus what its requests in flight will add
             assert len(view.index) <= capacity + view.pending_blocks
-        homes = list(p._home.values())
-        assert all(v.homes == homes.count(rid) for rid, v in p.replicas.items())
     for r, w in open_routes:
         p.on_completed(r, w)
     for view in p.replicas.values():
@@ -204,7 +202,7 @@ def test_new_prefixes_fill_caches_evenly():
     p = fleet(3)
     for g in range(9):
         p.on_completed(*route(p, prompt(g)))
-    assert sorted(v.homes for v in p.replicas.values()) == [3, 3, 3]
+    assert sorted(p.homes(r) for r in p.replicas) == [3, 3, 3]
     held = [sum(block_hashes(prompt(g), BS)[0] in v.index for g in range(9)) for v in p.replicas.values()]
     assert held == [3, 3, 3]
 
@@ -240,20 +238,46 @@ def test_remembered_homes_are_bounded():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["route", "route", "remove", "add"]), st.integers(0, 15), st.integers(0, 3)),
-                min_size=1, max_size=120))
+@given(st.lists(st.tuples(st.sampled_from(["route", "route", "learn", "remove", "add", "sync"]), st.integers(0, 15),
+                          st.integers(0, 4)), min_size=1, max_size=120))
 def test_home_counts_match_the_bounded_map_through_fleet_changes(ops):
     p = PrefixPolicy(PolicyConfig(block_size=BS, home_memory=4))
     for i in range(4):
         p.add_replica(f"r{i}", capacity_blocks=64)
     for op, group, replica in ops:
         rid = f"r{replica}"
-        if op == "route" and p.replicas:
+        if op == "route":
             p.on_completed(*route(p, prompt(group, 2)))
+        elif op == "learn":  # warm-up or the directory: a replica holds this prefix
+            p.learn_hashes(rid, block_hashes(prompt(group, 2), BS))
         elif op == "remove" and len(p.replicas) > 1:
             p.remove_replica(rid)
         elif op == "add":
             p.add_replica(rid, 64)
+        elif op == "sync":  # Serve's replica set: all but one
+            p.sync_replicas([f"r{i}" for i in range(5) if i != replica])
         assert len(p._home) <= 4
         homes = list(p._home.values())
-        assert all(v.homes == homes.count(r) for r, v in p.replicas.items())
+        assert dict(p._home_counts) == {r: homes.count(r) for r in set(homes)}
+
+
+def test_replica_added_to_a_running_fleet_does_not_take_every_new_prefix():
+    p = fleet(2, fill_threshold=0.0)  # no "fill the new replica first" phase: placement by homes alone
+    for g in range(100):
+        p.on_completed(*route(p, prompt(g)))  # 50 remembered prefixes each, far more than a cache holds
+    p.add_replica("new", 16)  # a cache of 2 prompts of 8 blocks
+    assert p.homes("new") == min(p.homes("r0"), p.homes("r1")) - 2  # one cache's worth behind
+    chosen = [r for r, w in (route(p, prompt(200 + g)) for g in range(12))]
+    assert 4 <= chosen.count("new") <= 7  # 2 to fill its cache, then a third of the rest; not all 12
+
+
+def test_learned_prefix_gets_a_home_unless_it_has_a_live_one():
+    p = fleet(2)
+    h = block_hashes(prompt(7), BS)
+    p.learn_hashes("r1", h)  # warm-up filled r1: the prefix lives there
+    assert p._home[h[0]] == "r1"
+    p.learn_hashes("r0", h)  # another holder does not move its home
+    assert p._home[h[0]] == "r1"
+    p.remove_replica("r1")
+    p.learn_hashes("r0", h)  # its home is gone: the holder that reports it becomes home
+    assert p._home[h[0]] == "r0"
