@@ -222,7 +222,7 @@ class PrefixPolicy:
     def learn_hashes(self, replica_id: str, hashes: Sequence[int], from_root: bool = True) -> None:
         """A replica reported blocks it holds (warm-up, another router's traffic, the directory).
         ``from_root``: ``hashes`` is one chain from its first block (not a batch of stored events); a
-        prefix the router has not placed yet gets that replica as its home."""
+        prefix without a live home (never placed, or its replica is gone) gets this replica as home."""
         view = self.replicas.get(replica_id)
         if view is not None:
             self._touch(view, hashes)
