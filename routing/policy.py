@@ -388,10 +388,11 @@ class PrefixPolicy:
                 if spill:
                     return min(pool, key=lambda r: self._recent(self.replicas[r]))
                 unfilled = [r for r in pool if r in self._unfilled]  # new or emptied replicas fill first
-                fewest = min(self.homes(r) for r in pool) + self.cfg.placement_slack
-                roomy = unfilled or [r for r in pool if self.homes(r) <= fewest]
+                homes = {r: self.homes(r) for r in pool}
+                fewest = min(homes.values()) + self.cfg.placement_slack
+                roomy = unfilled or [r for r in pool if homes[r] <= fewest]
                 if key is None or len(roomy) == 1 or unfilled:
-                    return min(roomy, key=lambda r: (self.homes(r), self._recent(self.replicas[r])))
+                    return min(roomy, key=lambda r: (homes[r], self._recent(self.replicas[r])))
                 return self._ring_walk(key, set(roomy))
         elif allowed is None and self._unfilled:
             # large fleets: the least-loaded heap (keyed by load, then index size) finds idle new replicas
