@@ -11,9 +11,11 @@ goes to the replica that holds the longest part of its prefix, unless that holde
 is above the fleet's mean by more than a tolerance; the tolerance shrinks as the prefix gets more
 popular, so a hot prefix gets a second holder early and a rare one is never copied for balance
 (a copy costs a full prefill and evicts something else). Among equal holders the least busy one
-wins, which splits a hot prefix's traffic between its copies. A request that matches nowhere goes back
-to the replica its prefix last went to if that one is under the load bounds (the index lost track of
-it, but the replica may still cache part of it; a prefix that wanders evicts another one elsewhere);
+wins, which splits a hot prefix's traffic between its copies. A prefix that fits on one replica and
+that no holder takes moves rather than being copied: the router forgets it on its old holders. A
+request that matches nowhere goes back to the replica its prefix last went to if that one is under
+the load bounds (the index lost track of it, but the replica may still cache part of it; a prefix
+that wanders evicts another one elsewhere);
 a new prefix goes to a new or emptied replica first, else (up to ``small_fleet`` replicas) to the one
 that is home to the fewest prefixes, ties broken by the prefix's consistent-hash ring walk (larger
 fleets: the first replica on that walk under the load bounds). Work rates (decayed
@@ -88,6 +90,9 @@ class PolicyConfig:
     popularity_max_scale: float = 4.0
     min_match_blocks: int = 1  # fewer matched blocks than this counts as cold
     home_memory: int = 200_000  # prefixes whose last replica is remembered (see _cold_choice)
+    # A prefix less popular than this (in fair shares) that goes to a replica holding none of it moves
+    # there: the router forgets it on its old holders instead of keeping a second copy (see on_routed)
+    move_popularity: float = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,10 +462,12 @@ class PrefixPolicy:
             return Routed(0.0, 0)
         self._counter += 1
         self._prompt_blocks += (len(hashes) - self._prompt_blocks) / min(self._counter, 1000)
+        m = self.matches(hashes, (replica_id,)).get(replica_id, 0)
+        if m == 0 and hashes and self.holders.get(hashes[0]):
+            self._move_away(hashes, replica_id)
         if hashes:
             self._count(hashes[0])
             self._remember_home(hashes[0], replica_id)
-        m = self.matches(hashes, (replica_id,)).get(replica_id, 0)
         if m >= self.cfg.min_match_blocks:
             self.affinity_hits += 1
         else:
@@ -479,6 +486,16 @@ class PrefixPolicy:
         self._touch(view, hashes)
         self._push_load(view)
         return Routed(work, new_blocks)
+
+    def _move_away(self, hashes: Sequence[int], replica_id: str) -> None:
+        """A prefix went to a replica that holds none of it while others do. Unless it is popular
+        enough to need copies, it moves: a second copy would cost that replica another prefix's
+        space, and keeping the old holders in the index would split its traffic between them."""
+        if self._popularity_scale(hashes[0]) >= self.cfg.move_popularity:
+            return
+        for rid in list(self.holders.get(hashes[0], ())):
+            if rid != replica_id:
+                self.forget_hashes(rid, hashes)
 
     def on_completed(self, replica_id: str, routed: Routed) -> None:
         view = self.replicas.get(replica_id)

@@ -281,3 +281,39 @@ def test_learned_prefix_gets_a_home_unless_it_has_a_live_one():
     p.remove_replica("r1")
     p.learn_hashes("r0", h)  # its home is gone: the holder that reports it becomes home
     assert p._home[h[0]] == "r0"
+
+
+def _overload(p: PrefixPolicy, rid: str) -> None:
+    """Make ``rid``'s recent work rate far above the fleet's: no prefix's holder check passes there."""
+    view = p.replicas[rid]
+    view.recent, view.recent_at = 1e6, p._counter
+
+
+def test_prefix_that_fits_one_replica_moves_when_its_holder_is_overloaded():
+    p = fleet(4)
+    for _ in range(10):  # eight prefixes of equal traffic: each is half a replica's fair share
+        for g in range(8):
+            p.on_completed(*route(p, prompt(g, tail=1)))
+    hashes = block_hashes(prompt(1), BS)
+    (old,) = p.matches(hashes)
+    _overload(p, old)
+    new, w = route(p, prompt(1, tail=2))
+    p.on_completed(new, w)
+    assert new != old
+    assert set(p.matches(hashes)) == {new}  # moved: the old holder no longer attracts it
+    p.replicas[old].recent = 0.0
+    assert route(p, prompt(1, tail=3))[0] == new
+
+
+def test_prefix_too_popular_for_one_replica_is_copied_not_moved():
+    p = fleet(4)
+    for t in range(40):  # prefix 1 is half of all traffic: two replicas' fair share
+        p.on_completed(*route(p, prompt(1, tail=t % 3)))
+        p.on_completed(*route(p, prompt(10 + t % 8, tail=1)))
+    hashes = block_hashes(prompt(1), BS)
+    holders = set(p.matches(hashes))
+    for rid in holders:
+        _overload(p, rid)
+    new, _ = route(p, prompt(1, tail=5))
+    assert new not in holders
+    assert set(p.matches(hashes)) == holders | {new}  # a copy: the old holders keep theirs
