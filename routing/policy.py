@@ -11,8 +11,8 @@ goes to the replica that holds the longest part of its prefix, unless that holde
 is above the fleet's mean by more than a tolerance; the tolerance shrinks as the prefix gets more
 popular, so a hot prefix gets a second holder early and a rare one is never copied for balance
 (a copy costs a full prefill and evicts something else). Among equal holders the least busy one
-wins, which splits a hot prefix's traffic between its copies. A prefix that fits on one replica and
-that no holder takes moves rather than being copied: the router forgets it on its old holders. A
+wins, which splits a hot prefix's traffic between its copies. A prefix with less than one replica's
+traffic that no holder takes moves rather than being copied: the router forgets it on its holders. A
 request that matches nowhere goes back to the replica its prefix last went to if that one is under
 the load bounds (the index lost track of it, but the replica may still cache part of it; a prefix
 that wanders evicts another one elsewhere);
@@ -90,9 +90,12 @@ class PolicyConfig:
     popularity_max_scale: float = 4.0
     min_match_blocks: int = 1  # fewer matched blocks than this counts as cold
     home_memory: int = 200_000  # prefixes whose last replica is remembered (see _cold_choice)
-    # A prefix less popular than this (in fair shares) that goes to a replica holding none of it moves
-    # there: the router forgets it on its old holders instead of keeping a second copy (see on_routed)
+    # A prefix with less traffic than this (in fair shares) whose holders are all over its work-rate
+    # bound moves to the replica it spills to: the router forgets it on the old holders instead of
+    # counting on two copies (see _move_away). One that moved within move_cooldown rate half-lives
+    # (a quarter: 62 routed requests per replica) is copied instead: it keeps overloading its homes.
     move_popularity: float = 0.9
+    move_cooldown: float = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +141,7 @@ class PrefixPolicy:
         self._pop_total = (0.0, 0)
         self._home: OrderedDict[int, str] = OrderedDict()  # first-block hash -> replica it last went to
         self._home_counts: Counter[str] = Counter()  # replica -> entries of _home pointing at it (any id)
+        self._moved: OrderedDict[int, int] = OrderedDict()  # first-block hash -> routing counter of its last move
         self._prompt_blocks = 0.0  # running mean of prompt length in blocks (sizes a cache in prefixes)
         self._recent_total = (0.0, 0)
         self.affinity_hits = 0
@@ -488,14 +492,29 @@ class PrefixPolicy:
         return Routed(work, new_blocks)
 
     def _move_away(self, hashes: Sequence[int], replica_id: str) -> None:
-        """A prefix went to a replica that holds none of it while others do. Unless it is popular
-        enough to need copies, it moves: a second copy would cost that replica another prefix's
-        space, and keeping the old holders in the index would split its traffic between them."""
-        if self._popularity_scale(hashes[0]) >= self.cfg.move_popularity:
+        """A prefix went to a replica that holds none of it while others do. If it has less traffic
+        than one replica can serve and every holder is over its work-rate bound (the policy spilled it;
+        not a Serve fallback past a full holder), it moves: the router stops counting on the old copies,
+        which age out of their caches, so its traffic is not split over two caches that each spend a
+        prefix's room on it. A prefix that moved shortly before needs two homes: it is copied.
+        Prefixes are keyed by their first block: prompts that share it move together."""
+        key = hashes[0]
+        pop = self._popularity_scale(key)
+        if pop >= self.cfg.move_popularity:
             return
-        for rid in list(self.holders.get(hashes[0], ())):
-            if rid != replica_id:
-                self.forget_hashes(rid, hashes)
+        holders = [r for r in self.holders.get(key, ()) if r != replica_id]
+        bound = self._rate_bound(None, pop)
+        if not holders or any(self._recent(self.replicas[r]) <= bound for r in holders):
+            return
+        last = self._moved.get(key)
+        if last is not None and self._counter - last < self.cfg.move_cooldown * self._rate_hl():
+            return
+        self._moved[key] = self._counter
+        self._moved.move_to_end(key)
+        if len(self._moved) > self.cfg.home_memory:
+            self._moved.popitem(last=False)
+        for rid in holders:
+            self.forget_hashes(rid, hashes)
 
     def on_completed(self, replica_id: str, routed: Routed) -> None:
         view = self.replicas.get(replica_id)

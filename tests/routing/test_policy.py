@@ -104,14 +104,17 @@ def test_reported_evictions_stop_the_affinity():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 12), st.booleans()), min_size=1, max_size=80),
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 12), st.booleans(), st.integers(0, 5)),
+                min_size=1, max_size=80),
        st.integers(4, 40))
 def test_index_never_outgrows_the_replica_and_holders_stay_consistent(ops, capacity):
     p = PrefixPolicy(PolicyConfig(block_size=BS))
     for i in range(3):
         p.add_replica(f"r{i}", capacity_blocks=capacity)
     open_routes = []
-    for group, n_blocks, complete in ops:
+    for group, n_blocks, complete, hot in ops:
+        if hot < 3:  # a replica far over its work-rate bound: its prefixes spill, and light ones move
+            _overload(p, f"r{hot}")
         r, w = route(p, prompt(group, n_blocks))
         if complete:
             p.on_completed(r, w)
@@ -289,20 +292,52 @@ def _overload(p: PrefixPolicy, rid: str) -> None:
     view.recent, view.recent_at = 1e6, p._counter
 
 
-def test_prefix_that_fits_one_replica_moves_when_its_holder_is_overloaded():
+def _light_prefixes_fleet() -> PrefixPolicy:
+    """Four replicas serving eight prefixes of equal traffic: each is half a replica's fair share."""
     p = fleet(4)
-    for _ in range(10):  # eight prefixes of equal traffic: each is half a replica's fair share
+    for _ in range(10):
         for g in range(8):
             p.on_completed(*route(p, prompt(g, tail=1)))
+    return p
+
+
+def _spill_prefix_one(p: PrefixPolicy) -> tuple[list[int], str, str]:
+    """Overload prefix 1's only holder and route one request of it: (its hashes, old holder, new)."""
     hashes = block_hashes(prompt(1), BS)
     (old,) = p.matches(hashes)
     _overload(p, old)
     new, w = route(p, prompt(1, tail=2))
     p.on_completed(new, w)
+    return hashes, old, new
+
+
+def test_light_prefix_moves_when_its_holder_is_over_its_bound():
+    p = _light_prefixes_fleet()
+    hashes, old, new = _spill_prefix_one(p)
     assert new != old
     assert set(p.matches(hashes)) == {new}  # moved: the old holder no longer attracts it
+    assert not any(h in p.replicas[old].index for h in hashes)  # its whole chain, not just the head
     p.replicas[old].recent = 0.0
     assert route(p, prompt(1, tail=3))[0] == new
+
+
+def test_prefix_moved_moments_ago_is_copied_when_its_new_home_overloads_too():
+    p = _light_prefixes_fleet()
+    hashes, first, second = _spill_prefix_one(p)
+    _overload(p, second)
+    third, _ = route(p, prompt(1, tail=3))
+    assert third not in (first, second)
+    assert set(p.matches(hashes)) == {second, third}  # a second move so soon: it needs two homes
+
+
+def test_prefix_stays_indexed_where_serve_could_not_send_it():
+    p = _light_prefixes_fleet()
+    hashes = block_hashes(prompt(1), BS)
+    (holder,) = p.matches(hashes)
+    assert p.choose(hashes, len(prompt(1))) == holder
+    other = next(r for r in p.replicas if r != holder)
+    p.on_routed(other, hashes, len(prompt(1)))  # Serve's fallback: the holder was at max_ongoing_requests
+    assert set(p.matches(hashes)) == {holder, other}  # not over its work-rate bound: its copy still counts
 
 
 def test_prefix_too_popular_for_one_replica_is_copied_not_moved():
