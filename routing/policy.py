@@ -141,7 +141,7 @@ class PrefixPolicy:
         self._pop_total = (0.0, 0)
         self._home: OrderedDict[int, str] = OrderedDict()  # first-block hash -> replica it last went to
         self._home_counts: Counter[str] = Counter()  # replica -> entries of _home pointing at it (any id)
-        self._moved: OrderedDict[int, int] = OrderedDict()  # first-block hash -> routing counter of its last move
+        self._moved: OrderedDict[int, int] = OrderedDict()  # first-block hash -> when it moved (oldest first)
         self._prompt_blocks = 0.0  # running mean of prompt length in blocks (sizes a cache in prefixes)
         self._recent_total = (0.0, 0)
         self.affinity_hits = 0
@@ -506,13 +506,12 @@ class PrefixPolicy:
         bound = self._rate_bound(None, pop)
         if not holders or any(self._recent(self.replicas[r]) <= bound for r in holders):
             return
-        last = self._moved.get(key)
-        if last is not None and self._counter - last < self.cfg.move_cooldown * self._rate_hl():
+        moved, window = self._moved, self.cfg.move_cooldown * self._rate_hl()
+        while moved and self._counter - next(iter(moved.values())) >= window:
+            moved.popitem(last=False)  # bounded: only moves within the cooldown are kept
+        if key in moved:
             return
-        self._moved[key] = self._counter
-        self._moved.move_to_end(key)
-        if len(self._moved) > self.cfg.home_memory:
-            self._moved.popitem(last=False)
+        moved[key] = self._counter
         for rid in holders:
             self.forget_hashes(rid, hashes)
 
