@@ -6,20 +6,19 @@ The router keeps, per replica, an approximate index of the block-hash chains it 
 same ``cache.hashing`` chains the engines cache), bounded by that replica's KV capacity plus the new
 blocks of its requests in flight (a queued prompt is cached only when it runs, so trimming to the
 capacity at routing time dropped prefixes the replica still held), trimmed the way the replica evicts
-(``routing.block_index``) and corrected by what replicas report. A request
-goes to the replica that holds the longest part of its prefix, unless that holder's recent work rate
-is above the fleet's mean by more than a tolerance; the tolerance shrinks as the prefix gets more
-popular, so a hot prefix gets a second holder early and a rare one is never copied for balance
-(a copy costs a full prefill and evicts something else). Among equal holders the least busy one
-wins, which splits a hot prefix's traffic between its copies. A prefix with less than one replica's
-traffic that no holder takes moves rather than being copied: the router forgets it on its holders. A
-request that matches nowhere goes back to the replica its prefix last went to if that one is under
-the load bounds (the index lost track of it, but the replica may still cache part of it; a prefix
-that wanders evicts another one elsewhere);
-a new prefix goes to a new or emptied replica first, else (up to ``small_fleet`` replicas) to the one
-that is home to the fewest prefixes, ties broken by the prefix's consistent-hash ring walk (larger
-fleets: the first replica on that walk under the load bounds). Work rates (decayed
-sums of routed work) balance the long run; outstanding work bounds bursts.
+(``routing.block_index``) and corrected by what replicas report. A request goes to the replica that
+holds the longest part of its prefix, unless that holder's recent work rate is above the fleet's mean
+by more than a tolerance; the tolerance shrinks as the prefix gets more popular, so a hot prefix gets
+a second holder early and a rare one is never copied for balance (a copy costs a full prefill and
+evicts something else). Among equal holders the least busy one wins, which splits a hot prefix's
+traffic between its copies. A prefix lighter than ``move_popularity`` of one replica's traffic that no
+holder takes moves rather than being copied: the router forgets it on its holders. A request that
+matches nowhere goes back to the replica its prefix last went to if that one is under the load bounds
+(the index lost track of it, but the replica may still cache part of it; a prefix that wanders evicts
+another one elsewhere); a new prefix goes to a new or emptied replica first, else (up to
+``small_fleet`` replicas) to the one that is home to the fewest prefixes, ties broken by the prefix's
+consistent-hash ring walk (larger fleets: the first replica on that walk under the load bounds). Work
+rates (decayed sums of routed work) balance the long run; outstanding work bounds bursts.
 """
 
 from __future__ import annotations
@@ -467,7 +466,7 @@ class PrefixPolicy:
         self._counter += 1
         self._prompt_blocks += (len(hashes) - self._prompt_blocks) / min(self._counter, 1000)
         m = self.matches(hashes, (replica_id,)).get(replica_id, 0)
-        if m == 0 and hashes and self.holders.get(hashes[0]):
+        if m == 0 and hashes:
             self._move_away(hashes, replica_id)
         if hashes:
             self._count(hashes[0])
@@ -499,12 +498,14 @@ class PrefixPolicy:
         prefix's room on it. A prefix that moved shortly before needs two homes: it is copied.
         Prefixes are keyed by their first block: prompts that share it move together."""
         key = hashes[0]
+        holders = list(self.holders.get(key, ()))  # a copy: forget_hashes shrinks the set
+        if not holders:
+            return
         pop = self._popularity_scale(key)
         if pop >= self.cfg.move_popularity:
             return
-        holders = [r for r in self.holders.get(key, ()) if r != replica_id]
         bound = self._rate_bound(None, pop)
-        if not holders or any(self._recent(self.replicas[r]) <= bound for r in holders):
+        if any(self._recent(self.replicas[r]) <= bound for r in holders):
             return
         moved, window = self._moved, self.cfg.move_cooldown * self._rate_hl()
         while moved and self._counter - next(iter(moved.values())) >= window:
