@@ -111,8 +111,9 @@ def _run_serve(settings: Settings, address: str | None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="radixserve", description="Prefix-aware LLM serving on Ray Serve.")
     sub = ap.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="start Ray (or join one), Redis and the HTTP service",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # no ArgumentDefaultsHelpFormatter: flags default to None (unset flags leave the environment and
+    # the config file in charge), so each flag's help names the setting's own default instead
+    s = sub.add_parser("serve", help="start Ray (or join one), Redis and the HTTP service")
     s.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     add_settings_flags(s)
     s.set_defaults(func=_serve)

@@ -9,11 +9,42 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+
+
+def _check_text(value: Any, path: str = "") -> None:
+    """Strings must be valid Unicode: JSON can carry a lone surrogate (``"\\ud800"``), which no
+    tokenizer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{path or 'text'} is not valid Unicode (it holds a lone surrogate)") from None
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text(v, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(v, f"{path}.{k}" if path else str(k))
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: "5" is not a number and true is not a count (clients that send them have a bug);
+    # unknown fields are ignored, as OpenAI's and TGI's servers do
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_text(data)
+        return data
+
+
+def _unsupported(name: str, value: Any, allowed: tuple = (None,)) -> None:
+    if value not in allowed and value != [] and value != {}:
+        raise ValueError(f"{name} is not supported by this server")
 
 
 # ----------------------------------------------------------------------------- TGI
@@ -25,11 +56,23 @@ class TGIParameters(_Strict):
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=0)
     stop: list[str] = Field(default_factory=list, max_length=16)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    truncate: int | None = Field(None, ge=1)  # keep only the last this many prompt tokens
+    top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (details)
     do_sample: bool = False
     details: bool = False
     return_full_text: bool = False
     decoder_input_details: bool = False
+    best_of: int | None = Field(None, ge=1)
+    watermark: bool = False
     cache_salt: str | None = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        _unsupported("decoder_input_details", self.decoder_input_details, (False,))
+        _unsupported("best_of > 1", self.best_of, (None, 1))
+        _unsupported("watermark", self.watermark, (False,))
+        return self
 
 
 class TGIRequest(_Strict):
@@ -43,6 +86,7 @@ class TGIRequest(_Strict):
         return dict(max_new_tokens=p.max_new_tokens or default_max_new_tokens,
                     temperature=(p.temperature or 1.0) if sample else 0.0,
                     top_k=p.top_k or 0, top_p=p.top_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
+                    frequency_penalty=p.frequency_penalty or 0.0, top_logprobs=p.top_n_tokens or 0,
                     seed=p.seed, stop=p.stop, logprobs=True, cache_salt=p.cache_salt)
 
 
@@ -67,9 +111,38 @@ class _OpenAICommon(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None
     cache_salt: str | None = None  # tenant isolation of the prefix cache (as vLLM's field)
     ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens even past EOS
+    # accepted only with the values that mean "not used": anything else is refused, not ignored
+    best_of: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        _unsupported("best_of > 1", self.best_of, (None, 1))
+        _unsupported("tool calling (tools)", self.tools)
+        _unsupported("function calling (functions)", self.functions)
+        _unsupported("tool_choice", self.tool_choice, (None, "none", "auto"))
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("response_format other than {\"type\": \"text\"} is not supported by this server")
+        return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k, b in (v or {}).items():
+            if not k.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -83,17 +156,28 @@ class _OpenAICommon(_Strict):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def sampling(self, default_max_new_tokens: int, logprobs: bool) -> dict[str, Any]:
-        return dict(max_new_tokens=self.max_completion_tokens or self.max_tokens or default_max_new_tokens,
-                    temperature=self.temperature, top_k=self.top_k or 0, top_p=self.top_p,
-                    repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed, stop=self.stop_list(),
-                    logprobs=logprobs, cache_salt=self.cache_salt, ignore_eos=self.ignore_eos)
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def sampling(self, max_new_tokens: int, logprobs: bool, top_logprobs: int = 0) -> dict[str, Any]:
+        return dict(max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k or 0,
+                    top_p=self.top_p, repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed,
+                    frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                    logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
+                    stop=self.stop_list(), logprobs=logprobs, top_logprobs=top_logprobs,
+                    cache_salt=self.cache_salt, ignore_eos=self.ignore_eos)
 
 
 class CompletionRequest(_OpenAICommon):
     prompt: str | list[int] = Field(...)
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=5)  # with this many alternatives per token
     echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _no_suffix(self):
+        _unsupported("suffix", self.suffix, (None, ""))
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -121,6 +205,13 @@ class ChatMessage(_Strict):
 class ChatRequest(_OpenAICommon):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
 
 # ----------------------------------------------------------------------------- warm-up

@@ -8,6 +8,7 @@ mid-stream cancels its request, which aborts it in the engine and frees its bloc
 """
 
 
+import asyncio
 import json
 import logging
 import time
@@ -19,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import Settings
 from app.schemas import TGI_FINISH, ChatRequest, CompletionRequest, TGIRequest, WarmupRequest
@@ -26,6 +28,7 @@ from deployments.metrics import hub_handle, render
 
 log = logging.getLogger("radixserve.ingress")
 DEFAULT_MAX_NEW_TOKENS = 64
+HEALTH_TIMEOUT_S = 3.0
 VERSION = "0.1.0"
 
 app = FastAPI(title="RadixServe", version=VERSION)
@@ -45,7 +48,8 @@ def _is_openai(request: Request) -> bool:
 def _error_response(request: Request, err: ApiError) -> JSONResponse:
     if _is_openai(request):
         etype = "invalid_request_error" if err.status < 500 else "server_error"
-        body = {"error": {"message": err.message, "type": etype, "param": err.param, "code": err.code}}
+        message = err.message.replace("max_new_tokens", "max_tokens")  # the engine's name for it
+        body = {"error": {"message": message, "type": etype, "param": err.param, "code": err.code}}
         status = 400 if err.status == 422 else err.status
         return JSONResponse(body, status_code=status)
     return JSONResponse({"error": err.message, "error_type": err.kind}, status_code=err.status)
@@ -56,14 +60,46 @@ async def _api_error(request: Request, err: ApiError):
     return _error_response(request, err)
 
 
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    """Unknown paths, wrong methods, unreadable bodies: in the API's own error format too."""
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "validation")
+    message = {404: f"no such endpoint: {request.method} {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+    if exc.status_code == 400 and "parsing the body" in str(exc.detail):
+        message = "the request body could not be read (it must be UTF-8 encoded JSON)"
+    return _error_response(request, ApiError(exc.status_code, message, kind, code=kind))
+
+
+def _loc(loc: tuple) -> list[str]:
+    """An error's field path without FastAPI's "body" and pydantic's union-member tags ("str", "list[int]")."""
+    out = []
+    for x in loc:
+        x = str(x)
+        if x == "body" or x in ("str", "int", "float", "bool", "dict", "list") or "[" in x or x.startswith("function-"):
+            continue
+        out.append(f"[{x}]" if x.isdigit() else x)
+    return out
+
+
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
-    parts = []
+    parts, param = [], None
     for e in exc.errors():
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-    param = next((str(e["loc"][-1]) for e in exc.errors() if e.get("loc")), None)
-    return _error_response(request, ApiError(422, "; ".join(parts) or "invalid request", param=param))
+        if e.get("type") == "json_invalid":
+            pos = next((x for x in e.get("loc", ()) if isinstance(x, int)), None)
+            err = (e.get("ctx") or {}).get("error", "")
+            parts.append(f"the body is not valid JSON{f' (at character {pos})' if pos is not None else ''}"
+                         f"{f': {err}' if err else ''}")
+            continue
+        loc = _loc(e.get("loc", ()))
+        if loc and param is None:
+            param = loc[0]
+        msg = str(e.get("msg", "")).removeprefix("Value error, ")
+        if not loc and e.get("type") == "missing":
+            msg = "the request body is missing (a JSON object is expected)"
+        parts.append(f"{'.'.join(loc).replace('.[', '[')}: {msg}" if loc else msg)
+    return _error_response(request, ApiError(422, "; ".join(dict.fromkeys(parts)) or "invalid request", param=param))
 
 
 def _sse(obj: Any) -> str:
@@ -84,6 +120,13 @@ def _replica_header(events: list[dict]) -> dict[str, str]:
 
 def _oai_finish(reason: str | None) -> str:
     return "length" if reason in ("length", "abort", None) else "stop"
+
+
+def _error_text(e: BaseException) -> str:
+    """An exception from a replica as a user-facing line: its last line, without "module.Class: "."""
+    text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    head, sep, rest = text.partition(": ")
+    return rest if sep and "." in head and " " not in head else text
 
 
 def _usage(ev: dict) -> dict:
@@ -174,9 +217,18 @@ class Ingress:
                            code="model_not_found", param="model")
 
     # ------------------------------------------------------------------ TGI
+    def _tgi_ids(self, req: TGIRequest) -> list[int]:
+        ids = self._tokenize(req.inputs)
+        t = req.parameters.truncate
+        return ids[-t:] if t else ids  # TGI's truncate keeps the end of the prompt
+
+    def _tgi_top(self, ev: dict) -> list[dict]:
+        return [{"id": t, "text": self._detok([t]), "logprob": lp, "special": t in self.tokenizer.all_special_ids}
+                for t, lp in ev.get("top_logprobs") or ()]
+
     @app.post("/generate")
     async def generate(self, req: TGIRequest):
-        ids = self._tokenize(req.inputs)
+        ids = self._tgi_ids(req)
         params = req.sampling(DEFAULT_MAX_NEW_TOKENS)
         events = await self._collect(ids, params)
         text = "".join(ev["text"] for ev in events)
@@ -189,11 +241,13 @@ class Ingress:
                 "cached_tokens": events[-1]["num_cached_tokens"],
                 "tokens": [{"id": ev["token_id"], "text": self._detok([ev["token_id"]]), "logprob": ev["logprob"],
                             "special": ev["token_id"] in self.tokenizer.all_special_ids} for ev in toks]}
+            if req.parameters.top_n_tokens:
+                out["details"]["top_tokens"] = [self._tgi_top(ev) for ev in toks]
         return JSONResponse(out, headers=_replica_header(events))
 
     @app.post("/generate_stream")
     async def generate_stream(self, req: TGIRequest):
-        ids = self._tokenize(req.inputs)
+        ids = self._tgi_ids(req)
         first, rest = await self._stream(ids, req.sampling(DEFAULT_MAX_NEW_TOKENS))
 
         async def body():
@@ -209,6 +263,8 @@ class Ingress:
                 token = {"id": tok if tok is not None else -1, "text": ev["text"], "logprob": ev.get("logprob"),
                          "special": tok in self.tokenizer.all_special_ids if tok is not None else True}
                 msg = {"index": n, "token": token, "generated_text": None, "details": None}
+                if req.parameters.top_n_tokens:
+                    msg["top_tokens"] = self._tgi_top(ev)
                 n += 1
                 if ev["finished"]:
                     msg["generated_text"] = (req.inputs + text) if req.parameters.return_full_text else text
@@ -225,38 +281,72 @@ class Ingress:
                 "router": self.settings.router, "version": VERSION, "sha": None,
                 "max_ongoing_requests_per_replica": self.settings.max_ongoing_requests}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self):
+        """200 when a replica's engine answers; 503 at once while none is up (loading, or its engine
+        died and Serve is replacing it), not a wait for one."""
         try:
-            await self.llm.info.remote()
+            await asyncio.wait_for(self.llm.health.remote(), timeout=HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(503, "no replica answered (starting up, or all busy)", "unhealthy") from None
         except Exception as e:  # noqa: BLE001
-            raise ApiError(503, f"no healthy replica: {type(e).__name__}", "unhealthy") from None
+            raise ApiError(503, f"no healthy replica: {_error_text(e)}", "unhealthy") from None
         return JSONResponse({"status": "ok"})
 
     # ------------------------------------------------------------------ OpenAI
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "radixserve"}
+
     @app.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "radixserve"}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(self, model: str):
+        self._check_model(model)
+        return self._model_card()
+
+    async def _max_tokens(self, req, ids: list[int], default: int) -> int:
+        """What the client asked for; else the default, cut to the room the context leaves (a long
+        prompt without max_tokens is not an error)."""
+        asked = req.requested_max_tokens()
+        if asked:
+            return asked
+        room = (await self.info_cached())["max_total_tokens"] - len(ids)
+        return max(1, min(default, room))
+
+    def _oai_logprobs(self, events: list[dict], chat: bool, top: int) -> dict | None:
+        """OpenAI ``logprobs`` of these token events (chat: ``content`` entries; completions: lists)."""
+        toks = [ev for ev in events if ev.get("token_id") is not None]
+        if chat:
+            def entry(t: int, lp: float) -> dict:
+                text = self._detok([t])
+                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"content": [{**entry(ev["token_id"], ev["logprob"]),
+                                 "top_logprobs": [entry(t, lp) for t, lp in (ev.get("top_logprobs") or ())[:top]]}
+                                for ev in toks]}
+        return {"tokens": [self._detok([ev["token_id"]]) for ev in toks],
+                "token_logprobs": [ev["logprob"] for ev in toks],
+                "top_logprobs": [{self._detok([t]): lp for t, lp in ev.get("top_logprobs") or ()} for ev in toks]
+                if top else None,
+                "text_offset": None}
 
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest):
         self._check_model(req.model)
         ids = req.prompt if isinstance(req.prompt, list) else self._tokenize(req.prompt)
-        params = req.sampling(16, logprobs=req.logprobs is not None)
+        top = req.logprobs or 0
+        params = req.sampling(await self._max_tokens(req, ids, 16), logprobs=req.logprobs is not None, top_logprobs=top)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prefix = (req.prompt if isinstance(req.prompt, str) else self._detok(ids)) if req.echo else ""
         if req.stream:
-            return await self._openai_stream(ids, params, rid, created, "text_completion", req, prefix)
+            return await self._openai_stream(ids, params, rid, created, "text_completion", req, prefix, top)
         events = await self._collect(ids, params)
         last = events[-1]
         choice = {"index": 0, "text": prefix + "".join(ev["text"] for ev in events),
                   "finish_reason": _oai_finish(last["finish_reason"]), "logprobs": None}
         if req.logprobs is not None:
-            toks = [ev for ev in events if ev.get("token_id") is not None]
-            choice["logprobs"] = {"tokens": [self._detok([ev["token_id"]]) for ev in toks],
-                                  "token_logprobs": [ev["logprob"] for ev in toks], "top_logprobs": None,
-                                  "text_offset": None}
+            choice["logprobs"] = self._oai_logprobs(events, False, top)
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": [choice], "usage": _usage(last)}, headers=_replica_header(events))
 
@@ -271,27 +361,36 @@ class Ingress:
             raise ApiError(422, str(e), param="messages") from None
         enc = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-        params = req.sampling(DEFAULT_MAX_NEW_TOKENS, logprobs=req.logprobs)
+        top = req.top_logprobs or 0
+        params = req.sampling(await self._max_tokens(req, ids, DEFAULT_MAX_NEW_TOKENS), logprobs=req.logprobs,
+                              top_logprobs=top)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return await self._openai_stream(ids, params, rid, created, "chat.completion.chunk", req, "")
+            return await self._openai_stream(ids, params, rid, created, "chat.completion.chunk", req, "", top)
         events = await self._collect(ids, params)
         last = events[-1]
         choice = {"index": 0, "message": {"role": "assistant", "content": "".join(ev["text"] for ev in events)},
                   "finish_reason": _oai_finish(last["finish_reason"]), "logprobs": None}
         if req.logprobs:
-            choice["logprobs"] = {"content": [
-                {"token": self._detok([ev["token_id"]]), "logprob": ev["logprob"], "bytes": None, "top_logprobs": []}
-                for ev in events if ev.get("token_id") is not None]}
+            choice["logprobs"] = self._oai_logprobs(events, True, top)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                              "choices": [choice], "usage": _usage(last)}, headers=_replica_header(events))
 
-    async def _openai_stream(self, ids, params, rid, created, obj, req, prefix: str):
+    async def _openai_stream(self, ids, params, rid, created, obj, req, prefix: str, top: int = 0):
         first, rest = await self._stream(ids, params)
         chat = obj == "chat.completion.chunk"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        want_logprobs = params["logprobs"]
+        unsent: list[dict] = []  # token events since the last chunk (tokens without text are coalesced)
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+            c = _chunk(text, finish, role)
+            if want_logprobs and unsent:
+                c["choices"][0]["logprobs"] = self._oai_logprobs(unsent, chat, top)
+                unsent.clear()
+            return c
+
+        def _chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if text:
@@ -315,6 +414,8 @@ class Ingress:
                 # the first token is sent even while its text is held back (a partial UTF-8 character,
                 # a stop string in the making), so clients see generation start: a true TTFT; later
                 # tokens without text are not sent (each chunk costs a trip through Serve's proxy)
+                if ev.get("token_id") is not None:
+                    unsent.append(ev)
                 if ev["text"] or ev["finished"] or (first_token and ev.get("token_id") is not None):
                     first_token = False
                     yield _sse(chunk(ev["text"], _oai_finish(ev["finish_reason"]) if ev["finished"] else None))
@@ -333,9 +434,9 @@ class Ingress:
             raise ApiError(422, "prefixes must not be empty", param="prefixes")
         try:
             return await self.llm.warmup.remote(prefixes, req.cache_salt)
-        except Exception as e:  # noqa: BLE001 - the replica refused one of them
-            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise ApiError(422, msg) from None
+        except Exception as e:  # noqa: BLE001 - the replica refused one of them, or failed
+            refused = "RequestError" in str(e) or "RequestError" in type(e).__name__
+            raise ApiError(422 if refused else 503, _error_text(e), "validation" if refused else "generation") from None
 
     @app.get("/metrics")
     async def metrics(self):

@@ -19,7 +19,7 @@ from engine.detokenizer import find_stop, take_delta, update_text
 from engine.kv_manager import KVManager
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
-from engine.sampler import make_generator, sample
+from engine.sampler import Sampled, make_generator, sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingError, SamplingParams, Sequence, Status, TokenEvent
 
@@ -109,6 +109,9 @@ class LLMEngine:
             params.validate()
         except SamplingError as e:
             raise RequestError(str(e)) from e
+        bad_bias = next((t for t in params.logit_bias if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad_bias is not None:
+            raise RequestError(f"logit_bias token id {bad_bias!r} is outside the vocabulary (0..{self.vocab_size - 1})")
         n = len(prompt_ids)
         if n == 0:
             raise RequestError("the prompt is empty")
@@ -194,12 +197,12 @@ class LLMEngine:
             if self.capture_logits is not None:
                 for row, seq in zip(logits, to_sample, strict=True):
                     self.capture_logits.setdefault(seq.request_id, []).append(row.clone())
-            tokens, logprobs = sample(logits, to_sample)
-            for seq, tok, lp in zip(to_sample, tokens, logprobs, strict=True):
-                events.append(self._append_token(seq, tok, lp, now))
+            for seq, s in zip(to_sample, sample(logits, to_sample), strict=True):
+                events.append(self._append_token(seq, s, now))
         return events
 
-    def _append_token(self, seq: Sequence, tok: int, logprob: float | None, now: float) -> TokenEvent:
+    def _append_token(self, seq: Sequence, s: Sampled, now: float) -> TokenEvent:
+        tok = s.token
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.stats.ttft_s.append(now - seq.arrival)
@@ -222,12 +225,12 @@ class LLMEngine:
             reason = "length"
         if reason is None:
             self.kv.trim_window(seq)
-            return TokenEvent(seq.request_id, tok, take_delta(seq, final=False), logprob, False,
+            return TokenEvent(seq.request_id, tok, take_delta(seq, final=False), s.logprob, False,
                               num_prompt_tokens=len(seq.prompt_ids),
                               num_cached_tokens=seq.num_cached_prompt_tokens,
-                              num_output_tokens=len(seq.output_ids))
+                              num_output_tokens=len(seq.output_ids), top_logprobs=s.top)
         ev = self._finish(seq, reason)
-        ev.token_id, ev.logprob = tok, logprob
+        ev.token_id, ev.logprob, ev.top_logprobs = tok, s.logprob, s.top
         return ev
 
     def _finish(self, seq: Sequence, reason: str) -> TokenEvent:

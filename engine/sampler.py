@@ -1,17 +1,38 @@
-"""Token sampling: greedy, temperature, top-k, top-p, repetition penalty, per-request seeds."""
+"""Token sampling: greedy, temperature, top-k, top-p, repetition/frequency/presence penalties, logit
+bias, per-request seeds, log-probabilities with the most likely alternatives."""
 
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
 from engine.sequence import Sequence
 
 
-def _apply_penalty(row: torch.Tensor, seq: Sequence, penalty: float) -> torch.Tensor:
-    ids = torch.tensor(sorted(set(seq.tokens)), dtype=torch.long, device=row.device)
-    seen = row[ids]
+@dataclass(slots=True)
+class Sampled:
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+
+
+def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
     row = row.clone()
-    row[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)  # as HF's processor does
+    if p.repetition_penalty != 1.0:  # every token seen, prompt included (as HF's processor does)
+        ids = torch.tensor(sorted(set(seq.tokens)), dtype=torch.long, device=row.device)
+        seen = row[ids]
+        row[ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and seq.output_ids:  # generated tokens only (OpenAI's)
+        counts = Counter(seq.output_ids)
+        ids = torch.tensor(list(counts), dtype=torch.long, device=row.device)
+        n = torch.tensor(list(counts.values()), dtype=row.dtype, device=row.device)
+        row[ids] -= p.frequency_penalty * n + p.presence_penalty
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
     return row
 
 
@@ -27,26 +48,44 @@ def _filter(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return row
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float | None]]:
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Greedy choice that a NaN logit (a broken model, a bad weight) cannot win."""
+    return torch.nan_to_num(x, nan=float("-inf")).argmax(dim=-1)
+
+
+def _draw(dist: torch.Tensor, seq: Sequence) -> int:
+    probs = torch.softmax(dist, dim=-1).cpu()
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        # only non-finite logits get here (validated parameters keep the row finite): take the best
+        # finite token rather than fail the whole batch
+        return int(_argmax(dist))
+    return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
     """One token per row of ``logits`` ``[N, V]`` (float32) for ``seqs``."""
-    if all(s.params.greedy and s.params.repetition_penalty == 1.0 and not s.params.logprobs for s in seqs):
-        return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
-    tokens: list[int] = []
-    logprobs: list[float | None] = []
+    if all(s.params.greedy and not s.params.adjusts_logits and not s.params.logprobs for s in seqs):
+        return [Sampled(t) for t in _argmax(logits).tolist()]
+    out: list[Sampled] = []
     for row, seq in zip(logits, seqs, strict=True):
         p = seq.params
-        if p.repetition_penalty != 1.0:
-            row = _apply_penalty(row, seq, p.repetition_penalty)
+        if p.adjusts_logits:
+            row = _adjust(row, seq)
         if p.greedy:
-            tok = int(row.argmax())
             dist = row
+            tok = int(_argmax(row))
         else:
             dist = _filter(row / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(dist, dim=-1)
-            tok = int(torch.multinomial(probs.cpu(), 1, generator=seq.generator))
-        tokens.append(tok)
-        logprobs.append(float(torch.log_softmax(dist, dim=-1)[tok]) if p.logprobs else None)
-    return tokens, logprobs
+            tok = _draw(dist, seq)
+        s = Sampled(tok)
+        if p.logprobs:
+            lp = torch.log_softmax(dist, dim=-1)
+            s.logprob = float(lp[tok])
+            if p.top_logprobs:
+                vals, ids = torch.topk(lp, min(p.top_logprobs, lp.numel()))
+                s.top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+        out.append(s)
+    return out
 
 
 def make_generator(seed: int | None) -> torch.Generator:

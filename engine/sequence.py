@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -11,6 +12,12 @@ from cache.radix import Node
 
 class SamplingError(ValueError):
     """Invalid sampling parameters: the request is refused with this message."""
+
+
+# Temperatures below this sample greedily: dividing logits by a tinier one overflows float32 to inf,
+# and softmax of inf is NaN (vLLM draws the same line).
+GREEDY_BELOW = 1e-5
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -25,23 +32,40 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives reported per generated token (needs logprobs)
+    # OpenAI's penalties on tokens generated so far: logit -= frequency x count + presence x (count > 0)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias))
 
     def validate(self) -> SamplingParams:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:
+            raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not self.repetition_penalty > 0.0:
-            raise SamplingError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise SamplingError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise SamplingError("logit_bias values must be in [-100, 100]")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if any(not s for s in self.stop):
             raise SamplingError("stop strings must not be empty")
         return self
@@ -67,6 +91,7 @@ class TokenEvent:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # the most likely alternatives, best first
 
 
 @dataclass(eq=False)

@@ -117,6 +117,25 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     ("/v1/chat/completions", {"model": "tiny", "stream": True, "max_tokens": 5000,
                               "messages": [{"role": "user", "content": "x"}]}, 400, "max_total_tokens"),
     ("/warmup", {"prefixes": []}, 422, "prefixes"),
+    # wrong types are refused, not coerced
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": True}}, 422, "max_new_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "frequency_penalty": 3}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"model": "tiny", "top_logprobs": 2,
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "logprobs": True, "top_logprobs": 50,
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "top_logprobs"),
+    # options this server does not implement are refused by name, not silently ignored
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ("/v1/chat/completions", {"model": "tiny", "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "tool"),
+    ("/v1/chat/completions", {"model": "tiny", "response_format": {"type": "json_object"},
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "response_format"),
+    ("/generate", {"inputs": "hi", "parameters": {"decoder_input_details": True}}, 422, "decoder_input_details"),
+    ("/generate", {"inputs": "hi", "parameters": {"best_of": 2}}, 422, "best_of"),
 ])
 def test_bad_input_gets_4xx_in_the_apis_format(client, path, body, status, needle):
     r = client.post(path, json=body)
@@ -132,9 +151,83 @@ def test_bad_input_gets_4xx_in_the_apis_format(client, path, body, status, needl
 
 def test_malformed_json_is_a_4xx(client):
     r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "error" in r.json()
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = client.post("/generate", content=b"[1,2", headers={"content-type": "application/json"})
     assert r.status_code == 422
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", b'{"inputs": "\\ud800abc"}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\\ud800abc"}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+    ("/warmup", b'{"prefixes": ["\\ud800 abc"]}'),
+])
+def test_a_lone_surrogate_is_a_4xx(client, path, body):
+    r = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code in (400, 422), r.text
+    assert "Unicode" in r.text
+
+
+def test_unknown_paths_and_methods_answer_in_the_apis_format(client):
+    r = client.get("/nope")
+    assert r.status_code == 404 and r.json()["error_type"] == "not_found"
+    r = client.get("/v1/nope")
+    assert r.status_code == 404 and "no such endpoint" in r.json()["error"]["message"]
+    r = client.get("/generate")
+    assert r.status_code == 405 and "GET" in r.json()["error"]
+    assert client.head("/health").status_code == 200
+    assert client.get("/v1/models/tiny").json()["id"] == "tiny"
+    assert client.get("/v1/models/other").status_code == 404
+
+
+def test_a_tiny_temperature_is_greedy_and_the_engine_stays_up(client):
+    # 1e-300 once overflowed logits / temperature to inf, and the NaN it gave killed the engine
+    greedy = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 6}}).json()
+    for _ in range(2):  # both replicas
+        r = client.post("/generate", json={"inputs": PROMPT, "parameters": {
+            "max_new_tokens": 6, "do_sample": True, "temperature": 1e-300}})
+        assert r.status_code == 200, r.text
+        assert r.json()["generated_text"] == greedy["generated_text"]
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3,
+                                                 "temperature": 1e-300})
+        assert r.status_code == 200, r.text
+    assert client.get("/health").status_code == 200
+
+
+def test_logit_bias_penalties_and_top_logprobs(client):
+    tok = 65
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                             "logit_bias": {str(tok): 100}, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(set(lp["tokens"])) == 1 and len(lp["top_logprobs"]) == 3
+    assert all(1 <= len(t) <= 2 for t in lp["top_logprobs"])
+    # the same bias with a frequency penalty: a token may repeat only while its lead lasts
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                             "logit_bias": {str(tok): 100}, "frequency_penalty": 2,
+                                             "presence_penalty": 2})
+    assert r.status_code == 200, r.text
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5,
+            "logprobs": True, "top_logprobs": 2}
+    out = client.post("/v1/chat/completions", json=chat).json()
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"]
+    assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] >= c["top_logprobs"][1]["logprob"]
+               for c in content)
+    with client.stream("POST", "/v1/chat/completions",
+                       json={**chat, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+        events = [e for e in sse_events(resp) if e != "[DONE]"]
+    streamed = [c for e in events for ch in e["choices"] for c in (ch.get("logprobs") or {}).get("content", [])]
+    assert len(streamed) == events[-1]["usage"]["completion_tokens"]
+
+
+def test_tgi_truncate_and_top_n_tokens(client):
+    body = {"inputs": "x" * 1500, "parameters": {"max_new_tokens": 3, "truncate": 100, "details": True,
+                                                 "top_n_tokens": 2}}
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    d = r.json()["details"]
+    assert len(d["top_tokens"]) == d["generated_tokens"] and all(len(t) == 2 for t in d["top_tokens"])
 
 
 def test_warmup_then_hit(client):

@@ -1,0 +1,82 @@
+"""The sampler on crafted logits (penalties, bias, top log-probs, degenerate rows) and in the engine
+(a temperature too small to divide by must not take the engine down)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.llm_engine import RequestError
+from engine.sampler import make_generator, sample
+from engine.sequence import SamplingError, SamplingParams, Sequence
+
+PROMPT = list(range(40, 110))
+
+
+def seq(output: list[int] | None = None, **kw) -> Sequence:
+    s = Sequence("r", [1, 2, 3], SamplingParams(**kw))
+    s.output_ids = list(output or [])
+    if not s.params.greedy:
+        s.generator = make_generator(0)
+    return s
+
+
+def row(best: int = 5, margin: float = 1.0, vocab: int = 10) -> torch.Tensor:
+    r = torch.zeros(1, vocab)
+    r[0, best] = margin
+    return r
+
+
+def test_frequency_and_presence_penalties_count_generated_tokens():
+    # token 5 leads by 1.0; generated twice, a frequency penalty of 0.6 costs it 1.2 and it loses
+    assert sample(row(), [seq([5, 5], frequency_penalty=0.6)])[0].token != 5
+    assert sample(row(), [seq([5], frequency_penalty=0.6)])[0].token == 5  # once: 0.6 < 1.0
+    assert sample(row(), [seq([5], presence_penalty=1.5)])[0].token != 5
+    assert sample(row(), [seq([5], presence_penalty=-1.5)])[0].token == 5
+    # the prompt's tokens are not penalized (OpenAI's penalties look at the output only)
+    assert sample(row(best=2), [seq([], frequency_penalty=2.0)])[0].token == 2
+
+
+def test_logit_bias_moves_a_token():
+    assert sample(row(), [seq(logit_bias={7: 100.0})])[0].token == 7
+    assert sample(row(), [seq(logit_bias={5: -100.0})])[0].token != 5
+
+
+def test_top_logprobs_are_the_best_alternatives():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
+    out = sample(logits, [seq(logprobs=True, top_logprobs=3)])[0]
+    lp = torch.log_softmax(logits[0], -1)
+    assert out.token == 1 and out.logprob == pytest.approx(float(lp[1]))
+    assert [t for t, _ in out.top] == [1, 3, 2]
+    assert [v for _, v in out.top] == pytest.approx([float(lp[1]), float(lp[3]), float(lp[2])])
+    assert sample(logits, [seq(logprobs=True)])[0].top is None
+
+
+def test_tiny_temperatures_sample_greedily_and_bad_rows_do_not_raise():
+    logits = torch.randn(1, 50)
+    best = int(logits.argmax())
+    for t in (1e-300, 1e-6):
+        assert sample(logits, [seq(temperature=t)])[0].token == best
+    nan_row = torch.full((1, 10), float("nan"))
+    nan_row[0, 4] = 1.0
+    assert sample(nan_row, [seq(temperature=0.7, logprobs=True)])[0].token == 4
+    assert sample(nan_row, [seq()])[0].token == 4
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=math.inf), dict(temperature=math.nan),
+                                dict(repetition_penalty=math.inf), dict(frequency_penalty=2.5),
+                                dict(presence_penalty=-3.0), dict(logit_bias={1: 101.0}), dict(top_logprobs=21)])
+def test_out_of_range_parameters_are_refused(kw):
+    with pytest.raises(SamplingError):
+        SamplingParams(**kw).validate()
+
+
+def test_engine_survives_a_tiny_temperature_and_checks_bias_ids(make_engine):
+    eng = make_engine("tiny")
+    greedy = eng.generate([PROMPT], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].output_ids
+    tiny = eng.generate([PROMPT], SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1e-300))[0]
+    assert tiny.output_ids == greedy
+    with pytest.raises(RequestError, match="logit_bias"):
+        eng.add_request(PROMPT, SamplingParams(logit_bias={eng.vocab_size: 1.0}))
