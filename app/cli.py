@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import typing
@@ -42,11 +43,46 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _init_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from engine.model_init import write_model
 
-    path = write_model(args.path, args.preset, seed=args.seed)
+    target = Path(args.path)
+    if target.exists() and not target.is_dir():
+        print(f"radixserve: {target} is a file, not a folder", file=sys.stderr)
+        return 2
+    if target.is_dir() and any(target.iterdir()) and not args.force:
+        print(f"radixserve: {target} is not empty; pass --force to write the model over it", file=sys.stderr)
+        return 2
+    path = write_model(target, args.preset, seed=args.seed)
     print(f"wrote the {args.preset} model to {path}")
     return 0
+
+
+def preflight(settings: Settings, local_ray: bool) -> str | None:
+    """What would make the service fail to start, found in seconds and before anything starts (the
+    replicas would otherwise fail half a minute later, deep in Ray's logs): the model folder, limits
+    against its context, the engine settings, and (starting a local Ray) the HTTP port."""
+    from engine.config import ConfigError
+    from engine.model_loader import ModelLoadError, check_model_folder, model_context
+
+    try:
+        _, config, _ = check_model_folder(settings.resolved_model_id())
+        settings.engine_config()
+    except (ModelLoadError, ConfigError) as e:
+        return str(e)
+    context = model_context(config)
+    for name in ("max_total_tokens", "max_input_tokens"):
+        value = getattr(settings, name)
+        if value and context and value > context:
+            return f"{name} ({value}) is more than the model's context ({context} tokens, max_position_embeddings)"
+    if local_ray and settings.port:
+        with socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET) as s:
+            try:  # no SO_REUSEPORT: another Serve proxy on this port must make this fail
+                s.bind((settings.host, settings.port))
+            except OSError as e:
+                return f"cannot listen on {settings.host}:{settings.port}: {e.strerror} (another service there?)"
+    return None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -55,6 +91,10 @@ def _serve(args: argparse.Namespace) -> int:
         settings = Settings.from_sources(cli=cli)
     except ValueError as e:
         print(f"radixserve: {e}", file=sys.stderr)
+        return 2
+    problem = preflight(settings, local_ray=not args.address)
+    if problem:
+        print(f"radixserve: {problem}", file=sys.stderr)
         return 2
     from app.local_redis import LocalRedis
 
@@ -122,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny",
                    choices=["tiny", "bench", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
     p.set_defaults(func=_init_model)
     return ap
 

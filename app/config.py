@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import EngineConfig
 
@@ -22,6 +22,12 @@ class AutoscalingSettings(BaseModel):
     target_ongoing_requests: float = Field(8.0, gt=0)
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(60.0, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is more than max_replicas ({self.max_replicas})")
+        return self
 
 
 class Settings(BaseModel):
@@ -66,6 +72,13 @@ class Settings(BaseModel):
     warmup_token_budget: int = Field(65536, ge=0)
     deployment_name: str = "radixserve"
 
+    @model_validator(mode="after")
+    def _limits(self):
+        if self.max_input_tokens and self.max_total_tokens and self.max_input_tokens >= self.max_total_tokens:
+            raise ValueError(f"max_input_tokens ({self.max_input_tokens}) must be below max_total_tokens "
+                             f"({self.max_total_tokens})")
+        return self
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
@@ -108,7 +121,8 @@ class Settings(BaseModel):
         try:
             return cls(**merged)
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" if err["loc"]
+                                 else str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
             raise ValueError(f"invalid settings: {problems}") from None
 
 

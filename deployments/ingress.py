@@ -27,6 +27,22 @@ from app.schemas import TGI_FINISH, ChatRequest, CompletionRequest, TGIRequest, 
 from deployments.metrics import hub_handle, render
 
 log = logging.getLogger("radixserve.ingress")
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: printable character -> the byte it stands for."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_DECODER = _byte_level_table()
 DEFAULT_MAX_NEW_TOKENS = 64
 HEALTH_TIMEOUT_S = 3.0
 VERSION = "0.1.0"
@@ -147,6 +163,7 @@ class Ingress:
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.resolved_model_id(), local_files_only=True)
         self._info: dict[str, Any] | None = None
         self._hub = hub_handle(self.settings.deployment_name)
+        self._bytes_cache: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ plumbing
     async def info_cached(self) -> dict[str, Any]:
@@ -159,6 +176,24 @@ class Ingress:
 
     def _detok(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _token_bytes(self, tid: int) -> list[int]:
+        """A token's own bytes (OpenAI's ``bytes``): one token may hold part of a UTF-8 character,
+        which its decoded text shows as U+FFFD; tokens the text skips (special ones) have none. Byte-level BPE spells bytes as printable characters
+        (GPT-2's table), SentencePiece's byte fallback as ``<0xHH>``; otherwise the text's UTF-8."""
+        got = self._bytes_cache.get(tid)
+        if got is None:
+            piece = self.tokenizer.convert_ids_to_tokens(tid)
+            if not isinstance(piece, str) or not self._detok([tid]):  # special, or outside the tokenizer
+                got = []
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                got = [int(piece[3:5], 16)]
+            elif all(c in _BYTE_DECODER for c in piece):
+                got = [_BYTE_DECODER[c] for c in piece]
+            else:
+                got = list(self._detok([tid]).encode())
+            self._bytes_cache[tid] = got
+        return got
 
     async def _stream(self, ids: list[int], params: dict[str, Any]) -> tuple[dict, AsyncIterator[dict]]:
         """Start a request; returns its first event and an iterator over the rest. A refused
@@ -320,8 +355,7 @@ class Ingress:
         toks = [ev for ev in events if ev.get("token_id") is not None]
         if chat:
             def entry(t: int, lp: float) -> dict:
-                text = self._detok([t])
-                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+                return {"token": self._detok([t]), "logprob": lp, "bytes": self._token_bytes(t)}
             return {"content": [{**entry(ev["token_id"], ev["logprob"]),
                                  "top_logprobs": [entry(t, lp) for t, lp in (ev.get("top_logprobs") or ())[:top]]}
                                 for ev in toks]}

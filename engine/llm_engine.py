@@ -17,7 +17,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.cpu_linear import use_skinny_linear
 from engine.detokenizer import find_stop, take_delta, update_text
 from engine.kv_manager import KVManager
-from engine.model_loader import LoadedModel, load_model
+from engine.model_loader import LoadedModel, load_model, model_context
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampled, make_generator, sample
 from engine.scheduler import Scheduler
@@ -59,7 +59,11 @@ class LLMEngine:
         self.eos_ids = self._eos_ids()
 
         self.window = config.window_size or m.sliding_window
-        self.max_total_tokens = config.max_total_tokens or int(getattr(m.config, "max_position_embeddings", 4096))
+        context = model_context(m.config)
+        if config.max_total_tokens and context and config.max_total_tokens > context:
+            raise ConfigError(f"max_total_tokens ({config.max_total_tokens}) is more than the model's context "
+                              f"({context} tokens, max_position_embeddings)")
+        self.max_total_tokens = config.max_total_tokens or context or 4096
         self.max_input_tokens = config.max_input_tokens or self.max_total_tokens - 1
         if self.max_input_tokens >= self.max_total_tokens:
             raise ConfigError(f"max_input_tokens ({self.max_input_tokens}) must be below "

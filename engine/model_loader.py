@@ -67,14 +67,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def load_model(model_id: str, device: str = "auto", dtype: str = "auto",
-               attn_implementation: str | None = None) -> LoadedModel:
-    """Load from a local folder with ``config.json``, safetensors weights and a tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def check_model_folder(model_id: str):
+    """``(path, config, tokenizer)`` of a local model folder, without its weights (cheap enough for the
+    command line to check before it starts anything); ``ModelLoadError`` names what is wrong."""
+    from transformers import AutoConfig, AutoTokenizer
 
     path = Path(model_id).expanduser()
     if not path.is_dir():
-        raise ModelLoadError(f"model folder {model_id!r} does not exist (RadixServe loads local folders only; "
+        what = "is a file, not a folder" if path.exists() else "does not exist"
+        raise ModelLoadError(f"model folder {model_id!r} {what} (RadixServe loads local folders only; "
                              "create one with `radixserve init-model PATH`)")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: not a transformers model folder")
@@ -84,14 +85,29 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto",
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any parse failure is the user's broken folder
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
-    if config.model_type not in SUPPORTED:
-        log.warning("model type %r is not one of the tested architectures %s", config.model_type, SUPPORTED)
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {e}") from e
+    return path, config, tokenizer
+
+
+def model_context(config) -> int | None:
+    """The longest sequence the model was built for (``max_position_embeddings``), if it says."""
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def load_model(model_id: str, device: str = "auto", dtype: str = "auto",
+               attn_implementation: str | None = None) -> LoadedModel:
+    """Load from a local folder with ``config.json``, safetensors weights and a tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    path, config, tokenizer = check_model_folder(model_id)
+    if config.model_type not in SUPPORTED:
+        log.warning("model type %r is not one of the tested architectures %s", config.model_type, SUPPORTED)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dt, attn_implementation=attn_implementation)

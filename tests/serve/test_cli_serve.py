@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,3 +51,47 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RADIXSERVE_"))}
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def test_serve_refuses_bad_settings_in_seconds_before_starting_anything(model_dir, tmp_path):
+    tiny = model_dir("tiny")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "afile").write_text("x")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    cases = [
+        (["--model-id", str(tmp_path / "missing")], "does not exist"),
+        (["--model-id", str(tmp_path / "afile")], "is a file"),
+        (["--model-id", str(tmp_path / "empty")], "no config.json"),
+        (["--model-id", tiny, "--max-input-tokens", "5000", "--max-total-tokens", "100"], "must be below"),
+        (["--model-id", tiny, "--max-total-tokens", "100000"], "context (4096"),
+        (["--model-id", tiny, "--autoscaling", '{"min_replicas": 3, "max_replicas": 1}'], "min_replicas (3)"),
+        (["--model-id", tiny, "--port", str(busy.getsockname()[1])], "cannot listen"),
+    ]
+    try:
+        for args, needle in cases:
+            t0 = time.monotonic()
+            r = _cli("serve", *args)
+            assert r.returncode == 2, (args, r.stdout[-500:], r.stderr[-2000:])
+            assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+            assert "redis" not in r.stdout and time.monotonic() - t0 < 30, args  # nothing was started
+    finally:
+        busy.close()
+
+
+def test_init_model_does_not_overwrite_by_accident(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    r = _cli("init-model", str(tmp_path / "afile"))
+    assert r.returncode == 2 and "is a file" in r.stderr
+    assert _cli("init-model", str(tmp_path / "m")).returncode == 0
+    r = _cli("init-model", str(tmp_path / "m"), "--preset", "tiny-qwen2")
+    assert r.returncode == 2 and "--force" in r.stderr
+    assert _cli("init-model", str(tmp_path / "m"), "--preset", "tiny-qwen2", "--force").returncode == 0
+    assert "qwen2" in (tmp_path / "m" / "config.json").read_text()

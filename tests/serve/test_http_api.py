@@ -221,6 +221,17 @@ def test_logit_bias_penalties_and_top_logprobs(client):
     assert len(streamed) == events[-1]["usage"]["completion_tokens"]
 
 
+def test_chat_logprob_bytes_rebuild_the_text(client):
+    # byte-level tokens may hold part of a UTF-8 character: their bytes, not their decoded text
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "héllo wörld ٧"}], "max_tokens": 40,
+            "temperature": 0, "logprobs": True, "ignore_eos": True}
+    out = client.post("/v1/chat/completions", json=body).json()
+    content = out["choices"][0]["logprobs"]["content"]
+    raw = b"".join(bytes(c["bytes"]) for c in content)
+    # (the text holds back a character still incomplete when generation stops)
+    assert raw.decode("utf-8", errors="replace").rstrip("\ufffd") == out["choices"][0]["message"]["content"]
+
+
 def test_tgi_truncate_and_top_n_tokens(client):
     body = {"inputs": "x" * 1500, "parameters": {"max_new_tokens": 3, "truncate": 100, "details": True,
                                                  "top_n_tokens": 2}}
