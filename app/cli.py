@@ -61,24 +61,31 @@ def _init_model(args: argparse.Namespace) -> int:
 
 def preflight(settings: Settings, local_ray: bool) -> str | None:
     """What would make the service fail to start, found in seconds and before anything starts (the
-    replicas would otherwise fail half a minute later, deep in Ray's logs): the model folder, limits
-    against its context, the engine settings, and (starting a local Ray) the HTTP port."""
+    replicas would otherwise fail half a minute later, deep in Ray's logs): the engine settings, and
+    when it starts a local Ray, the model folder, the limits against its context and the HTTP port."""
     from engine.config import ConfigError
     from engine.model_loader import ModelLoadError, check_model_folder, model_context
 
     try:
-        _, config, _ = check_model_folder(settings.resolved_model_id())
         settings.engine_config()
+        if not local_ray:  # joining a cluster: the model folder need only exist where replicas run
+            return None
+        _, config, _ = check_model_folder(settings.resolved_model_id())
     except (ModelLoadError, ConfigError) as e:
         return str(e)
     context = model_context(config)
-    for name in ("max_total_tokens", "max_input_tokens"):
-        value = getattr(settings, name)
-        if value and context and value > context:
-            return f"{name} ({value}) is more than the model's context ({context} tokens, max_position_embeddings)"
-    if local_ray and settings.port:
+    if context and settings.max_total_tokens and settings.max_total_tokens > context:
+        return (f"max_total_tokens ({settings.max_total_tokens}) is more than the model's context ({context} tokens, "
+                "max_position_embeddings)")
+    total = settings.max_total_tokens or context
+    if total and settings.max_input_tokens and settings.max_input_tokens >= total:
+        return f"max_input_tokens ({settings.max_input_tokens}) must be below max_total_tokens ({total})"
+    if settings.port:
         with socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET) as s:
-            try:  # no SO_REUSEPORT: another Serve proxy on this port must make this fail
+            # SO_REUSEADDR (as uvicorn sets) so a port in TIME_WAIT passes; no SO_REUSEPORT, so a live
+            # listener, even another Serve proxy that would share the port with us, makes this fail
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
                 s.bind((settings.host, settings.port))
             except OSError as e:
                 return f"cannot listen on {settings.host}:{settings.port}: {e.strerror} (another service there?)"

@@ -14,19 +14,27 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_text(value: Any, path: str = "") -> None:
     """Strings must be valid Unicode: JSON can carry a lone surrogate (``"\\ud800"``), which no
     tokenizer can encode."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"{path or 'text'} is not valid Unicode (it holds a lone surrogate)") from None
+        if not _encodable(value):
+            raise ValueError(f"{path or 'text'} is not valid Unicode (it holds a lone surrogate)")
     elif isinstance(value, list):
         for i, v in enumerate(value):
             _check_text(v, f"{path}[{i}]")
     elif isinstance(value, dict):
         for k, v in value.items():
+            if isinstance(k, str) and not _encodable(k):
+                raise ValueError("a field name is not valid Unicode (it holds a lone surrogate)")
             _check_text(v, f"{path}.{k}" if path else str(k))
 
 
@@ -98,7 +106,19 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# OpenAI's spec makes these nullable and its client sends null for a None argument: null means the default
+NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty",
+                             "logprobs", "echo", "ignore_eos"})
+
+
 class _OpenAICommon(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if not (v is None and k in NULL_IS_DEFAULT)}
+        return data
+
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -138,7 +158,7 @@ class _OpenAICommon(_Strict):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for k, b in (v or {}).items():
-            if not k.lstrip("-").isdigit():
+            if not (k.isascii() and k.isdigit()):  # int() would also take "²", " 5" or "1_0"
                 raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
             if not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")

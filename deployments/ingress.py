@@ -43,8 +43,24 @@ def _byte_level_table() -> dict[str, int]:
 
 
 _BYTE_DECODER = _byte_level_table()
+
+
+def token_bytes(piece: str | None, text: str, byte_level: bool) -> list[int]:
+    """A token's own bytes (OpenAI's ``bytes``) from its vocabulary entry ``piece`` and decoded
+    ``text``: one token may hold part of a UTF-8 character, which its text shows as U+FFFD. Byte-level
+    BPE spells bytes as characters (GPT-2's table), SentencePiece's byte fallback as ``<0xHH>``;
+    otherwise the text's UTF-8. Tokens the text skips (special ones) have none."""
+    if not isinstance(piece, str) or not text:
+        return []
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return [int(piece[3:5], 16)]
+    if byte_level and all(c in _BYTE_DECODER for c in piece):
+        return [_BYTE_DECODER[c] for c in piece]
+    return list(text.encode())
 DEFAULT_MAX_NEW_TOKENS = 64
 HEALTH_TIMEOUT_S = 3.0
+# replicas report every second, between engine steps (deployments.llm_server): room for long CPU steps
+HEALTHY_WITHIN_S = 10.0
 VERSION = "0.1.0"
 
 app = FastAPI(title="RadixServe", version=VERSION)
@@ -164,6 +180,10 @@ class Ingress:
         self._info: dict[str, Any] | None = None
         self._hub = hub_handle(self.settings.deployment_name)
         self._bytes_cache: dict[int, list[int]] = {}
+        self._special = frozenset(self.tokenizer.all_special_ids)  # the property rebuilds a list per call
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # fast tokenizers only
+        # byte-level BPE (GPT-2, Llama 3, Qwen) spells bytes as characters; SentencePiece does not
+        self._byte_level = "ByteLevel" in type(getattr(backend, "decoder", None)).__name__
 
     # ------------------------------------------------------------------ plumbing
     async def info_cached(self) -> dict[str, Any]:
@@ -178,20 +198,9 @@ class Ingress:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _token_bytes(self, tid: int) -> list[int]:
-        """A token's own bytes (OpenAI's ``bytes``): one token may hold part of a UTF-8 character,
-        which its decoded text shows as U+FFFD; tokens the text skips (special ones) have none. Byte-level BPE spells bytes as printable characters
-        (GPT-2's table), SentencePiece's byte fallback as ``<0xHH>``; otherwise the text's UTF-8."""
         got = self._bytes_cache.get(tid)
         if got is None:
-            piece = self.tokenizer.convert_ids_to_tokens(tid)
-            if not isinstance(piece, str) or not self._detok([tid]):  # special, or outside the tokenizer
-                got = []
-            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                got = [int(piece[3:5], 16)]
-            elif all(c in _BYTE_DECODER for c in piece):
-                got = [_BYTE_DECODER[c] for c in piece]
-            else:
-                got = list(self._detok([tid]).encode())
+            got = token_bytes(self.tokenizer.convert_ids_to_tokens(tid), self._detok([tid]), self._byte_level)
             self._bytes_cache[tid] = got
         return got
 
@@ -258,7 +267,7 @@ class Ingress:
         return ids[-t:] if t else ids  # TGI's truncate keeps the end of the prompt
 
     def _tgi_top(self, ev: dict) -> list[dict]:
-        return [{"id": t, "text": self._detok([t]), "logprob": lp, "special": t in self.tokenizer.all_special_ids}
+        return [{"id": t, "text": self._detok([t]), "logprob": lp, "special": t in self._special}
                 for t, lp in ev.get("top_logprobs") or ()]
 
     @app.post("/generate")
@@ -275,7 +284,7 @@ class Ingress:
                 "generated_tokens": len(toks), "seed": req.parameters.seed, "prefill": [],
                 "cached_tokens": events[-1]["num_cached_tokens"],
                 "tokens": [{"id": ev["token_id"], "text": self._detok([ev["token_id"]]), "logprob": ev["logprob"],
-                            "special": ev["token_id"] in self.tokenizer.all_special_ids} for ev in toks]}
+                            "special": ev["token_id"] in self._special} for ev in toks]}
             if req.parameters.top_n_tokens:
                 out["details"]["top_tokens"] = [self._tgi_top(ev) for ev in toks]
         return JSONResponse(out, headers=_replica_header(events))
@@ -296,7 +305,7 @@ class Ingress:
                 text += ev["text"]
                 tok = ev.get("token_id")
                 token = {"id": tok if tok is not None else -1, "text": ev["text"], "logprob": ev.get("logprob"),
-                         "special": tok in self.tokenizer.all_special_ids if tok is not None else True}
+                         "special": tok in self._special if tok is not None else True}
                 msg = {"index": n, "token": token, "generated_text": None, "details": None}
                 if req.parameters.top_n_tokens:
                     msg["top_tokens"] = self._tgi_top(ev)
@@ -318,15 +327,17 @@ class Ingress:
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self):
-        """200 when a replica's engine answers; 503 at once while none is up (loading, or its engine
-        died and Serve is replacing it), not a wait for one."""
+        """200 while some replica's engine is alive, busy or not: each replica reports to the metrics
+        hub every second only while its engine thread answers. Asking a replica instead would queue
+        behind its ``max_ongoing_requests`` and fail a saturated, healthy service."""
         try:
-            await asyncio.wait_for(self.llm.health.remote(), timeout=HEALTH_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise ApiError(503, "no replica answered (starting up, or all busy)", "unhealthy") from None
-        except Exception as e:  # noqa: BLE001
-            raise ApiError(503, f"no healthy replica: {_error_text(e)}", "unhealthy") from None
-        return JSONResponse({"status": "ok"})
+            live = await asyncio.wait_for(self._hub.fresh.remote(HEALTHY_WITHIN_S), timeout=HEALTH_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the hub is gone or slow
+            raise ApiError(503, f"cannot tell: {_error_text(e) or 'timed out'}", "unhealthy") from None
+        if not live:
+            raise ApiError(503, f"no replica's engine has reported in the last {HEALTHY_WITHIN_S:.0f} s "
+                                "(starting up, or failed and being replaced)", "unhealthy")
+        return JSONResponse({"status": "ok", "replicas": live})
 
     # ------------------------------------------------------------------ OpenAI
     def _model_card(self) -> dict[str, Any]:

@@ -235,11 +235,6 @@ class LLMServer:
         if not self.aengine.alive:
             raise RuntimeError("engine thread is not running")
 
-    def health(self) -> bool:
-        """For the ingress' ``/health``: raises while this replica's engine is down."""
-        self.check_health()
-        return True
-
     def __del__(self):
         # Serve calls this on graceful shutdown: abort what is running so every block goes back,
         # and tell the directory this replica no longer holds anything.

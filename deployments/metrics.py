@@ -131,6 +131,12 @@ class MetricsHub:
     def forget(self, replica: str) -> None:
         self._snaps.pop(replica, None)
 
+    def fresh(self, within_s: float) -> int:
+        """Replicas that pushed within ``within_s``: a replica pushes every second only while its engine
+        thread answers, so this is the count of live engines, busy or not."""
+        now = time.monotonic()
+        return sum(1 for at, _ in self._snaps.values() if now - at < within_s)
+
     def snapshots(self) -> dict[str, dict]:
         now = time.monotonic()
         self._snaps = {r: v for r, v in self._snaps.items() if now - v[0] < STALE_AFTER_S}

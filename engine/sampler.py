@@ -3,6 +3,7 @@ bias, per-request seeds, log-probabilities with the most likely alternatives."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -48,6 +49,11 @@ def _filter(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return row
 
 
+def _finite(x: float) -> float:
+    """JSON has no -inf or NaN: an impossible token's log-probability is reported as -9999 (as vLLM does)."""
+    return x if math.isfinite(x) else -9999.0
+
+
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Greedy choice that a NaN logit (a broken model, a bad weight) cannot win."""
     return torch.nan_to_num(x, nan=float("-inf")).argmax(dim=-1)
@@ -79,11 +85,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
             tok = _draw(dist, seq)
         s = Sampled(tok)
         if p.logprobs:
-            lp = torch.log_softmax(dist, dim=-1)
-            s.logprob = float(lp[tok])
+            # the model's distribution after penalties and bias, before temperature and top-k/top-p:
+            # what the alternatives were, not what the filters left (those would be -inf, not JSON)
+            lp = torch.log_softmax(torch.nan_to_num(row, nan=float("-inf")), dim=-1)
+            s.logprob = _finite(float(lp[tok]))
             if p.top_logprobs:
                 vals, ids = torch.topk(lp, min(p.top_logprobs, lp.numel()))
-                s.top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+                s.top = [(i, _finite(v)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
         out.append(s)
     return out
 

@@ -54,6 +54,20 @@ def test_top_logprobs_are_the_best_alternatives():
     assert sample(logits, [seq(logprobs=True)])[0].top is None
 
 
+def test_logprobs_stay_finite_and_unfiltered_under_top_k_and_nan():
+    # top-k leaves -inf for the other tokens: JSON cannot carry it, and the alternatives are the model's
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0, 0.5]])
+    out = sample(logits, [seq(temperature=0.8, top_k=2, logprobs=True, top_logprobs=5)])[0]
+    lp = torch.log_softmax(logits[0], -1)
+    assert out.token in (1, 3) and out.logprob == pytest.approx(float(lp[out.token]))
+    assert [t for t, _ in out.top] == [1, 3, 2, 5, 0]
+    assert all(math.isfinite(v) for _, v in out.top)
+    nan_row = torch.full((1, 4), float("nan"))
+    nan_row[0, 2] = 0.0
+    out = sample(nan_row, [seq(logprobs=True, top_logprobs=3)])[0]
+    assert out.token == 2 and math.isfinite(out.logprob) and all(math.isfinite(v) for _, v in out.top)
+
+
 def test_tiny_temperatures_sample_greedily_and_bad_rows_do_not_raise():
     logits = torch.randn(1, 50)
     best = int(logits.argmax())

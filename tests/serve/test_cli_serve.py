@@ -72,6 +72,7 @@ def test_serve_refuses_bad_settings_in_seconds_before_starting_anything(model_di
         (["--model-id", str(tmp_path / "empty")], "no config.json"),
         (["--model-id", tiny, "--max-input-tokens", "5000", "--max-total-tokens", "100"], "must be below"),
         (["--model-id", tiny, "--max-total-tokens", "100000"], "context (4096"),
+        (["--model-id", tiny, "--max-input-tokens", "4096"], "must be below max_total_tokens (4096)"),
         (["--model-id", tiny, "--autoscaling", '{"min_replicas": 3, "max_replicas": 1}'], "min_replicas (3)"),
         (["--model-id", tiny, "--port", str(busy.getsockname()[1])], "cannot listen"),
     ]
@@ -95,3 +96,12 @@ def test_init_model_does_not_overwrite_by_accident(tmp_path):
     assert r.returncode == 2 and "--force" in r.stderr
     assert _cli("init-model", str(tmp_path / "m"), "--preset", "tiny-qwen2", "--force").returncode == 0
     assert "qwen2" in (tmp_path / "m" / "config.json").read_text()
+
+
+def test_preflight_leaves_the_model_folder_to_the_cluster_it_joins(tmp_path):
+    from app.cli import preflight
+    from app.config import Settings
+
+    s = Settings(model_id=str(tmp_path / "only-on-the-cluster"))
+    assert "does not exist" in preflight(s, local_ray=True)
+    assert preflight(s, local_ray=False) is None

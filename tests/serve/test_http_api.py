@@ -31,7 +31,10 @@ def metrics(client) -> dict[tuple[str, str], float]:
 
 
 def test_health_info_models(client):
-    assert client.get("/health").json() == {"status": "ok"}
+    deadline = time.monotonic() + 60
+    while (health := client.get("/health").json()).get("replicas") != 2 and time.monotonic() < deadline:
+        time.sleep(0.5)  # healthy once one replica's engine reports; both report within seconds
+    assert health == {"status": "ok", "replicas": 2}
     info = client.get("/info").json()
     assert info["max_input_tokens"] == 1024 and info["block_size"] == 16 and info["prefix_caching"]
     assert info["model_type"] == "llama"
@@ -122,6 +125,7 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": True}}, 422, "max_new_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "frequency_penalty": 3}, 400, "frequency_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"model": "tiny", "top_logprobs": 2,
                               "messages": [{"role": "user", "content": "x"}]}, 400, "logprobs"),
@@ -161,6 +165,7 @@ def test_malformed_json_is_a_4xx(client):
     ("/v1/completions", b'{"model": "tiny", "prompt": "\\ud800abc"}'),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'),
     ("/warmup", b'{"prefixes": ["\\ud800 abc"]}'),
+    ("/generate", b'{"inputs": "hi", "\\ud800": 1}'),  # in a field name
 ])
 def test_a_lone_surrogate_is_a_4xx(client, path, body):
     r = client.post(path, content=body, headers={"content-type": "application/json"})
@@ -202,11 +207,24 @@ def test_logit_bias_penalties_and_top_logprobs(client):
     lp = r.json()["choices"][0]["logprobs"]
     assert len(set(lp["tokens"])) == 1 and len(lp["top_logprobs"]) == 3
     assert all(1 <= len(t) <= 2 for t in lp["top_logprobs"])
-    # the same bias with a frequency penalty: a token may repeat only while its lead lasts
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
-                                             "logit_bias": {str(tok): 100}, "frequency_penalty": 2,
-                                             "presence_penalty": 2})
-    assert r.status_code == 200, r.text
+    # a penalty on the tokens generated so far: a bias of 8 makes greedy repeat one token; a frequency
+    # penalty of 2 per repeat lets other tokens through after a few
+    def tokens(**kw) -> list[str]:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 0,
+                "ignore_eos": True, "logit_bias": {str(tok): 8}, **kw}
+        return client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+
+    assert len(set(tokens())) == 1
+    assert len(set(tokens(frequency_penalty=2.0))) > 1 and len(set(tokens(presence_penalty=2.0))) > 1
+    plain = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}
+    # filters leave other tokens at -inf: the reported alternatives are the model's, and finite
+    r = client.post("/v1/completions", json={**plain, "temperature": 0.7, "top_k": 2, "top_p": 0.5, "logprobs": 5})
+    assert r.status_code == 200 and all(len(t) >= 2 for t in r.json()["choices"][0]["logprobs"]["top_logprobs"])
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "frequency_penalty": None,
+             "presence_penalty": None, "logprobs": None, "seed": None, "stop": None, "user": None}
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, **nulls,
+                                                  "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text  # null is what OpenAI's client sends for an argument left None
     chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5,
             "logprobs": True, "top_logprobs": 2}
     out = client.post("/v1/chat/completions", json=chat).json()
@@ -230,6 +248,15 @@ def test_chat_logprob_bytes_rebuild_the_text(client):
     raw = b"".join(bytes(c["bytes"]) for c in content)
     # (the text holds back a character still incomplete when generation stops)
     assert raw.decode("utf-8", errors="replace").rstrip("\ufffd") == out["choices"][0]["message"]["content"]
+
+
+def test_token_bytes_per_tokenizer_kind():
+    from deployments.ingress import token_bytes
+
+    assert token_bytes("Ã©", "\ufffd", byte_level=True) == [0xC3, 0xA9]  # GPT-2 table: "é" in two bytes
+    assert token_bytes("ção", "ção", byte_level=False) == list("ção".encode())  # SentencePiece: its text
+    assert token_bytes("<0xE2>", "\ufffd", byte_level=False) == [0xE2]  # byte fallback
+    assert token_bytes("<|eot|>", "", byte_level=True) == [] and token_bytes(None, "", byte_level=True) == []
 
 
 def test_tgi_truncate_and_top_n_tokens(client):
