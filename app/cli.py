@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import typing
 
 from app.config import Settings
@@ -120,15 +121,43 @@ def _serve(args: argparse.Namespace) -> int:
             redis.stop()
 
 
+def _drain(settings: Settings, force: threading.Event) -> None:
+    """New requests get 503 while those in flight finish (deleting the application at once would answer
+    404 and cut every stream): until the replicas report nothing running or waiting for a few polls in a
+    row, ``drain_timeout_s`` passes, or a second Ctrl-C."""
+    import ray
+    from ray import serve
+
+    name = settings.deployment_name
+    try:
+        serve.get_deployment_handle(f"{name}-ingress", app_name=name).drain.remote().result(timeout_s=10)
+        hub = ray.get_actor(f"{name}-metrics-hub", namespace="radixserve")
+    except Exception as e:  # noqa: BLE001 - nothing to drain (the app never came up): just stop
+        print(f"radixserve: not draining: {e}", file=sys.stderr)
+        return
+    deadline = time.monotonic() + settings.drain_timeout_s
+    idle = 0
+    while time.monotonic() < deadline and not force.is_set():
+        try:
+            snaps = ray.get(hub.snapshots.remote(), timeout=5)
+        except Exception:  # noqa: BLE001
+            return
+        busy = sum(s.get("running", 0) + s.get("waiting", 0) for s in snaps.values())
+        idle = idle + 1 if busy == 0 else 0
+        if idle >= 3:  # replicas push every second: two fresh reports of nothing to do
+            return
+        force.wait(0.5)
+
+
 def _run_serve(settings: Settings, address: str | None) -> int:
     import ray
     from ray import serve
 
     from app.main import build_app
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop, force = threading.Event(), threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the first asks for a drain, a second cuts it short
+        signal.signal(sig, lambda *_: force.set() if stop.is_set() else stop.set())
     if address:
         ray.init(address=address, namespace="radixserve", logging_level=logging.WARNING)
     else:
@@ -142,7 +171,9 @@ def _run_serve(settings: Settings, address: str | None) -> int:
               f"(model {settings.model_name()}, {settings.num_replicas} replica(s)); Ctrl-C stops it", flush=True)
         while not stop.wait(0.5):
             pass
-        print("shutting down...", flush=True)
+        print(f"shutting down: finishing the requests in flight (up to {settings.drain_timeout_s:.0f} s; "
+              "Ctrl-C again stops at once)...", flush=True)
+        _drain(settings, force)
         serve.delete(settings.deployment_name)
         serve.shutdown()
     finally:

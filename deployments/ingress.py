@@ -180,12 +180,28 @@ class Ingress:
         self._info: dict[str, Any] | None = None
         self._hub = hub_handle(self.settings.deployment_name)
         self._bytes_cache: dict[int, list[int]] = {}
+        self._draining = False  # set on shutdown (drain): new requests get 503 while those in flight finish
         self._special = frozenset(self.tokenizer.all_special_ids)  # the property rebuilds a list per call
         backend = getattr(self.tokenizer, "backend_tokenizer", None)  # fast tokenizers only
         # byte-level BPE (GPT-2, Llama 3, Qwen) spells bytes as characters; SentencePiece does not
         self._byte_level = "ByteLevel" in type(getattr(backend, "decoder", None)).__name__
 
     # ------------------------------------------------------------------ plumbing
+    def drain(self) -> bool:
+        """Stop taking new requests (503, "shutting down") while those in flight finish: ``radixserve
+        serve`` calls this on Ctrl-C before it deletes the application, which would cut them off."""
+        self._draining = True
+        return True
+
+    def _admit(self) -> None:
+        if self._draining:
+            raise ApiError(503, "the server is shutting down: retry on another instance", "unavailable")
+
+    def _failure(self, e: BaseException) -> str:
+        if self._draining:
+            return "the server shut down before the request finished"
+        return f"engine failure: {type(e).__name__}"
+
     async def info_cached(self) -> dict[str, Any]:
         if self._info is None:
             self._info = await self.llm.info.remote()
@@ -218,8 +234,8 @@ class Ingress:
             except Exception as e:  # noqa: BLE001 - a replica or engine failure: not the client's fault
                 gen.cancel()
                 log.warning("replica call failed (attempt %d): %s", attempt + 1, e)
-                if attempt == 1:
-                    raise ApiError(503, f"engine unavailable: {type(e).__name__}", "generation") from None
+                if attempt == 1 or self._draining:
+                    raise ApiError(503, self._failure(e), "generation") from None
         if first.get("error"):
             gen.cancel()
             status = 422 if first.get("error_kind") == "validation" else 503
@@ -236,7 +252,7 @@ class Ingress:
                     except Exception as e:  # noqa: BLE001 - the replica died mid-request
                         log.warning("replica failed mid-request: %s", e)
                         done = True
-                        yield {"error": f"engine failure: {type(e).__name__}", "finished": True}
+                        yield {"error": self._failure(e), "finished": True}
                         return
                     done = ev.get("finished", False)
                     yield ev
@@ -272,6 +288,7 @@ class Ingress:
 
     @app.post("/generate")
     async def generate(self, req: TGIRequest):
+        self._admit()
         ids = self._tgi_ids(req)
         params = req.sampling(DEFAULT_MAX_NEW_TOKENS)
         events = await self._collect(ids, params)
@@ -291,6 +308,7 @@ class Ingress:
 
     @app.post("/generate_stream")
     async def generate_stream(self, req: TGIRequest):
+        self._admit()
         ids = self._tgi_ids(req)
         first, rest = await self._stream(ids, req.sampling(DEFAULT_MAX_NEW_TOKENS))
 
@@ -330,6 +348,7 @@ class Ingress:
         """200 while some replica's engine is alive, busy or not: each replica reports to the metrics
         hub every second only while its engine thread answers. Asking a replica instead would queue
         behind its ``max_ongoing_requests`` and fail a saturated, healthy service."""
+        self._admit()
         try:
             live = await asyncio.wait_for(self._hub.fresh.remote(HEALTHY_WITHIN_S), timeout=HEALTH_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the hub is gone or slow
@@ -378,6 +397,7 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest):
+        self._admit()
         self._check_model(req.model)
         ids = req.prompt if isinstance(req.prompt, list) else self._tokenize(req.prompt)
         top = req.logprobs or 0
@@ -397,6 +417,7 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat(self, req: ChatRequest):
+        self._admit()
         self._check_model(req.model)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
@@ -474,6 +495,7 @@ class Ingress:
     # ------------------------------------------------------------------ RadixServe's own
     @app.post("/warmup")
     async def warmup(self, req: WarmupRequest):
+        self._admit()
         prefixes = [p if isinstance(p, list) else self._tokenize(p) for p in req.prefixes]
         if any(not p for p in prefixes):
             raise ApiError(422, "prefixes must not be empty", param="prefixes")
@@ -485,5 +507,5 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self):
-        snaps = await self._hub.snapshots.remote()
-        return PlainTextResponse(render(snaps), media_type="text/plain; version=0.0.4")
+        snaps, retired = await self._hub.export.remote()
+        return PlainTextResponse(render(snaps, retired), media_type="text/plain; version=0.0.4")

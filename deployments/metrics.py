@@ -72,20 +72,33 @@ def _esc(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render(snapshots: dict[str, dict[str, Any]]) -> str:
-    """Prometheus text for every replica's snapshot, plus a ``replica="all"`` sum."""
+COUNTER_KEYS = frozenset(key for key, _ in COUNTERS.values())
+
+
+def _add(total: dict[str, Any], snap: dict[str, Any], keys: frozenset[str] | None = None) -> None:
+    """Add ``snap``'s numbers and histograms into ``total`` (only ``keys`` and histograms, if given)."""
+    for key, val in snap.items():
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            if keys is None or key in keys:
+                total[key] = total.get(key, 0) + val
+        elif isinstance(val, dict) and "counts" in val:
+            t = total.setdefault(key, {"counts": [0] * len(val["counts"]), "sum": 0.0})
+            t["counts"] = [a + b for a, b in zip(t["counts"], val["counts"], strict=True)]
+            t["sum"] += val["sum"]
+
+
+def render(snapshots: dict[str, dict[str, Any]], retired: dict[str, Any] | None = None) -> str:
+    """Prometheus text for every replica's snapshot, plus a ``replica="all"`` sum. ``retired``: the
+    counters and histograms of replicas that are gone, so the "all" counters never go down (Prometheus
+    would read a drop as a reset)."""
     snaps = dict(snapshots)
     total: dict[str, Any] = {}
     for s in snaps.values():
-        for key, val in s.items():
-            if isinstance(val, (int, float)) and not isinstance(val, bool):
-                total[key] = total.get(key, 0) + val
-            elif isinstance(val, dict) and "counts" in val:
-                t = total.setdefault(key, {"counts": [0] * len(val["counts"]), "sum": 0.0})
-                t["counts"] = [a + b for a, b in zip(t["counts"], val["counts"], strict=True)]
-                t["sum"] += val["sum"]
-    if snaps:
-        total["block_size"] = max(s.get("block_size", 0) for s in snaps.values())
+        _add(total, s)
+    if retired:
+        _add(total, retired)
+    if snaps or retired:
+        total["block_size"] = max((s.get("block_size", 0) for s in snaps.values()), default=0)
         snaps["all"] = total
     lines: list[str] = []
     for name, (key, help_) in COUNTERS.items():
@@ -118,29 +131,43 @@ def render(snapshots: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@ray.remote(num_cpus=0)
-class MetricsHub:
-    """Latest snapshot per replica; replicas that stop pushing drop out after ``STALE_AFTER_S``."""
+class SnapshotStore:
+    """Latest snapshot per replica; replicas that stop pushing drop out after ``STALE_AFTER_S``, and
+    their counters and histograms move to ``retired`` (the "all" sums stay monotonic)."""
 
-    def __init__(self):
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
         self._snaps: dict[str, tuple[float, dict]] = {}
+        self._retired: dict[str, Any] = {}
 
     def push(self, replica: str, snapshot: dict) -> None:
-        self._snaps[replica] = (time.monotonic(), snapshot)
+        self._snaps[replica] = (self._clock(), snapshot)
 
     def forget(self, replica: str) -> None:
-        self._snaps.pop(replica, None)
+        gone = self._snaps.pop(replica, None)
+        if gone is not None:
+            _add(self._retired, gone[1], COUNTER_KEYS)
+
+    def snapshots(self) -> dict[str, dict]:
+        now = self._clock()
+        for r in [r for r, (at, _) in self._snaps.items() if now - at >= STALE_AFTER_S]:
+            self.forget(r)
+        return {r: s for r, (_, s) in self._snaps.items()}
+
+    def export(self) -> tuple[dict[str, dict], dict[str, Any]]:
+        """(live snapshots, retired totals), for ``render``."""
+        return self.snapshots(), dict(self._retired)
 
     def fresh(self, within_s: float) -> int:
         """Replicas that pushed within ``within_s``: a replica pushes every second only while its engine
         thread answers, so this is the count of live engines, busy or not."""
-        now = time.monotonic()
+        now = self._clock()
         return sum(1 for at, _ in self._snaps.values() if now - at < within_s)
 
-    def snapshots(self) -> dict[str, dict]:
-        now = time.monotonic()
-        self._snaps = {r: v for r, v in self._snaps.items() if now - v[0] < STALE_AFTER_S}
-        return {r: s for r, (_, s) in self._snaps.items()}
+
+@ray.remote(num_cpus=0)
+class MetricsHub(SnapshotStore):
+    """The store as one small detached actor per deployment."""
 
 
 def hub_handle(deployment_name: str):

@@ -39,10 +39,24 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path):
         assert info["max_batch_total_tokens"] == 2048
         r = httpx.post(url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 4}}, timeout=30)
         assert r.status_code == 200
-        proc.send_signal(signal.SIGINT)
+        # Ctrl-C drains: a stream in flight finishes; a new request meanwhile gets a 503 that says why
+        body = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            proc.send_signal(signal.SIGINT)
+            deadline, refused = time.monotonic() + 20, None
+            while refused is None and time.monotonic() < deadline:
+                r = httpx.post(url + "/generate", json={"inputs": "hi"}, timeout=10)
+                refused = r if r.status_code == 503 else None
+                time.sleep(0.2)
+            assert refused is not None and "shutting down" in refused.json()["error"], "no 503 while draining"
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2], rest[-3:]
         assert proc.wait(90) == 0
         out = open(tmp_path / "serve.log").read()
         assert "RadixServe is up" in out and "stopped" in out and "local redis-server" in out
+        assert "finishing the requests in flight" in out
         try:
             httpx.get(url + "/health", timeout=2)
             raise AssertionError("the server still answers after SIGINT")
