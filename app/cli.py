@@ -123,15 +123,18 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _drain(settings: Settings, force: threading.Event) -> None:
     """New requests get 503 while those in flight finish (deleting the application at once would answer
-    404 and cut every stream): until the replicas report nothing running or waiting for a few polls in a
-    row, ``drain_timeout_s`` passes, or a second Ctrl-C."""
+    404 and cut every stream): until the ingress answers nothing and the live replicas run nothing for
+    a few polls in a row, ``drain_timeout_s`` passes, or a second Ctrl-C."""
     import ray
     from ray import serve
 
+    from deployments.metrics import hub_name
+
     name = settings.deployment_name
     try:
-        serve.get_deployment_handle(f"{name}-ingress", app_name=name).drain.remote().result(timeout_s=10)
-        hub = ray.get_actor(f"{name}-metrics-hub", namespace="radixserve")
+        ingress = serve.get_deployment_handle(f"{name}-ingress", app_name=name)
+        ingress.drain.remote().result(timeout_s=5)
+        hub = ray.get_actor(hub_name(name), namespace="radixserve")
     except Exception as e:  # noqa: BLE001 - nothing to drain (the app never came up): just stop
         print(f"radixserve: not draining: {e}", file=sys.stderr)
         return
@@ -139,12 +142,11 @@ def _drain(settings: Settings, force: threading.Event) -> None:
     idle = 0
     while time.monotonic() < deadline and not force.is_set():
         try:
-            snaps = ray.get(hub.snapshots.remote(), timeout=5)
+            busy = ingress.in_flight.remote().result(timeout_s=2) + ray.get(hub.busy.remote(3.0), timeout=2)
         except Exception:  # noqa: BLE001
             return
-        busy = sum(s.get("running", 0) + s.get("waiting", 0) for s in snaps.values())
         idle = idle + 1 if busy == 0 else 0
-        if idle >= 3:  # replicas push every second: two fresh reports of nothing to do
+        if idle >= 3:
             return
         force.wait(0.5)
 
@@ -154,36 +156,48 @@ def _run_serve(settings: Settings, address: str | None) -> int:
     from ray import serve
 
     from app.main import build_app
+    from deployments.metrics import hub_name
 
-    stop, force = threading.Event(), threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the first asks for a drain, a second cuts it short
-        signal.signal(sig, lambda *_: force.set() if stop.is_set() else stop.set())
-    if address:
-        ray.init(address=address, namespace="radixserve", logging_level=logging.WARNING)
-    else:
-        need = settings.num_replicas * settings.replica_num_cpus + 1
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
-                 namespace="radixserve", logging_level=logging.WARNING)
+    up, stop, force = threading.Event(), threading.Event(), threading.Event()
+
+    def on_signal(*_) -> None:
+        if not up.is_set():
+            raise KeyboardInterrupt  # still starting: give up the start-up (the finally below cleans up)
+        (force if stop.is_set() else stop).set()  # the first drains, a second skips the rest of the drain
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    code = 0
     try:
+        if address:
+            ray.init(address=address, namespace="radixserve", logging_level=logging.WARNING)
+        else:
+            need = settings.num_replicas * settings.replica_num_cpus + 1
+            ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
+                     namespace="radixserve", logging_level=logging.WARNING)
         serve.start(http_options={"host": settings.host, "port": settings.port})
         serve.run(build_app(settings), name=settings.deployment_name, route_prefix="/", blocking=False)
+        up.set()
         print(f"RadixServe is up: http://{settings.host}:{settings.port} "
               f"(model {settings.model_name()}, {settings.num_replicas} replica(s)); Ctrl-C stops it", flush=True)
         while not stop.wait(0.5):
             pass
         print(f"shutting down: finishing the requests in flight (up to {settings.drain_timeout_s:.0f} s; "
-              "Ctrl-C again stops at once)...", flush=True)
+              "Ctrl-C again skips the wait)...", flush=True)
         _drain(settings, force)
         serve.delete(settings.deployment_name)
         serve.shutdown()
+    except KeyboardInterrupt:
+        print("radixserve: interrupted while starting; stopping", file=sys.stderr, flush=True)
+        code = 130
     finally:
         try:
-            ray.kill(ray.get_actor(f"{settings.deployment_name}-metrics-hub", namespace="radixserve"))
+            ray.kill(ray.get_actor(hub_name(settings.deployment_name), namespace="radixserve"))
         except Exception:  # noqa: BLE001 - already gone
             pass
         ray.shutdown()
     print("stopped", flush=True)
-    return 0
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -66,8 +66,9 @@ class Settings(BaseModel):
     router: Literal["prefix", "pow2", "round_robin"] = "prefix"
     routing_stats_period_s: float = Field(1.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
-    drain_timeout_s: float = Field(30.0, ge=0, description="on Ctrl-C, how long requests in flight may take to "
-                                   "finish while new ones get 503 (default: 30)")
+    # below Kubernetes' default grace period (30 s), which also has to cover deleting the application
+    drain_timeout_s: float = Field(20.0, ge=0, description="on Ctrl-C or SIGTERM, how long requests in flight may "
+                                   "take to finish while new ones get 503 (default: 20)")
     # hot-prefix directory
     redis_url: str | None = None
     warmup_top_k: int = Field(16, ge=0)

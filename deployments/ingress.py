@@ -66,6 +66,28 @@ VERSION = "0.1.0"
 app = FastAPI(title="RadixServe", version=VERSION)
 
 
+class InFlight:
+    """ASGI middleware: POST requests this process is still answering, until their last body byte (a
+    stream included), so a drain waits for what is tokenized or queued, not only for engine work."""
+
+    count = 0
+
+    def __init__(self, asgi_app):
+        self.app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        InFlight.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            InFlight.count -= 1
+
+
+app.add_middleware(InFlight)
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "validation", code: str | None = None,
                  param: str | None = None):
@@ -192,6 +214,10 @@ class Ingress:
         serve`` calls this on Ctrl-C before it deletes the application, which would cut them off."""
         self._draining = True
         return True
+
+    def in_flight(self) -> int:
+        """POST requests being answered now (for the drain)."""
+        return InFlight.count
 
     def _admit(self) -> None:
         if self._draining:

@@ -14,6 +14,8 @@ import ray
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STALE_AFTER_S = 30.0
+RETIRED_MERGE_S = 600.0
+HUB_VERSION = 2
 
 COUNTERS = {
     "radixserve_requests_total": ("requests_finished", "Requests finished."),
@@ -83,6 +85,8 @@ def _add(total: dict[str, Any], snap: dict[str, Any], keys: frozenset[str] | Non
                 total[key] = total.get(key, 0) + val
         elif isinstance(val, dict) and "counts" in val:
             t = total.setdefault(key, {"counts": [0] * len(val["counts"]), "sum": 0.0})
+            if len(t["counts"]) != len(val["counts"]):
+                continue  # buckets changed between releases: leave that one out rather than fail
             t["counts"] = [a + b for a, b in zip(t["counts"], val["counts"], strict=True)]
             t["sum"] += val["sum"]
 
@@ -133,30 +137,43 @@ def render(snapshots: dict[str, dict[str, Any]], retired: dict[str, Any] | None 
 
 class SnapshotStore:
     """Latest snapshot per replica; replicas that stop pushing drop out after ``STALE_AFTER_S``, and
-    their counters and histograms move to ``retired`` (the "all" sums stay monotonic)."""
+    their counters and histograms are kept (``retired``), so the "all" sums never go down. Retired
+    totals stay per replica for ``RETIRED_MERGE_S``: a replica that pushes again in that time (a stall,
+    a push racing its own shutdown) takes them back, since its own totals include them."""
 
     def __init__(self, clock=time.monotonic):
         self._clock = clock
         self._snaps: dict[str, tuple[float, dict]] = {}
-        self._retired: dict[str, Any] = {}
+        self._retired: dict[str, tuple[float, dict]] = {}  # replica -> (when, its last totals)
+        self._merged: dict[str, Any] = {}  # retired long ago, replica ids forgotten
 
     def push(self, replica: str, snapshot: dict) -> None:
+        self._retired.pop(replica, None)
         self._snaps[replica] = (self._clock(), snapshot)
 
     def forget(self, replica: str) -> None:
         gone = self._snaps.pop(replica, None)
         if gone is not None:
-            _add(self._retired, gone[1], COUNTER_KEYS)
+            totals: dict[str, Any] = {}
+            _add(totals, gone[1], COUNTER_KEYS)
+            self._retired[replica] = (self._clock(), totals)
 
     def snapshots(self) -> dict[str, dict]:
         now = self._clock()
         for r in [r for r, (at, _) in self._snaps.items() if now - at >= STALE_AFTER_S]:
             self.forget(r)
+        for r in [r for r, (at, _) in self._retired.items() if now - at >= RETIRED_MERGE_S]:
+            _add(self._merged, self._retired.pop(r)[1])  # bounded: old replicas fold into one sum
         return {r: s for r, (_, s) in self._snaps.items()}
 
     def export(self) -> tuple[dict[str, dict], dict[str, Any]]:
         """(live snapshots, retired totals), for ``render``."""
-        return self.snapshots(), dict(self._retired)
+        live = self.snapshots()
+        retired: dict[str, Any] = {}
+        _add(retired, self._merged)
+        for _, totals in self._retired.values():
+            _add(retired, totals)
+        return live, retired
 
     def fresh(self, within_s: float) -> int:
         """Replicas that pushed within ``within_s``: a replica pushes every second only while its engine
@@ -164,13 +181,24 @@ class SnapshotStore:
         now = self._clock()
         return sum(1 for at, _ in self._snaps.values() if now - at < within_s)
 
+    def busy(self, within_s: float) -> int:
+        """Requests running or waiting on the replicas that pushed within ``within_s`` (a dead
+        replica's last report must not hold up a drain)."""
+        now = self._clock()
+        return sum(s.get("running", 0) + s.get("waiting", 0) for at, s in self._snaps.values() if now - at < within_s)
+
 
 @ray.remote(num_cpus=0)
 class MetricsHub(SnapshotStore):
     """The store as one small detached actor per deployment."""
 
 
+def hub_name(deployment_name: str) -> str:
+    # versioned: the detached hub of an older release (another interface) must not be reused
+    return f"{deployment_name}-metrics-hub-v{HUB_VERSION}"
+
+
 def hub_handle(deployment_name: str):
     """The hub of one deployment (created on first use, detached so replica restarts keep it)."""
-    return MetricsHub.options(name=f"{deployment_name}-metrics-hub", namespace="radixserve",
+    return MetricsHub.options(name=hub_name(deployment_name), namespace="radixserve",
                               get_if_exists=True, lifetime="detached").remote()

@@ -40,3 +40,30 @@ def test_all_counters_stay_monotonic_when_a_replica_goes_away():
     store.forget("a")  # a graceful shutdown retires too
     assert values(render(*store.export()))  # renders with no live replica
     assert store.export()[1]["requests_finished"] == 180
+
+
+def test_a_replica_that_reports_again_takes_its_retired_totals_back():
+    now = [0.0]
+    store = SnapshotStore(clock=lambda: now[0])
+    store.push("a", snap(100))
+    store.forget("a")  # a graceful stop...
+    store.push("a", snap(100))  # ...raced by its own last push
+    now[0] = STALE_AFTER_S + 1  # then it goes quiet for good
+    assert values(render(*store.export()))[("radixserve_requests_total", "all")] == 100  # not 200
+    store.push("b", snap(10))
+    now[0] += 2 * STALE_AFTER_S  # b stalls past the staleness limit, then recovers
+    store.snapshots()
+    store.push("b", snap(12))
+    assert values(render(*store.export()))[("radixserve_requests_total", "all")] == 112  # not 122
+    now[0] += 10_000  # long retired: folded into one sum, still counted
+    store.push("c", snap(1))
+    assert values(render(*store.export()))[("radixserve_requests_total", "all")] == 113
+
+
+def test_busy_counts_only_replicas_that_report():
+    now = [0.0]
+    store = SnapshotStore(clock=lambda: now[0])
+    store.push("dead", {"running": 5, "waiting": 2})
+    now[0] = 4.0
+    store.push("live", {"running": 1, "waiting": 0})
+    assert store.busy(3.0) == 1 and store.busy(10.0) == 8 and store.fresh(3.0) == 1
