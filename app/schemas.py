@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+from engine.sequence import MAX_TOP_LOGPROBS
 
 
 def _encodable(text: str) -> bool:

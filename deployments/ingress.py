@@ -28,6 +28,14 @@ from deployments.metrics import hub_handle, render
 
 log = logging.getLogger("radixserve.ingress")
 
+DEFAULT_MAX_NEW_TOKENS = 64
+HEALTH_TIMEOUT_S = 3.0
+# replicas report every second, between engine steps (deployments.llm_server): room for long CPU steps
+HEALTHY_WITHIN_S = 10.0
+VERSION = "0.1.0"
+
+app = FastAPI(title="RadixServe", version=VERSION)
+
 
 def _byte_level_table() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet: printable character -> the byte it stands for."""
@@ -57,13 +65,6 @@ def token_bytes(piece: str | None, text: str, byte_level: bool) -> list[int]:
     if byte_level and all(c in _BYTE_DECODER for c in piece):
         return [_BYTE_DECODER[c] for c in piece]
     return list(text.encode())
-DEFAULT_MAX_NEW_TOKENS = 64
-HEALTH_TIMEOUT_S = 3.0
-# replicas report every second, between engine steps (deployments.llm_server): room for long CPU steps
-HEALTHY_WITHIN_S = 10.0
-VERSION = "0.1.0"
-
-app = FastAPI(title="RadixServe", version=VERSION)
 
 
 class InFlight:
@@ -201,6 +202,7 @@ class Ingress:
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.resolved_model_id(), local_files_only=True)
         self._info: dict[str, Any] | None = None
         self._hub = hub_handle(self.settings.deployment_name)
+        self._text_cache: dict[int, str] = {}  # bounded by the vocabulary
         self._bytes_cache: dict[int, list[int]] = {}
         self._draining = False  # set on shutdown (drain): new requests get 503 while those in flight finish
         self._special = frozenset(self.tokenizer.all_special_ids)  # the property rebuilds a list per call
@@ -239,10 +241,17 @@ class Ingress:
     def _detok(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _token_text(self, tid: int) -> str:
+        """One token's text, cached: log-probs ask for it up to 21 times per generated token."""
+        got = self._text_cache.get(tid)
+        if got is None:
+            got = self._text_cache[tid] = self._detok([tid])
+        return got
+
     def _token_bytes(self, tid: int) -> list[int]:
         got = self._bytes_cache.get(tid)
         if got is None:
-            got = token_bytes(self.tokenizer.convert_ids_to_tokens(tid), self._detok([tid]), self._byte_level)
+            got = token_bytes(self.tokenizer.convert_ids_to_tokens(tid), self._token_text(tid), self._byte_level)
             self._bytes_cache[tid] = got
         return got
 
@@ -309,7 +318,7 @@ class Ingress:
         return ids[-t:] if t else ids  # TGI's truncate keeps the end of the prompt
 
     def _tgi_top(self, ev: dict) -> list[dict]:
-        return [{"id": t, "text": self._detok([t]), "logprob": lp, "special": t in self._special}
+        return [{"id": t, "text": self._token_text(t), "logprob": lp, "special": t in self._special}
                 for t, lp in ev.get("top_logprobs") or ()]
 
     @app.post("/generate")
@@ -326,7 +335,7 @@ class Ingress:
                 "finish_reason": TGI_FINISH.get(events[-1]["finish_reason"], "length"),
                 "generated_tokens": len(toks), "seed": req.parameters.seed, "prefill": [],
                 "cached_tokens": events[-1]["num_cached_tokens"],
-                "tokens": [{"id": ev["token_id"], "text": self._detok([ev["token_id"]]), "logprob": ev["logprob"],
+                "tokens": [{"id": ev["token_id"], "text": self._token_text(ev["token_id"]), "logprob": ev["logprob"],
                             "special": ev["token_id"] in self._special} for ev in toks]}
             if req.parameters.top_n_tokens:
                 out["details"]["top_tokens"] = [self._tgi_top(ev) for ev in toks]
@@ -411,13 +420,13 @@ class Ingress:
         toks = [ev for ev in events if ev.get("token_id") is not None]
         if chat:
             def entry(t: int, lp: float) -> dict:
-                return {"token": self._detok([t]), "logprob": lp, "bytes": self._token_bytes(t)}
+                return {"token": self._token_text(t), "logprob": lp, "bytes": self._token_bytes(t)}
             return {"content": [{**entry(ev["token_id"], ev["logprob"]),
                                  "top_logprobs": [entry(t, lp) for t, lp in (ev.get("top_logprobs") or ())[:top]]}
                                 for ev in toks]}
-        return {"tokens": [self._detok([ev["token_id"]]) for ev in toks],
+        return {"tokens": [self._token_text(ev["token_id"]) for ev in toks],
                 "token_logprobs": [ev["logprob"] for ev in toks],
-                "top_logprobs": [{self._detok([t]): lp for t, lp in ev.get("top_logprobs") or ()} for ev in toks]
+                "top_logprobs": [{self._token_text(t): lp for t, lp in ev.get("top_logprobs") or ()} for ev in toks]
                 if top else None,
                 "text_offset": None}
 
