@@ -64,7 +64,7 @@ def preflight(settings: Settings, local_ray: bool) -> str | None:
     """What would make the service fail to start, found in seconds and before anything starts (the
     replicas would otherwise fail half a minute later, deep in Ray's logs): the engine settings, and
     when it starts a local Ray, the model folder, the limits against its context and the HTTP port."""
-    from engine.config import ConfigError
+    from engine.config import ConfigError, request_limits
     from engine.model_loader import ModelLoadError, check_model_folder, model_context
 
     try:
@@ -72,15 +72,9 @@ def preflight(settings: Settings, local_ray: bool) -> str | None:
         if not local_ray:  # joining a cluster: the model folder need only exist where replicas run
             return None
         _, config, _ = check_model_folder(settings.resolved_model_id())
+        request_limits(settings.max_input_tokens, settings.max_total_tokens, model_context(config))
     except (ModelLoadError, ConfigError) as e:
         return str(e)
-    context = model_context(config)
-    if context and settings.max_total_tokens and settings.max_total_tokens > context:
-        return (f"max_total_tokens ({settings.max_total_tokens}) is more than the model's context ({context} tokens, "
-                "max_position_embeddings)")
-    total = settings.max_total_tokens or context
-    if total and settings.max_input_tokens and settings.max_input_tokens >= total:
-        return f"max_input_tokens ({settings.max_input_tokens}) must be below max_total_tokens ({total})"
     if settings.port:
         with socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET) as s:
             # SO_REUSEADDR (as uvicorn sets) so a port in TIME_WAIT passes; no SO_REUSEPORT, so a live

@@ -75,13 +75,6 @@ class Settings(BaseModel):
     warmup_token_budget: int = Field(65536, ge=0)
     deployment_name: str = "radixserve"
 
-    @model_validator(mode="after")
-    def _limits(self):
-        if self.max_input_tokens and self.max_total_tokens and self.max_input_tokens >= self.max_total_tokens:
-            raise ValueError(f"max_input_tokens ({self.max_input_tokens}) must be below max_total_tokens "
-                             f"({self.max_total_tokens})")
-        return self
-
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:

@@ -14,6 +14,20 @@ class ConfigError(ValueError):
     """A setting that cannot work; raised at start-up with the reason."""
 
 
+def request_limits(max_input_tokens: int | None, max_total_tokens: int | None, context: int | None
+                   ) -> tuple[int, int]:
+    """(max input, max total) tokens per request: the settings, else the model's context (and one
+    less for the input); ``ConfigError`` if they exceed the context or leave no room to generate."""
+    if max_total_tokens and context and max_total_tokens > context:
+        raise ConfigError(f"max_total_tokens ({max_total_tokens}) is more than the model's context ({context} tokens, "
+                          "max_position_embeddings)")
+    total = max_total_tokens or context or 4096
+    inp = max_input_tokens or total - 1
+    if inp >= total:
+        raise ConfigError(f"max_input_tokens ({inp}) must be below max_total_tokens ({total})")
+    return inp, total
+
+
 @dataclass
 class EngineConfig:
     model_id: str
@@ -60,10 +74,8 @@ class EngineConfig:
         if self.max_batch_total_tokens is not None and self.max_batch_total_tokens < self.block_size:
             raise ConfigError("max_batch_total_tokens must hold at least one block "
                               f"({self.block_size} tokens), got {self.max_batch_total_tokens}")
-        if (self.max_input_tokens is not None and self.max_total_tokens is not None
-                and self.max_input_tokens >= self.max_total_tokens):
-            raise ConfigError(f"max_input_tokens ({self.max_input_tokens}) must be below "
-                              f"max_total_tokens ({self.max_total_tokens})")
+        if self.max_input_tokens is not None and self.max_total_tokens is not None:
+            request_limits(self.max_input_tokens, self.max_total_tokens, None)  # the context is checked at load
         return self
 
     @classmethod

@@ -13,7 +13,7 @@ import torch
 
 from cache.kv_pool import KVPool, KVShape, bytes_per_token, num_blocks_for
 from engine import attention
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, request_limits
 from engine.cpu_linear import use_skinny_linear
 from engine.detokenizer import find_stop, take_delta, update_text
 from engine.kv_manager import KVManager
@@ -59,15 +59,8 @@ class LLMEngine:
         self.eos_ids = self._eos_ids()
 
         self.window = config.window_size or m.sliding_window
-        context = model_context(m.config)
-        if config.max_total_tokens and context and config.max_total_tokens > context:
-            raise ConfigError(f"max_total_tokens ({config.max_total_tokens}) is more than the model's context "
-                              f"({context} tokens, max_position_embeddings)")
-        self.max_total_tokens = config.max_total_tokens or context or 4096
-        self.max_input_tokens = config.max_input_tokens or self.max_total_tokens - 1
-        if self.max_input_tokens >= self.max_total_tokens:
-            raise ConfigError(f"max_input_tokens ({self.max_input_tokens}) must be below "
-                              f"max_total_tokens ({self.max_total_tokens})")
+        self.max_input_tokens, self.max_total_tokens = request_limits(
+            config.max_input_tokens, config.max_total_tokens, model_context(m.config))
 
         token_bytes = bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, config.kv_cache_dtype, m.dtype)
         num_blocks = num_blocks_for(config.block_size, token_bytes, config.max_batch_total_tokens,
