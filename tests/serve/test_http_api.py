@@ -309,3 +309,22 @@ def test_more_concurrent_streams_than_serve_default_are_all_served_at_once(serve
     with cf.ThreadPoolExecutor(8) as ex:
         times = list(ex.map(one, range(8)))
     assert max(first for first, _ in times) < min(done for _, done in times)
+
+
+def test_default_max_tokens_fits_what_the_context_leaves():
+    # the fixture's limits never leave less than the default: call the ingress' rule directly
+    import asyncio
+
+    from app.schemas import ChatRequest
+    from deployments.ingress import Ingress
+
+    class Fake:
+        async def info_cached(self):
+            return {"max_total_tokens": 100}
+
+    rule = Ingress.func_or_class._max_tokens
+    req = ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
+    assert asyncio.run(rule(Fake(), req, [1] * 90, 64)) == 10  # 100 - 90, not 64
+    assert asyncio.run(rule(Fake(), req, [1] * 10, 64)) == 64
+    asked = ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "max_tokens": 50})
+    assert asyncio.run(rule(Fake(), asked, [1] * 90, 64)) == 50  # asked for: the engine says if it does not fit
