@@ -73,6 +73,9 @@ class TGIParameters(_Strict):
     decoder_input_details: bool = False
     best_of: int | None = Field(None, ge=1)
     watermark: bool = False
+    grammar: Any = None
+    typical_p: float | None = None
+    adapter_id: str | None = None
     cache_salt: str | None = None
 
     @model_validator(mode="after")
@@ -80,6 +83,9 @@ class TGIParameters(_Strict):
         _unsupported("decoder_input_details", self.decoder_input_details, (False,))
         _unsupported("best_of > 1", self.best_of, (None, 1))
         _unsupported("watermark", self.watermark, (False,))
+        _unsupported("grammar (constrained decoding)", self.grammar)
+        _unsupported("typical_p", self.typical_p, (None, 1.0))
+        _unsupported("adapter_id (LoRA adapters)", self.adapter_id)
         return self
 
 
@@ -189,7 +195,8 @@ class _OpenAICommon(_Strict):
 
 
 class CompletionRequest(_OpenAICommon):
-    prompt: str | list[int] = Field(...)
+    # one prompt: text or token ids; OpenAI's client also wraps one in a list ([text], [[ids]])
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(...)
     logprobs: int | None = Field(None, ge=0, le=5)  # with this many alternatives per token
     echo: bool = False
     suffix: str | None = None
@@ -197,7 +204,18 @@ class CompletionRequest(_OpenAICommon):
     @model_validator(mode="after")
     def _no_suffix(self):
         _unsupported("suffix", self.suffix, (None, ""))
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs (the prompt's log-probabilities) is not supported by this server")
         return self
+
+    @field_validator("prompt", mode="after")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (a batch of prompts is not supported)")
+            v = v[0]
+        return v
 
     @field_validator("prompt")
     @classmethod

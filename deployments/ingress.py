@@ -33,6 +33,9 @@ HEALTH_TIMEOUT_S = 3.0
 # replicas report every second, between engine steps (deployments.llm_server): room for long CPU steps
 HEALTHY_WITHIN_S = 10.0
 VERSION = "0.1.0"
+# what clients send when they do not know the model's name: TGI's own clients send "tgi" (TGI's server
+# ignores the field), huggingface_hub's InferenceClient "dummy"; any other name must be the served one
+PLACEHOLDER_MODELS = frozenset({"tgi", "dummy"})
 
 app = FastAPI(title="RadixServe", version=VERSION)
 
@@ -307,7 +310,7 @@ class Ingress:
         return events
 
     def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and name not in PLACEHOLDER_MODELS:
             raise ApiError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`).",
                            code="model_not_found", param="model")
 
@@ -341,6 +344,16 @@ class Ingress:
                 out["details"]["top_tokens"] = [self._tgi_top(ev) for ev in toks]
         return JSONResponse(out, headers=_replica_header(events))
 
+    @app.post("/")
+    async def tgi_compat(self, req: TGIRequest):
+        """TGI's route at the root, which its clients (``text_generation``, ``huggingface_hub``) post
+        to: a stream when ``stream`` is true, else a list holding the one ``/generate`` answer."""
+        if req.stream:
+            return await self.generate_stream(req)
+        resp = await self.generate(req)
+        return JSONResponse([json.loads(resp.body)], headers={k: v for k, v in resp.headers.items()
+                                                              if k.startswith("x-radixserve")})
+
     @app.post("/generate_stream")
     async def generate_stream(self, req: TGIRequest):
         self._admit()
@@ -369,7 +382,7 @@ class Ingress:
                                       "generated_tokens": ev["num_output_tokens"], "seed": req.parameters.seed}
                 yield _sse(msg)
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return StreamingResponse(body(), media_type="text/event-stream", headers=_replica_header([first]))
 
     @app.get("/info")
     async def info(self):
@@ -525,7 +538,7 @@ class Ingress:
                                 "choices": [], "usage": _usage(ev)})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return StreamingResponse(body(), media_type="text/event-stream", headers=_replica_header([first]))
 
     # ------------------------------------------------------------------ RadixServe's own
     @app.post("/warmup")

@@ -140,6 +140,11 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
                               "messages": [{"role": "user", "content": "x"}]}, 400, "response_format"),
     ("/generate", {"inputs": "hi", "parameters": {"decoder_input_details": True}}, 422, "decoder_input_details"),
     ("/generate", {"inputs": "hi", "parameters": {"best_of": 2}}, 422, "best_of"),
+    ("/generate", {"inputs": "hi", "parameters": {"grammar": {"type": "json", "value": {}}}}, 422, "grammar"),
+    ("/generate", {"inputs": "hi", "parameters": {"typical_p": 0.5}}, 422, "typical_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "one prompt"),
+    ("/v1/completions", {"model": "other", "prompt": "hi"}, 404, "other"),
 ])
 def test_bad_input_gets_4xx_in_the_apis_format(client, path, body, status, needle):
     r = client.post(path, json=body)
@@ -257,6 +262,25 @@ def test_token_bytes_per_tokenizer_kind():
     assert token_bytes("ção", "ção", byte_level=False) == list("ção".encode())  # SentencePiece: its text
     assert token_bytes("<0xE2>", "\ufffd", byte_level=False) == [0xE2]  # byte fallback
     assert token_bytes("<|eot|>", "", byte_level=True) == [] and token_bytes(None, "", byte_level=True) == []
+
+
+def test_what_tgi_and_openai_clients_send(client):
+    # TGI's clients post to the root: a list with one answer, or a stream
+    r = client.post("/", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "details": True}})
+    assert r.status_code == 200 and r.json()[0]["details"]["generated_tokens"] <= 3
+    assert r.headers["x-radixserve-replica"]
+    with client.stream("POST", "/", json={"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 3}}) as s:
+        events = sse_events(s)
+        assert s.headers["x-radixserve-replica"]  # streams say which replica too
+    assert events[-1]["generated_text"] is not None
+    # placeholder model names of TGI's and huggingface_hub's clients; OpenAI's client wraps one prompt in a list
+    for model in ("tgi", "dummy"):
+        r = client.post("/v1/chat/completions", json={"model": model, "max_tokens": 2,
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+    for prompt in (["Hello"], [[72, 101, 108]]):
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 200, r.text
 
 
 def test_tgi_truncate_and_top_n_tokens(client):
