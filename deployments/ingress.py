@@ -72,9 +72,11 @@ def token_bytes(piece: str | None, text: str, byte_level: bool) -> list[int]:
 
 class InFlight:
     """ASGI middleware: POST requests this process is still answering, until their last body byte (a
-    stream included), so a drain waits for what is tokenized or queued, not only for engine work."""
+    stream included), so a drain waits for what is tokenized or queued, not only for engine work. While
+    draining it refuses new POSTs with 503 before anything reads them (a bad body included)."""
 
     count = 0
+    draining = False  # set by Ingress.drain (one ingress process per replica)
 
     def __init__(self, asgi_app):
         self.app = asgi_app
@@ -82,6 +84,8 @@ class InFlight:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
+        if InFlight.draining:
+            return await _error_response(Request(scope), _shutting_down())(scope, receive, send)
         InFlight.count += 1
         try:
             await self.app(scope, receive, send)
@@ -97,6 +101,10 @@ class ApiError(Exception):
                  param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down: retry on another instance", "unavailable")
 
 
 def _is_openai(request: Request) -> bool:
@@ -207,7 +215,6 @@ class Ingress:
         self._hub = hub_handle(self.settings.deployment_name)
         self._text_cache: dict[int, str] = {}  # bounded by the vocabulary
         self._bytes_cache: dict[int, list[int]] = {}
-        self._draining = False  # set on shutdown (drain): new requests get 503 while those in flight finish
         self._special = frozenset(self.tokenizer.all_special_ids)  # the property rebuilds a list per call
         backend = getattr(self.tokenizer, "backend_tokenizer", None)  # fast tokenizers only
         # byte-level BPE (GPT-2, Llama 3, Qwen) spells bytes as characters; SentencePiece does not
@@ -217,19 +224,15 @@ class Ingress:
     def drain(self) -> bool:
         """Stop taking new requests (503, "shutting down") while those in flight finish: ``radixserve
         serve`` calls this on Ctrl-C before it deletes the application, which would cut them off."""
-        self._draining = True
+        InFlight.draining = True
         return True
 
     def in_flight(self) -> int:
         """POST requests being answered now (for the drain)."""
         return InFlight.count
 
-    def _admit(self) -> None:
-        if self._draining:
-            raise ApiError(503, "the server is shutting down: retry on another instance", "unavailable")
-
     def _failure(self, e: BaseException) -> str:
-        if self._draining:
+        if InFlight.draining:
             return "the server shut down before the request finished"
         return f"engine failure: {type(e).__name__}"
 
@@ -272,7 +275,7 @@ class Ingress:
             except Exception as e:  # noqa: BLE001 - a replica or engine failure: not the client's fault
                 gen.cancel()
                 log.warning("replica call failed (attempt %d): %s", attempt + 1, e)
-                if attempt == 1 or self._draining:
+                if attempt == 1 or InFlight.draining:
                     raise ApiError(503, self._failure(e), "generation") from None
         if first.get("error"):
             gen.cancel()
@@ -326,7 +329,6 @@ class Ingress:
 
     @app.post("/generate")
     async def generate(self, req: TGIRequest):
-        self._admit()
         ids = self._tgi_ids(req)
         params = req.sampling(DEFAULT_MAX_NEW_TOKENS)
         events = await self._collect(ids, params)
@@ -356,7 +358,6 @@ class Ingress:
 
     @app.post("/generate_stream")
     async def generate_stream(self, req: TGIRequest):
-        self._admit()
         ids = self._tgi_ids(req)
         first, rest = await self._stream(ids, req.sampling(DEFAULT_MAX_NEW_TOKENS))
 
@@ -396,7 +397,8 @@ class Ingress:
         """200 while some replica's engine is alive, busy or not: each replica reports to the metrics
         hub every second only while its engine thread answers. Asking a replica instead would queue
         behind its ``max_ongoing_requests`` and fail a saturated, healthy service."""
-        self._admit()
+        if InFlight.draining:
+            raise _shutting_down()
         try:
             live = await asyncio.wait_for(self._hub.fresh.remote(HEALTHY_WITHIN_S), timeout=HEALTH_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the hub is gone or slow
@@ -445,7 +447,6 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest):
-        self._admit()
         self._check_model(req.model)
         ids = req.prompt if isinstance(req.prompt, list) else self._tokenize(req.prompt)
         top = req.logprobs or 0
@@ -465,7 +466,6 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat(self, req: ChatRequest):
-        self._admit()
         self._check_model(req.model)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
@@ -543,7 +543,6 @@ class Ingress:
     # ------------------------------------------------------------------ RadixServe's own
     @app.post("/warmup")
     async def warmup(self, req: WarmupRequest):
-        self._admit()
         prefixes = [p if isinstance(p, list) else self._tokenize(p) for p in req.prefixes]
         if any(not p for p in prefixes):
             raise ApiError(422, "prefixes must not be empty", param="prefixes")

@@ -51,6 +51,9 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path):
                 refused = r if r.status_code == 503 else None
                 time.sleep(0.2)
             assert refused is not None and "shutting down" in refused.json()["error"], "no 503 while draining"
+            bad = httpx.post(url + "/v1/completions", content=b"{not json", timeout=10)  # refused before parsing
+            assert bad.status_code == 503 and "shutting down" in bad.json()["error"]["message"]
+            assert httpx.get(url + "/health", timeout=10).status_code == 503
             rest = [line for line in lines if line.startswith("data:")]
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2], rest[-3:]
         assert proc.wait(90) == 0
