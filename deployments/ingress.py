@@ -327,8 +327,8 @@ class Ingress:
         return [{"id": t, "text": self._token_text(t), "logprob": lp, "special": t in self._special}
                 for t, lp in ev.get("top_logprobs") or ()]
 
-    @app.post("/generate")
-    async def generate(self, req: TGIRequest):
+    async def _tgi_answer(self, req: TGIRequest) -> tuple[dict[str, Any], dict[str, str]]:
+        """``/generate``'s answer body and headers (``POST /`` wraps the same body in a list)."""
         ids = self._tgi_ids(req)
         params = req.sampling(DEFAULT_MAX_NEW_TOKENS)
         events = await self._collect(ids, params)
@@ -344,7 +344,12 @@ class Ingress:
                             "special": ev["token_id"] in self._special} for ev in toks]}
             if req.parameters.top_n_tokens:
                 out["details"]["top_tokens"] = [self._tgi_top(ev) for ev in toks]
-        return JSONResponse(out, headers=_replica_header(events))
+        return out, _replica_header(events)
+
+    @app.post("/generate")
+    async def generate(self, req: TGIRequest):
+        out, headers = await self._tgi_answer(req)
+        return JSONResponse(out, headers=headers)
 
     @app.post("/")
     async def tgi_compat(self, req: TGIRequest):
@@ -352,9 +357,8 @@ class Ingress:
         to: a stream when ``stream`` is true, else a list holding the one ``/generate`` answer."""
         if req.stream:
             return await self.generate_stream(req)
-        resp = await self.generate(req)
-        return JSONResponse([json.loads(resp.body)], headers={k: v for k, v in resp.headers.items()
-                                                              if k.startswith("x-radixserve")})
+        out, headers = await self._tgi_answer(req)
+        return JSONResponse([out], headers=headers)
 
     @app.post("/generate_stream")
     async def generate_stream(self, req: TGIRequest):
