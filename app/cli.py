@@ -109,7 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
         except RuntimeError as e:
             print(f"radixserve: warning: {e}; serving without the hot-prefix directory", file=sys.stderr)
     try:
-        return _run_serve(settings, args.address)
+        return _run_serve(settings, args.address, redis)
     finally:
         if redis is not None:
             redis.stop()
@@ -145,7 +145,19 @@ def _drain(settings: Settings, force: threading.Event) -> None:
         force.wait(0.5)
 
 
-def _run_serve(settings: Settings, address: str | None) -> int:
+def _supervise_redis(redis) -> None:
+    """The private redis-server is this process's child: if it dies, start it again (replicas and
+    routers reconnect on their own), rather than serve without the directory until the next restart."""
+    try:
+        if redis.restart_if_dead():
+            print(f"radixserve: the local redis-server had stopped; restarted it at {redis.url}",
+                  file=sys.stderr, flush=True)
+    except RuntimeError as e:
+        print(f"radixserve: warning: cannot restart the local redis-server ({e}); serving goes on "
+              "without the hot-prefix directory", file=sys.stderr, flush=True)
+
+
+def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
     import ray
     from ray import serve
 
@@ -174,8 +186,9 @@ def _run_serve(settings: Settings, address: str | None) -> int:
         up.set()
         print(f"RadixServe is up: http://{settings.host}:{settings.port} "
               f"(model {settings.model_name()}, {settings.num_replicas} replica(s)); Ctrl-C stops it", flush=True)
-        while not stop.wait(0.5):
-            pass
+        while not stop.wait(2.0):
+            if redis is not None:
+                _supervise_redis(redis)
         print(f"shutting down: finishing the requests in flight (up to {settings.drain_timeout_s:.0f} s; "
               "Ctrl-C again skips the wait)...", flush=True)
         _drain(settings, force)

@@ -61,6 +61,10 @@ class Settings(BaseModel):
     max_ongoing_requests: int = Field(64, gt=0)
     # the HTTP ingress only forwards streams: Serve's default cap of 5 would queue the 6th client
     ingress_max_ongoing_requests: int = Field(4096, gt=0)
+    engine_stall_timeout_s: float = Field(120.0, gt=0, description="a replica whose engine loop has not come "
+                                          "round for this long fails its health check and is replaced")
+    payload_limit: int = Field(2_000_000, gt=0, description="largest request body in bytes (TGI's flag and "
+                               "default); bigger ones get 413 before they are read")
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)
     router: Literal["prefix", "pow2", "round_robin"] = "prefix"

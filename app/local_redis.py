@@ -25,12 +25,23 @@ class LocalRedis:
         self.port = port or free_port()
         self.password = password
         self._dir = tempfile.mkdtemp(prefix="radixserve-redis-")
-        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", self._dir, "--logfile", str(Path(self._dir) / "redis.log")]
+        self._args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                      "--dir", self._dir, "--logfile", str(Path(self._dir) / "redis.log")]
         if password:
-            args += ["--requirepass", password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self._args += ["--requirepass", password]
+        self._start()
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen(self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready()
+
+    def restart_if_dead(self) -> bool:
+        """Start it again on the same port if it exited (killed, out of memory); True if it was
+        restarted. It comes back empty: the directory refills as replicas serve (it is a hint)."""
+        if self.proc.poll() is None:
+            return False
+        self._start()
+        return True
 
     @property
     def url(self) -> str:
@@ -47,7 +58,9 @@ class LocalRedis:
                     return
             except OSError:
                 time.sleep(0.05)
-        self.stop()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
         raise RuntimeError(f"redis-server did not start on port {self.port}")
 
     def stop(self) -> None:

@@ -22,6 +22,7 @@ def llm_deployment(settings: Settings):
         max_ongoing_requests=settings.max_ongoing_requests,
         ray_actor_options={"num_cpus": settings.replica_num_cpus, "num_gpus": settings.replica_num_gpus},
         health_check_period_s=5,
+        health_check_timeout_s=10,  # Serve's 30 s, three times over, left a frozen replica in service for minutes
         graceful_shutdown_timeout_s=10,
     )
     if settings.autoscaling is not None:

@@ -32,6 +32,20 @@ from cache.hashing import block_hashes, pack_tokens
 
 log = logging.getLogger(__name__)
 _MAX_EXP = 60.0  # rescale scores before 2**exp loses precision
+# Reads the decay epoch (setting it on first use) and rescales every score when the weights grow too
+# large, in one atomic step: two replicas that both saw the epoch as old must not rescale twice.
+# Returns the exponent as a string (Redis turns a Lua number into an integer).
+_INCREMENT_LUA = """
+local epoch = redis.call('GET', KEYS[1])
+if not epoch then redis.call('SET', KEYS[1], ARGV[1]); epoch = ARGV[1] end
+local exp = (tonumber(ARGV[1]) - tonumber(epoch)) / tonumber(ARGV[2])
+if exp > tonumber(ARGV[3]) then
+  redis.call('ZUNIONSTORE', KEYS[2], 1, KEYS[2], 'WEIGHTS', string.format('%.17g', 2 ^ -exp))
+  redis.call('SET', KEYS[1], ARGV[1])
+  exp = 0
+end
+return string.format('%.17g', exp)
+"""
 
 
 @dataclass
@@ -44,13 +58,14 @@ class HotPrefix:
 class HotPrefixDirectory:
     def __init__(self, url: str, deployment: str = "radixserve", model: str = "", block_size: int = 16,
                  ttl_s: float = 3600.0, half_life_s: float = 600.0, socket_timeout_s: float = 0.5,
-                 max_prefix_tokens: int = 32768):
+                 max_prefix_tokens: int = 32768, max_hot: int = 10_000):
         self.ns = f"radixserve:{deployment}:{model}:"
         self.model = model
         self.block_size = block_size
         self.ttl_s = ttl_s
         self.half_life_s = half_life_s
         self.max_prefix_tokens = max_prefix_tokens
+        self.max_hot = max_hot  # the ranking keeps this many prefixes: the coldest beyond it are dropped
         self._r = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
         self.errors = 0
         self.skipped = 0
@@ -58,6 +73,7 @@ class HotPrefixDirectory:
         self._backoff = 0.5
         self._lock = threading.Lock()
         self._warned = False
+        self._increment_script = self._r.register_script(_INCREMENT_LUA)
 
     # ------------------------------------------------------------------ resilience
     @property
@@ -90,16 +106,10 @@ class HotPrefixDirectory:
 
     # ------------------------------------------------------------------ writes
     def _increment(self, r, now: float) -> float:
-        epoch = r.get(self.ns + "epoch")
-        if epoch is None:
-            r.set(self.ns + "epoch", now, nx=True)
-            epoch = r.get(self.ns + "epoch")
-        exp = (now - float(epoch)) / self.half_life_s
-        if exp > _MAX_EXP:  # rescale everything by 2**-exp and move the epoch to now
-            r.zunionstore(self.ns + "hot", {self.ns + "hot": 2.0 ** -exp})
-            r.set(self.ns + "epoch", now)
-            exp = 0.0
-        return 2.0 ** exp
+        """The weight of a hit now (older hits weigh exponentially less)."""
+        exp = self._increment_script(keys=[self.ns + "epoch", self.ns + "hot"],
+                                     args=[repr(now), repr(self.half_life_s), repr(_MAX_EXP)], client=r)
+        return 2.0 ** float(exp)
 
     def record(self, replica: str, tokens: Sequence[int], hits: int = 1, cache_salt: str | None = None,
                now: float | None = None) -> int | None:
@@ -120,6 +130,7 @@ class HotPrefixDirectory:
             p.hset(self.ns + f"p:{h}", mapping={"tokens": pack_tokens(toks), "blocks": n // self.block_size})
             p.expire(self.ns + f"p:{h}", int(self.ttl_s))
             p.zincrby(self.ns + "hot", inc * hits, str(h))
+            p.zremrangebyrank(self.ns + "hot", 0, -(self.max_hot + 1))  # bounded: forget the coldest
             p.zadd(self.ns + f"h:{h}", {replica: now + self.ttl_s})
             p.expire(self.ns + f"h:{h}", int(self.ttl_s))
             p.sadd(self.ns + f"r:{replica}", str(h))
@@ -183,8 +194,7 @@ class HotPrefixDirectory:
         for (member, score), entry in zip(ranked, entries, strict=True):
             hp = self._parse(member, score * scale, entry)
             if hp is None:
-                if not entry:
-                    stale.append(member)  # expired: drop from the ranking
+                stale.append(member)  # expired, corrupt or foreign: drop it from the ranking for good
                 continue
             if token_budget is not None and used + len(hp.tokens) > token_budget:
                 continue
@@ -201,7 +211,8 @@ class HotPrefixDirectory:
         try:
             h = int(member)
             raw = entry[b"tokens"]
-            if not raw or len(raw) % 4 or len(raw) // 4 % self.block_size or not math.isfinite(score):
+            if (not raw or len(raw) % 4 or len(raw) // 4 % self.block_size or len(raw) // 4 > self.max_prefix_tokens
+                    or not math.isfinite(score)):
                 raise ValueError("bad token payload")
             toks = array("I")
             toks.frombytes(raw)

@@ -9,6 +9,8 @@ mid-stream cancels its request, which aborts it in the engine and frees its bloc
 
 
 import asyncio
+import concurrent.futures
+import functools
 import json
 import logging
 import time
@@ -24,7 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import Settings
 from app.schemas import TGI_FINISH, ChatRequest, CompletionRequest, TGIRequest, WarmupRequest
-from deployments.metrics import hub_handle, render
+from deployments.metrics import HubClient, render
+from routing.prefix_router import avoid_replica
 
 log = logging.getLogger("radixserve.ingress")
 
@@ -93,9 +96,6 @@ class InFlight:
             InFlight.count -= 1
 
 
-app.add_middleware(InFlight)
-
-
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "validation", code: str | None = None,
                  param: str | None = None):
@@ -105,6 +105,55 @@ class ApiError(Exception):
 
 def _shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down: retry on another instance", "unavailable")
+
+
+class PayloadLimit:
+    """ASGI middleware: a body over ``max_bytes`` gets 413 before it is parsed or tokenized (a 10 MB
+    prompt used to hold the ingress for seconds only to be refused as too long)."""
+
+    max_bytes = 2_000_000  # set from the settings by Ingress.__init__ (one ingress per process)
+
+    def __init__(self, asgi_app):
+        self.app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = PayloadLimit.max_bytes
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await _error_response(Request(scope), _too_large(limit))(scope, receive, send)
+        seen, over = 0, False
+
+        async def counted():  # a chunked body declares no length: count it as it arrives
+            nonlocal seen, over
+            if over:
+                return {"type": "http.request", "body": b"", "more_body": False}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # cut the body off here; the app's answer to the stub is replaced below
+                    over = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
+            return message
+
+        async def unless_over(message):
+            if not over:
+                await send(message)
+
+        await self.app(scope, counted, unless_over)
+        if over:
+            await _error_response(Request(scope), _too_large(limit))(scope, receive, send)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than the server's payload limit of {limit} bytes",
+                    "validation", code="payload_too_large")
+
+
+# Starlette runs the last one added first: the size check, then the drain check and in-flight count.
+app.add_middleware(InFlight)
+app.add_middleware(PayloadLimit)
 
 
 def _is_openai(request: Request) -> bool:
@@ -211,8 +260,12 @@ class Ingress:
         self.llm = llm_handle
         self.model_name = self.settings.model_name()
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.resolved_model_id(), local_files_only=True)
+        # tokenizing a long prompt takes the CPU for a while: one worker thread does it, so the event
+        # loop keeps streaming other users' tokens and answering /health meanwhile
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        PayloadLimit.max_bytes = self.settings.payload_limit
         self._info: dict[str, Any] | None = None
-        self._hub = hub_handle(self.settings.deployment_name)
+        self._hub = HubClient(self.settings.deployment_name)
         self._text_cache: dict[int, str] = {}  # bounded by the vocabulary
         self._bytes_cache: dict[int, list[int]] = {}
         self._special = frozenset(self.tokenizer.all_special_ids)  # the property rebuilds a list per call
@@ -241,8 +294,12 @@ class Ingress:
             self._info = await self.llm.info.remote()
         return self._info
 
-    def _tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+    async def _off_loop(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
+                                                                functools.partial(fn, *args, **kwargs))
+
+    async def _tokenize(self, text: str) -> list[int]:
+        return await self._off_loop(lambda: list(self.tokenizer(text)["input_ids"]))
 
     def _detok(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -264,12 +321,11 @@ class Ingress:
     async def _stream(self, ids: list[int], params: dict[str, Any]) -> tuple[dict, AsyncIterator[dict]]:
         """Start a request; returns its first event and an iterator over the rest. A refused
         request raises ``ApiError`` here, before any response byte is sent."""
-        for attempt in range(2):  # a replica that dies before the first token: retry once elsewhere
+        for attempt in range(2):  # a replica or engine that fails before the first token: retry once
             gen = self.llm.options(stream=True).generate.remote(ids, params, uuid.uuid4().hex)
             it = gen.__aiter__()
             try:
                 first = await it.__anext__()
-                break
             except StopAsyncIteration:
                 raise ApiError(503, "the engine ended the request without an answer", "generation") from None
             except Exception as e:  # noqa: BLE001 - a replica or engine failure: not the client's fault
@@ -277,6 +333,15 @@ class Ingress:
                 log.warning("replica call failed (attempt %d): %s", attempt + 1, e)
                 if attempt == 1 or InFlight.draining:
                     raise ApiError(503, self._failure(e), "generation") from None
+                continue
+            if first.get("error") and first.get("error_kind") != "validation" and attempt == 0 \
+                    and not InFlight.draining:  # its engine failed or is stopping: nothing was sent yet
+                gen.cancel()
+                log.warning("replica %s failed before the first token: %s", first.get("replica"), first["error"])
+                if first.get("replica"):
+                    avoid_replica(first["replica"])  # until Serve's health check replaces it
+                continue
+            break
         if first.get("error"):
             gen.cancel()
             status = 422 if first.get("error_kind") == "validation" else 503
@@ -318,8 +383,8 @@ class Ingress:
                            code="model_not_found", param="model")
 
     # ------------------------------------------------------------------ TGI
-    def _tgi_ids(self, req: TGIRequest) -> list[int]:
-        ids = self._tokenize(req.inputs)
+    async def _tgi_ids(self, req: TGIRequest) -> list[int]:
+        ids = await self._tokenize(req.inputs)
         t = req.parameters.truncate
         return ids[-t:] if t else ids  # TGI's truncate keeps the end of the prompt
 
@@ -329,7 +394,7 @@ class Ingress:
 
     async def _tgi_answer(self, req: TGIRequest) -> tuple[dict[str, Any], dict[str, str]]:
         """``/generate``'s answer body and headers (``POST /`` wraps the same body in a list)."""
-        ids = self._tgi_ids(req)
+        ids = await self._tgi_ids(req)
         params = req.sampling(DEFAULT_MAX_NEW_TOKENS)
         events = await self._collect(ids, params)
         text = "".join(ev["text"] for ev in events)
@@ -362,7 +427,7 @@ class Ingress:
 
     @app.post("/generate_stream")
     async def generate_stream(self, req: TGIRequest):
-        ids = self._tgi_ids(req)
+        ids = await self._tgi_ids(req)
         first, rest = await self._stream(ids, req.sampling(DEFAULT_MAX_NEW_TOKENS))
 
         async def body():
@@ -392,7 +457,9 @@ class Ingress:
     @app.get("/info")
     async def info(self):
         i = await self.info_cached()
-        return {**{k: v for k, v in i.items() if k != "replica"}, "served_model_name": self.model_name,
+        # the model and limits, shared by every replica; not one replica's own (its id, its warm-up
+        # report: /metrics has those per replica), which this cache would keep after the replica is gone
+        return {**{k: v for k, v in i.items() if k not in ("replica", "warmup")}, "served_model_name": self.model_name,
                 "router": self.settings.router, "version": VERSION, "sha": None,
                 "max_ongoing_requests_per_replica": self.settings.max_ongoing_requests}
 
@@ -404,7 +471,7 @@ class Ingress:
         if InFlight.draining:
             raise _shutting_down()
         try:
-            live = await asyncio.wait_for(self._hub.fresh.remote(HEALTHY_WITHIN_S), timeout=HEALTH_TIMEOUT_S)
+            live = await self._hub.acall("fresh", HEALTHY_WITHIN_S, timeout=HEALTH_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the hub is gone or slow
             raise ApiError(503, f"cannot tell: {_error_text(e) or 'timed out'}", "unhealthy") from None
         if not live:
@@ -452,7 +519,7 @@ class Ingress:
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest):
         self._check_model(req.model)
-        ids = req.prompt if isinstance(req.prompt, list) else self._tokenize(req.prompt)
+        ids = req.prompt if isinstance(req.prompt, list) else await self._tokenize(req.prompt)
         top = req.logprobs or 0
         params = req.sampling(await self._max_tokens(req, ids, 16), logprobs=req.logprobs is not None, top_logprobs=top)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -477,7 +544,7 @@ class Ingress:
             msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
         except ValueError as e:
             raise ApiError(422, str(e), param="messages") from None
-        enc = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        enc = await self._off_loop(self.tokenizer.apply_chat_template, msgs, add_generation_prompt=True, tokenize=True)
         ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
         top = req.top_logprobs or 0
         params = req.sampling(await self._max_tokens(req, ids, DEFAULT_MAX_NEW_TOKENS), logprobs=req.logprobs,
@@ -547,9 +614,13 @@ class Ingress:
     # ------------------------------------------------------------------ RadixServe's own
     @app.post("/warmup")
     async def warmup(self, req: WarmupRequest):
-        prefixes = [p if isinstance(p, list) else self._tokenize(p) for p in req.prefixes]
+        prefixes = [p if isinstance(p, list) else await self._tokenize(p) for p in req.prefixes]
         if any(not p for p in prefixes):
             raise ApiError(422, "prefixes must not be empty", param="prefixes")
+        total, pool = sum(len(p) for p in prefixes), (await self.info_cached())["max_batch_total_tokens"]
+        if total > pool:  # the later ones would evict the earlier ones: work for nothing
+            raise ApiError(422, f"the prefixes total {total} tokens, more than one replica's KV pool holds "
+                                f"({pool}): warm fewer or shorter ones", param="prefixes")
         try:
             return await self.llm.warmup.remote(prefixes, req.cache_salt)
         except Exception as e:  # noqa: BLE001 - the replica refused one of them, or failed
@@ -558,5 +629,8 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self):
-        snaps, retired = await self._hub.export.remote()
+        try:
+            snaps, retired = await self._hub.acall("export", timeout=HEALTH_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the hub is gone or slow: say so in the API's format
+            raise ApiError(503, f"metrics unavailable: {_error_text(e) or 'timed out'}", "unavailable") from None
         return PlainTextResponse(render(snaps, retired), media_type="text/plain; version=0.0.4")

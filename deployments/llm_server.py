@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -22,13 +23,22 @@ from ray import serve
 
 from app.config import Settings
 from cache.directory import HotPrefixDirectory
-from deployments.metrics import HISTOGRAMS, Histogram, hub_handle
-from engine.async_engine import AsyncEngine
+from deployments.metrics import HISTOGRAMS, Histogram, HubClient
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.llm_engine import LLMEngine, RequestError
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("radixserve.replica")
 MAX_REPORTED_HASHES = 20_000  # per stats period; more and routers just trim to the cached count
+EVENTS_WAIT_S = 5.0  # how long a stats poll waits for the engine thread to hand over its cache events
+
+
+def _cached_tokens(engine: LLMEngine, prefixes: list[list[int]], cache_salt: str | None) -> int:
+    """Tokens of ``prefixes`` the radix cache holds now (whole blocks)."""
+    cache, bs = engine.kv.cache, engine.config.block_size
+    if cache is None:
+        return 0
+    return sum(len(cache.match(p, cache_salt, max_blocks=len(p) // bs, count=False).blocks) * bs for p in prefixes)
 
 
 class LLMServer:
@@ -62,7 +72,7 @@ class LLMServer:
         self.warmup_report = self._warm_up()  # before Serve marks this replica ready
         self.aengine = AsyncEngine(self.engine)
         self._hists = {spec[0]: Histogram(spec[2]) for spec in HISTOGRAMS.values()}
-        self._hub = hub_handle(self.settings.deployment_name)
+        self._hub = HubClient(self.settings.deployment_name)
         self._stop = threading.Event()
         self._background = threading.Thread(target=self._background_loop, name="replica-background", daemon=True)
         self._background.start()
@@ -97,15 +107,20 @@ class LLMServer:
         """Async generator of event dicts; the first carries ``error`` if the request is refused."""
         try:
             sp = SamplingParams(**params)
-            stream = self.aengine.generate(prompt_ids, sp, request_id, prefill_only=prefill_only)
-            async for ev in stream:
-                d = dataclasses.asdict(ev)
-                d["replica"] = self.replica_id
-                if ev.finished:
-                    self._note_finished(prompt_ids, ev.num_cached_tokens, sp.cache_salt, prefill_only)
-                yield d
+            # aclosing: when the caller goes away, the engine stream is closed (and the request aborted)
+            # right here, not whenever the garbage collector gets to it
+            async with contextlib.aclosing(self.aengine.generate(prompt_ids, sp, request_id,
+                                                                 prefill_only=prefill_only)) as stream:
+                async for ev in stream:
+                    d = dataclasses.asdict(ev)
+                    d["replica"] = self.replica_id
+                    if ev.finished:
+                        self._note_finished(prompt_ids, ev.num_cached_tokens, sp.cache_salt, prefill_only)
+                    yield d
         except RequestError as e:
             yield {"error": str(e), "error_kind": "validation", "finished": True, "replica": self.replica_id}
+        except EngineDeadError as e:  # named, so the caller retries elsewhere and routes around this one
+            yield {"error": str(e), "error_kind": "engine", "finished": True, "replica": self.replica_id}
         except TypeError as e:  # unknown sampling field: a caller bug, reported as such
             yield {"error": f"bad parameters: {e}", "error_kind": "validation", "finished": True,
                    "replica": self.replica_id}
@@ -120,16 +135,16 @@ class LLMServer:
             self._pending_records.append(prompt_ids[:shared])
 
     async def warmup(self, prefixes: list[list[int]], cache_salt: str | None = None) -> dict[str, Any]:
-        """Prefill ``prefixes`` into the radix cache without generating (and record them as hot)."""
-        async def one(ids: list[int]) -> int:
+        """Prefill ``prefixes`` into the radix cache without generating (and record them as hot), one at a
+        time: a warm-up then takes at most one prompt chunk of each engine step, and live requests keep
+        the rest. Reports the tokens of them the cache holds at the end (a later one may evict an earlier)."""
+        t0 = time.monotonic()
+        for ids in prefixes:
             async for ev in self.generate(ids, {"max_new_tokens": 1, "cache_salt": cache_salt}, prefill_only=True):
                 if ev.get("error"):
                     raise RequestError(ev["error"])
-            return len(ids) // self.block_size * self.block_size
-
-        t0 = time.monotonic()
-        cached = await asyncio.gather(*(one(p) for p in prefixes))
-        return {"prefixes": len(prefixes), "cached_tokens": int(sum(cached)), "seconds": time.monotonic() - t0,
+        cached = await asyncio.to_thread(self.aengine.call, lambda e: _cached_tokens(e, prefixes, cache_salt))
+        return {"prefixes": len(prefixes), "cached_tokens": cached, "seconds": time.monotonic() - t0,
                 "replica": self.replica_id}
 
     def info(self) -> dict[str, Any]:
@@ -169,10 +184,18 @@ class LLMServer:
         return True
 
     def _collect_events(self) -> None:
-        """Drain the radix cache's stored/removed hashes into the router and directory buffers."""
+        """Drain the radix cache's stored/removed hashes into the router and directory buffers. The
+        buffers are filled on the engine thread itself, so a drain that outlasts the wait (a long engine
+        step) still lands in them instead of being lost with the timed-out call's result."""
         if self.engine.kv.cache is None:
             return
-        events, overflow = self.aengine.call(lambda e: e.kv.cache.drain_events(), timeout=5)
+        try:
+            self.aengine.call(self._drain_events, timeout=EVENTS_WAIT_S)
+        except TimeoutError:
+            log.debug("engine busy: its cache events will be in the next report")
+
+    def _drain_events(self, engine: LLMEngine) -> None:
+        events, overflow = engine.kv.cache.drain_events()
         with self._events_lock:
             self._overflow |= overflow
             for kind, hashes in events:
@@ -209,7 +232,7 @@ class LLMServer:
         """Every second: push metrics to the hub and flush directory records; never on the request path."""
         while not self._stop.wait(1.0):
             try:
-                self._hub.push.remote(self.replica_id, self.aengine.call(self._snapshot, timeout=5))
+                self._hub.call("push", self.replica_id, self.aengine.call(self._snapshot, timeout=5))
             except Exception as e:  # noqa: BLE001 - metrics must never take a replica down
                 log.debug("metrics push failed: %s", e)
             try:
@@ -232,8 +255,13 @@ class LLMServer:
                 self._recorded.add(h)
 
     def check_health(self) -> None:
+        """Serve replaces the replica when this raises: its engine thread died, or hangs in a step."""
         if not self.aengine.alive:
             raise RuntimeError("engine thread is not running")
+        stalled = self.aengine.stalled_s()
+        if stalled > self.settings.engine_stall_timeout_s:
+            raise RuntimeError(f"engine loop stuck: no progress for {stalled:.0f} s "
+                               f"(--engine-stall-timeout-s {self.settings.engine_stall_timeout_s:g})")
 
     def __del__(self):
         # Serve calls this on graceful shutdown: abort what is running so every block goes back,
@@ -241,7 +269,7 @@ class LLMServer:
         try:
             self._stop.set()
             self.aengine.shutdown()
-            self._hub.forget.remote(self.replica_id)
+            self._hub.handle.forget.remote(self.replica_id)
             if self.directory is not None:
                 self.directory.forget_replica(self.replica_id)
         except Exception:  # noqa: BLE001

@@ -6,6 +6,7 @@ Snapshots are plain dicts, so this module is testable without Ray (the hub is a 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -188,9 +189,10 @@ class SnapshotStore:
         return sum(s.get("running", 0) + s.get("waiting", 0) for at, s in self._snaps.values() if now - at < within_s)
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1)
 class MetricsHub(SnapshotStore):
-    """The store as one small detached actor per deployment."""
+    """The store as one small detached actor per deployment (restarted by Ray if its process dies; the
+    replicas fill it again within a second)."""
 
 
 def hub_name(deployment_name: str) -> str:
@@ -202,3 +204,36 @@ def hub_handle(deployment_name: str):
     """The hub of one deployment (created on first use, detached so replica restarts keep it)."""
     return MetricsHub.options(name=hub_name(deployment_name), namespace="radixserve",
                               get_if_exists=True, lifetime="detached").remote()
+
+
+class HubClient:
+    """The deployment's hub, found (or created) again when the actor is gone for good (``ray.kill``, a
+    lost node): a dead handle must not leave ``/health`` failing until every replica restarts."""
+
+    def __init__(self, deployment_name: str):
+        self._name = deployment_name
+        self.handle = hub_handle(deployment_name)
+
+    def renew(self) -> None:
+        self.handle = hub_handle(self._name)
+
+    def call(self, method: str, *args, timeout: float = 5.0):
+        """``method(*args)`` on the hub, blocking (background threads); renews the handle once if the
+        actor died."""
+        for attempt in range(2):
+            try:
+                return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout)
+            except ray.exceptions.ActorDiedError:
+                if attempt:
+                    raise
+                self.renew()
+
+    async def acall(self, method: str, *args, timeout: float = 5.0):
+        """The same from asyncio code (the ingress)."""
+        for attempt in range(2):
+            try:
+                return await asyncio.wait_for(getattr(self.handle, method).remote(*args), timeout=timeout)
+            except ray.exceptions.ActorDiedError:
+                if attempt:
+                    raise
+                await asyncio.to_thread(self.renew)

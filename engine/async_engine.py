@@ -33,17 +33,31 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stop = False
+        self._closed = False  # the thread is past its loop: nothing added from now on is served
         self._error: BaseException | None = None
+        self._beat = time.monotonic()  # the loop's last turn: a watchdog for a step that never returns
         self._thread = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ caller side
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self._error is None
+        return self._thread.is_alive() and self._error is None and not self._closed
+
+    def stalled_s(self) -> float:
+        """Seconds since the engine loop last came round (it does at least every 50 ms when idle, after
+        every step when busy): large only when a step hangs (a stuck device, a deadlock)."""
+        return time.monotonic() - self._beat
+
+    def _why_closed(self) -> str:
+        if self._error is not None:
+            return f"engine failure: {self._error}"
+        return "the replica is shutting down"
 
     def call(self, fn: Callable[[LLMEngine], Any], timeout: float = 30.0) -> Any:
         """Run ``fn(engine)`` on the engine thread (stats, invariant checks) and return its result."""
+        if self._closed:
+            raise EngineDeadError(self._why_closed())
         done = threading.Event()
         box: dict[str, Any] = {}
         self._inbox.put(("call", fn, box, done))
@@ -58,7 +72,7 @@ class AsyncEngine:
                        request_id: str | None = None, prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
         """Stream events for one request; raises ``RequestError`` at once for a bad request."""
         if not self.alive:
-            raise EngineDeadError(f"the engine thread has stopped: {self._error!r}")
+            raise EngineDeadError(f"the engine thread has stopped: {self._why_closed()}")
         params = params or SamplingParams()
         self.engine.validate(prompt_ids, params, prefill_only)  # reads config only: thread-safe
         rid = request_id or uuid.uuid4().hex
@@ -66,6 +80,9 @@ class AsyncEngine:
         self._streams[rid] = (asyncio.get_running_loop(), q)
         self._inbox.put(("add", rid, list(prompt_ids), params, prefill_only, time.monotonic()))
         self._wake.set()
+        if self._closed:  # the thread ended between the check above and now: it may not have seen us
+            self._streams.pop(rid, None)
+            raise EngineDeadError(f"the engine thread has stopped: {self._why_closed()}")
         finished = False
         try:
             while True:
@@ -107,6 +124,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             kind = msg[0]
+            if self._closed:  # past the loop: fail calls at once; adds were answered from _streams
+                if kind == "call":
+                    msg[2]["error"] = EngineDeadError(self._why_closed())
+                    msg[3].set()
+                continue
             if kind == "add":
                 _, rid, ids, params, prefill_only, arrival = msg
                 if rid not in self._streams:
@@ -128,6 +150,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop:
+                self._beat = time.monotonic()
                 self._wake.clear()
                 self._drain_inbox()
                 if not self.engine.has_work():
@@ -139,8 +162,15 @@ class AsyncEngine:
             log.exception("engine loop crashed")
             self._error = e
         finally:
+            # Every waiter gets an error event (a stream cut short is not a normal finish), including
+            # requests still in the inbox; then every block goes back.
+            self._closed = True
             for rid in list(self.engine.requests):
-                self.engine.abort(rid)
-                self._emit(TokenEvent(rid, None, "", None, True, "abort" if self._error is None else "error",
-                                      error=None if self._error is None else f"engine failure: {self._error}"))
+                try:
+                    self.engine.abort(rid)
+                except Exception:  # noqa: BLE001 - a crashed engine may not free cleanly; still answer
+                    log.exception("abort after the engine loop ended")
+            why = self._why_closed()
+            for rid in list(self._streams):
+                self._emit(TokenEvent(rid, None, "", None, True, "error", error=why))
             self._drain_inbox()

@@ -92,12 +92,15 @@ class LLMEngine:
                  self.attention_backend)
 
     def _eos_ids(self) -> set[int]:
-        eos = getattr(self.loaded.config, "eos_token_id", None)
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        if eos is None:
-            return set()
-        return set(eos) if isinstance(eos, list) else {int(eos)}
+        """Every id that ends a sequence: the model config's, ``generation_config.json``'s (where chat
+        models list their end-of-turn tokens, e.g. Llama 3's ``<|eot_id|>``) and the tokenizer's."""
+        gen = getattr(self.loaded.model, "generation_config", None)
+        out: set[int] = set()
+        for eos in (getattr(self.loaded.config, "eos_token_id", None), getattr(gen, "eos_token_id", None),
+                    getattr(self.tokenizer, "eos_token_id", None)):
+            if eos is not None:
+                out |= {int(e) for e in eos} if isinstance(eos, (list, tuple)) else {int(eos)}
+        return out
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False) -> None:

@@ -55,8 +55,12 @@ def _finite(x: float) -> float:
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Greedy choice that a NaN logit (a broken model, a bad weight) cannot win."""
-    return torch.nan_to_num(x, nan=float("-inf")).argmax(dim=-1)
+    """Greedy choice that a NaN logit (a broken model, a bad weight) cannot win. torch's argmax picks a
+    NaN when there is one, so only then is a NaN-free copy made (not on every decode step)."""
+    ids = x.argmax(dim=-1)
+    if bool(torch.isnan(x.gather(-1, ids.unsqueeze(-1))).any()):
+        ids = torch.nan_to_num(x, nan=float("-inf")).argmax(dim=-1)
+    return ids
 
 
 def _draw(dist: torch.Tensor, seq: Sequence) -> int:

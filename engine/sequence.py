@@ -51,6 +51,8 @@ class SamplingParams:
     def validate(self) -> SamplingParams:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what a torch generator takes
+            raise SamplingError(f"seed must be a 64-bit integer, got {self.seed}")
         if not 0.0 <= self.temperature < math.inf:
             raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:

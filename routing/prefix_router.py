@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
+import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
@@ -20,6 +20,26 @@ from cache.hashing import block_hashes
 from routing.policy import PolicyConfig, PrefixPolicy, Routed
 
 log = logging.getLogger("radixserve.router")
+
+# Replicas whose engine failed while their actor lives on (Serve's health check replaces them within
+# seconds): ranked last until then, so the caller's one retry goes elsewhere. Per process: the ingress
+# that saw the failure is the process its routers run in.
+_FAILED: dict[str, float] = {}
+
+
+def avoid_replica(replica_id: str, seconds: float = 15.0) -> None:
+    """Rank ``replica_id`` last for ``seconds`` in every router of this process."""
+    _FAILED[replica_id] = time.monotonic() + seconds
+
+
+def _failed_last(order: list[str]) -> list[str]:
+    if not _FAILED:
+        return order
+    now = time.monotonic()
+    for rid, until in list(_FAILED.items()):
+        if until < now:
+            _FAILED.pop(rid, None)
+    return sorted(order, key=lambda r: r in _FAILED)  # stable: the ranking is kept among the rest
 
 
 def request_tokens(pending: PendingRequest | None) -> tuple[list[int], int, str | None]:
@@ -54,8 +74,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._routed: dict[str, tuple[str, Routed]] = {}  # internal request id -> (replica, ticket)
         self.errors = 0
         # Holders learned from the Redis directory (after a router restart, or for replicas this
-        # router never sent a prefix to); fetched off the hot path, applied at the next decision.
-        self._learned: queue.SimpleQueue = queue.SimpleQueue()
+        # router never sent a prefix to); fetched off the hot path, applied at the next decision. Only
+        # the latest sync is kept: a router that routes nothing for hours holds one snapshot, not a backlog.
+        self._learned: list[tuple[str, list[int]]] | None = None
         self._stop = threading.Event()
         if redis_url and mode == "prefix":
             threading.Thread(target=self._sync_directory, args=(redis_url, deployment, directory_sync_s,
@@ -68,21 +89,19 @@ class PrefixAwareRequestRouter(RequestRouter):
         directory = HotPrefixDirectory(url, deployment, self.model_id, self.policy.cfg.block_size)
         while not self._stop.wait(period):
             try:
+                learned = []
                 for hp in directory.top_k(top_k):
                     holders = directory.holders(hp.hash)
                     if holders:
                         chain = block_hashes(hp.tokens, self.policy.cfg.block_size, self.model_id)
-                        for rid in holders:
-                            self._learned.put((rid, chain))
+                        learned += [(rid, chain) for rid in holders]
+                self._learned = learned  # one reference swap: the routing thread takes it whole
             except Exception:  # noqa: BLE001 - the directory is a hint; never fail routing over it
                 log.debug("directory sync failed", exc_info=True)
 
     def _apply_learned(self) -> None:
-        while True:
-            try:
-                rid, chain = self._learned.get_nowait()
-            except queue.Empty:
-                return
+        learned, self._learned = self._learned, None
+        for rid, chain in learned or ():
             if rid in self.policy.replicas:
                 view = self.policy.replicas[rid]
                 if not all(h in view.index for h in chain):
@@ -108,11 +127,11 @@ class PrefixAwareRequestRouter(RequestRouter):
         if self.mode == "round_robin":
             order = sorted(by_id)
             start = next(self._rr) % len(order)
-            return [[by_id[i]] for i in order[start:] + order[:start]]
+            return [[by_id[i]] for i in _failed_last(order[start:] + order[:start])]
         hashes = self._hashes(pending)
         ids, max_new, _ = request_tokens(pending)
         ranked = self.policy.rank(hashes, len(ids), max_new, list(by_id))
-        return [[by_id[r]] for r in ranked if r in by_id]
+        return [[by_id[r]] for r in _failed_last(ranked) if r in by_id]
 
     def _hashes(self, pending: PendingRequest | None) -> list[int]:
         if pending is None:
@@ -134,13 +153,17 @@ class PrefixAwareRequestRouter(RequestRouter):
             view = self.policy.replicas[rid]
             if seq is None or view.stats_seq == seq:
                 continue
+            # Serve hands routers only each replica's latest report: a router that routed nothing for
+            # a stats period never saw that period's hashes (a gap in seq), as if they were truncated
+            missed = view.stats_seq is not None and seq != view.stats_seq + 1
             view.stats_seq = seq
             self.policy.forget_hashes(rid, stats.get("removed", ()))
             self.policy.learn_hashes(rid, stats.get("stored", ()), from_root=False)
-            # The stored/removed hashes keep the index exact; only when the replica had to drop some
-            # (truncated) does its cached-block count bound the index instead.
+            # The stored/removed hashes keep the index exact; only when some were dropped (truncated by
+            # the replica, or missed here) does its cached-block count bound the index instead.
+            exact = not (stats.get("truncated") or missed)
             self.policy.report(rid, capacity_blocks=stats.get("kv_total_blocks"),
-                               cached_blocks=stats.get("cached_blocks") if stats.get("truncated") else None,
+                               cached_blocks=None if exact else stats.get("cached_blocks"),
                                in_flight=stats.get("queue"))
 
     # ------------------------------------------------------------------ lifecycle hooks
@@ -158,15 +181,29 @@ class PrefixAwareRequestRouter(RequestRouter):
             self.errors += 1
             log.exception("on_request_routed failed")
 
+    # Serve's own bookkeeping runs first and the policy's after, guarded: a policy bug must not stop
+    # Serve from handling a finished request or a dead replica.
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        entry = self._routed.pop(internal_request_id, None)
-        if entry is not None:
-            self.policy.on_completed(*entry)
+        try:
+            entry = self._routed.pop(internal_request_id, None)
+            if entry is not None:
+                self.policy.on_completed(*entry)
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+            log.exception("on_request_completed failed")
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.policy.remove_replica(replica_id.unique_id)
+        try:
+            self.policy.remove_replica(replica_id.unique_id)
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+            log.exception("on_replica_actor_died failed")
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self.policy.sync_replicas(r.replica_id.unique_id for r in replicas)
+        try:
+            self.policy.sync_replicas(r.replica_id.unique_id for r in replicas)
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+            log.exception("update_replicas failed")

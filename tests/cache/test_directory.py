@@ -80,6 +80,38 @@ def test_garbage_in_the_namespace_is_skipped(d):
     top = d.top_k(10)
     assert [p.hash for p in top] == [good]
     assert d.skipped >= 3
+    # dropped from the ranking, so they are not fetched and checked again on every read
+    assert [m.decode() for m in r.zrange(d.ns + "hot", 0, -1)] == [str(good)]
+
+
+def test_an_entry_longer_than_the_prefix_cap_is_never_hashed_or_returned(d):
+    long = toks(9, 2 * d.max_prefix_tokens)
+    h = block_hashes(long, BS, "m")[-1]  # a valid entry, as a writer without the cap would store it
+    d._r.zadd(d.ns + "hot", {str(h): 1e9})
+    d._r.hset(d.ns + f"p:{h}", mapping={"tokens": pack_tokens(long), "blocks": len(long) // BS})
+    assert d.top_k(3) == [] and d.skipped == 1
+
+
+def test_the_ranking_keeps_only_the_hottest(redis_server):
+    d = HotPrefixDirectory(redis_server.url, deployment=f"cap{uuid.uuid4().hex[:6]}", model="m", max_hot=3)
+    try:
+        now = time.time()
+        hashes = [d.record("r1", toks(20 + i), hits=i + 1, now=now) for i in range(5)]
+        assert d._r.zcard(d.ns + "hot") == 3
+        assert [p.hash for p in d.top_k(5)] == hashes[:1:-1]  # the three hottest, hottest first
+    finally:
+        d.clear()
+
+
+def test_old_scores_are_rescaled_when_the_epoch_moves(d):
+    now = time.time()
+    ha = d.record("r1", toks(30), hits=1, now=now)
+    later = now + 61 * d.half_life_s  # past the rescale point: a hit now weighs 2**61 before rescaling
+    d.record("r1", toks(31), hits=1, now=later)
+    d.record("r2", toks(32), hits=1, now=later)
+    scores = dict(d._r.zrange(d.ns + "hot", 0, -1, withscores=True))
+    assert scores[str(ha).encode()] == pytest.approx(2.0 ** -61, rel=1e-6)  # the old hit, rescaled once
+    assert float(d._r.get(d.ns + "epoch")) == pytest.approx(later)
 
 
 def test_redis_down_never_raises_or_hangs():
@@ -104,5 +136,21 @@ def test_directory_resumes_after_redis_restarts():
         while d.record("r1", toks(3)) is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert [p.tokens for p in d.top_k(3)] == [toks(3)]
+    finally:
+        server.stop()
+
+
+def test_the_private_redis_server_is_restarted_on_its_port_when_it_dies():
+    server = LocalRedis()
+    try:
+        d = HotPrefixDirectory(server.url, model="m")
+        assert d.ping() and not server.restart_if_dead()
+        server.proc.kill()  # out of memory, or killed by hand
+        server.proc.wait()
+        assert server.restart_if_dead()
+        deadline = time.monotonic() + 35  # the client waits out its backoff
+        while not d.ping() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert d.ping() and d.record("r1", toks(1)) is not None
     finally:
         server.stop()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.llm_engine import RequestError
 from engine.sequence import SamplingParams
 
@@ -89,4 +90,49 @@ def test_shutdown_ends_open_streams(make_engine):
         return events[-1]
 
     last = asyncio.run(asyncio.wait_for(main(), 30))
-    assert last.finished and last.finish_reason in ("abort", "length")
+    # a stream cut short is an error, not a normal "length" finish the client would take as complete
+    assert last.finished and last.finish_reason == "error" and "shutting down" in last.error
+    with pytest.raises(EngineDeadError):
+        ae.call(lambda e: 1)
+
+
+def test_engine_crash_answers_every_waiter(make_engine):
+    """A step that raises fails the running request and the one still in the inbox (no hang), and
+    returns every block to the pool."""
+    eng = make_engine("tiny")
+    gate, entered = threading.Event(), threading.Event()
+
+    def failing_step():
+        entered.set()
+        gate.wait(10)
+        raise RuntimeError("device-side assert")
+
+    real_step, eng.step = eng.step, failing_step
+    ae = AsyncEngine(eng)
+
+    async def consume(prompt):
+        async for ev in ae.generate(prompt, SamplingParams(max_new_tokens=4)):
+            if ev.finished:
+                return ev
+
+    async def main():
+        a = asyncio.create_task(consume(PROMPT))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        b = asyncio.create_task(consume(PROMPT[:50]))  # arrives while the failing step runs
+        await asyncio.sleep(0.2)
+        gate.set()
+        return await asyncio.wait_for(asyncio.gather(a, b), 10)
+
+    la, lb = asyncio.run(main())
+    for last in (la, lb):
+        assert last.finish_reason == "error" and "device-side assert" in last.error
+    assert not ae.alive
+    assert eng.requests == {} and eng.kv.allocator.num_in_use == 0
+    eng.step = real_step
+
+    async def late():
+        async for _ in ae.generate(PROMPT, SamplingParams(max_new_tokens=4)):
+            pass
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(late())

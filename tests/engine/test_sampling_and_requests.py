@@ -108,6 +108,7 @@ def test_abort_with_cache_leaves_blocks_evictable(make_engine):
     (dict(top_k=-2), "top_k"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(stop=[""]), "stop"),
+    (dict(seed=2**64, temperature=0.7), "seed"),
     (dict(prompt=list(range(200)) * 3), "max_input_tokens"),
     (dict(max_new_tokens=1000), "max_total_tokens"),
 ])
@@ -138,6 +139,23 @@ def test_bad_config_fails_at_start(loaded, kw, msg):
     m = loaded("tiny")
     with pytest.raises(ConfigError, match=msg):
         LLMEngine(EngineConfig(model_id=m.model_id, **kw), loaded=m)
+
+
+def test_end_of_turn_ids_from_generation_config_stop(loaded, tmp_path):
+    """Chat models list their end-of-turn tokens in generation_config.json (Llama 3's <|eot_id|>); the
+    engine must stop on them as on the config's EOS, or chat answers run on to max_tokens."""
+    import json
+    import shutil
+
+    m = loaded("tiny")
+    folder = tmp_path / "model"
+    shutil.copytree(m.model_id, folder)
+    base = LLMEngine(EngineConfig(model_id=str(folder), max_batch_total_tokens=1024), loaded=load_model(str(folder)))
+    turn_end = max(base.eos_ids) + 5
+    assert turn_end not in base.eos_ids
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [*base.eos_ids, turn_end]}))
+    eng = LLMEngine(EngineConfig(model_id=str(folder), max_batch_total_tokens=1024), loaded=load_model(str(folder)))
+    assert eng.eos_ids == base.eos_ids | {turn_end}
 
 
 def test_missing_or_broken_model_folder(tmp_path):

@@ -299,6 +299,15 @@ def test_warmup_then_hit(client):
     assert r.json()["cached_tokens"] >= 16 * 9
 
 
+def test_warmup_reports_what_the_cache_holds_and_refuses_more_than_a_pool(client):
+    ids = [(i * 7) % 200 + 3 for i in range(200)]
+    r = client.post("/warmup", json={"prefixes": [ids]})
+    assert r.status_code == 200 and r.json()["cached_tokens"] == 192  # whole blocks only
+    big = [[(i * 11 + k) % 200 + 3 for i in range(1000)] for k in range(5)]  # 5,000 tokens; the pool holds 4,096
+    r = client.post("/warmup", json={"prefixes": big})
+    assert r.status_code == 422 and "KV pool holds (4096)" in r.json()["error"]
+
+
 def test_disconnect_mid_stream_frees_blocks(serve_app, client):
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 1500}}
     with httpx.Client(base_url=serve_app, timeout=30) as c, c.stream("POST", "/generate_stream", json=body) as r:
@@ -352,3 +361,38 @@ def test_default_max_tokens_fits_what_the_context_leaves():
     assert asyncio.run(rule(Fake(), req, [1] * 10, 64)) == 64
     asked = ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "max_tokens": 50})
     assert asyncio.run(rule(Fake(), asked, [1] * 90, 64)) == 50  # asked for: the engine says if it does not fit
+
+
+def test_health_and_metrics_come_back_when_the_metrics_hub_is_killed(client):
+    """The hub is one small actor: if it is lost for good (ray.kill, a lost node), the ingress and the
+    replicas find a new one; /health must not stay 503 and /metrics not fail until replicas restart."""
+    import ray
+
+    from deployments.metrics import hub_name
+
+    ray.kill(ray.get_actor(hub_name("radixserve"), namespace="radixserve"))  # no restart: gone for good
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = client.get("/health")
+        if health.status_code == 200 and health.json()["replicas"] == 2:
+            break
+        assert health.status_code == 503 and "error" in health.json()  # meanwhile: a clear answer
+        time.sleep(0.5)
+    assert health.status_code == 200 and health.json() == {"status": "ok", "replicas": 2}
+    m = client.get("/metrics")
+    assert m.status_code == 200 and 'radixserve_cache_blocks_total{replica="all"}' in m.text
+
+
+def test_a_body_over_the_payload_limit_is_refused_before_it_is_read(client):
+    big = json.dumps({"inputs": "a" * 2_100_000, "parameters": {"max_new_tokens": 1}})
+    r = client.post("/generate", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "payload limit of 2000000 bytes" in r.json()["error"]
+
+    def chunks():  # no content-length: the limit is counted as the body arrives
+        body = json.dumps({"model": "tiny", "prompt": "a" * 2_100_000, "max_tokens": 1}).encode()
+        for i in range(0, len(body), 65536):
+            yield body[i:i + 65536]
+
+    r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+    assert client.post("/generate", json={"inputs": "ok", "parameters": {"max_new_tokens": 1}}).status_code == 200

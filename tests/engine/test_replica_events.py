@@ -1,0 +1,67 @@
+"""The replica's hand-over of cache events to the routers (no Serve needed: the buffers only)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import deployments.llm_server as llm_server
+from deployments.llm_server import LLMServer
+from engine.async_engine import AsyncEngine
+from engine.sequence import SamplingParams
+
+
+def _replica(engine) -> LLMServer:
+    r = object.__new__(LLMServer)  # the parts of __init__ the event hand-over uses
+    r.engine, r.aengine = engine, AsyncEngine(engine)
+    r._events_lock = threading.Lock()
+    r._route_stored, r._route_removed, r._dir_removed = [], [], []
+    r._overflow, r._recorded, r._stats_seq = False, set(), 0
+    r._pending_records = collections.deque()
+    return r
+
+
+def test_events_drained_after_the_wait_ran_out_still_reach_the_next_report(make_engine, monkeypatch):
+    """A stats poll that gives up on a busy engine thread must not lose the events the engine drains
+    later (they were returned to a caller that had already left): the next report carries them."""
+    eng = make_engine("tiny")
+    eng.kv.cache.record_events = True
+    eng.generate([list(range(40, 110))], SamplingParams(max_new_tokens=2))  # stores 4 blocks
+    r = _replica(eng)
+    try:
+        monkeypatch.setattr(llm_server, "EVENTS_WAIT_S", 0.2)
+        busy = threading.Event()
+        threading.Thread(target=r.aengine.call, args=(lambda e: (busy.set(), time.sleep(1.0)),), daemon=True).start()
+        busy.wait(5)
+        r._collect_events()  # times out: the engine is busy
+        time.sleep(1.5)  # the engine gets to the drain and fills the buffers itself
+        with r._events_lock:
+            assert len(r._route_stored) == 4 and not r._overflow
+    finally:
+        r.aengine.shutdown()
+
+
+def test_health_check_fails_when_the_engine_loop_hangs(make_engine):
+    """A step that never returns (a stuck device, a deadlock) leaves the thread alive: the watchdog must
+    still fail the health check so Serve replaces the replica."""
+    from app.config import Settings
+
+    r = _replica(make_engine("tiny"))
+    r.settings = Settings(engine_stall_timeout_s=0.3)
+    release = threading.Event()
+    try:
+        r.check_health()  # idle: the loop comes round every 50 ms
+        threading.Thread(target=r.aengine.call, args=(lambda e: release.wait(5),), daemon=True).start()
+        time.sleep(0.8)
+        try:
+            r.check_health()
+            raise AssertionError("a hung engine loop passed the health check")
+        except RuntimeError as e:
+            assert "stuck" in str(e)
+        release.set()
+        time.sleep(0.2)
+        r.check_health()  # came round again: healthy
+    finally:
+        release.set()
+        r.aengine.shutdown()

@@ -1,0 +1,95 @@
+"""The Serve request router's own bookkeeping, without a Serve cluster: how it folds replica reports
+and directory syncs into the policy, and that its hooks never raise."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace as NS
+
+from cache.directory import HotPrefixDirectory
+from cache.hashing import block_hashes
+from routing.prefix_router import PrefixAwareRequestRouter
+
+CHAIN = block_hashes(list(range(64)), 16, "m")
+BASE = dict(kv_total_blocks=256, queue=0, truncated=False, stored=[], removed=[])
+
+
+def _router(**kw) -> PrefixAwareRequestRouter:
+    r = object.__new__(PrefixAwareRequestRouter)  # Serve builds it with its own __init__; the state is ours
+    r.initialize_state(mode="prefix", block_size=16, model_id="m", **kw)
+    return r
+
+
+def _replica(rid: str, **stats) -> NS:
+    return NS(replica_id=NS(unique_id=rid), routing_stats={**BASE, **stats})
+
+
+def _indexed(r: PrefixAwareRequestRouter, rid: str) -> int:
+    return sum(h in r.policy.replicas[rid].index for h in CHAIN)
+
+
+def test_consecutive_reports_keep_what_was_stored():
+    r = _router()
+    r._absorb_stats([_replica("A", seq=1, stored=CHAIN, cached_blocks=4)])
+    r._absorb_stats([_replica("A", seq=2, cached_blocks=0)])  # nothing evicted in between: exact deltas
+    assert _indexed(r, "A") == len(CHAIN)
+
+
+def test_a_missed_report_bounds_the_index_by_what_the_replica_caches():
+    """Serve hands a router only each replica's latest report: one that routed nothing during a period
+    never saw that period's evictions, so a gap in seq must not leave a phantom holder."""
+    r = _router()
+    r._absorb_stats([_replica("A", seq=1, stored=CHAIN, cached_blocks=4)])
+    r._absorb_stats([_replica("A", seq=3, cached_blocks=0)])  # report 2 (the eviction) was never seen
+    assert _indexed(r, "A") == 0
+    assert r.policy.matches(CHAIN) == {}
+
+
+def test_hooks_never_raise():
+    r = _router()
+    r.policy.add_replica("A")
+    r._routed["x"] = ("A", "not a ticket")  # a corrupt entry: the policy raises on it
+    r.on_request_completed(NS(unique_id="A"), "x")
+    assert r.errors == 1
+
+
+def test_directory_sync_keeps_one_snapshot_while_nothing_is_routed(redis_server):
+    """An idle router must not queue the directory's holders every period (it did: a backlog that grew
+    without bound in the ingress and stalled the next routing decision)."""
+    d = HotPrefixDirectory(redis_server.url, "radixserve", "m", 16)
+    d.record("A", list(range(64)))
+    r = _router(redis_url=redis_server.url, directory_sync_s=0.05)
+    try:
+        time.sleep(0.6)  # about a dozen syncs, no routing decision in between
+        learned = r._learned
+        assert learned is not None and len(learned) == 1 and learned[0][0] == "A"
+        r.policy.add_replica("A")
+        r._apply_learned()
+        assert r.policy.matches(CHAIN) == {"A": len(CHAIN)}
+        assert r._learned is None or len(r._learned) == 1
+    finally:
+        r._stop.set()
+        d.clear()
+
+
+def test_a_replica_whose_engine_failed_is_ranked_last_until_it_is_replaced(monkeypatch):
+    """The ingress's one retry after an engine failure must not go back to the same holder."""
+    import routing.prefix_router as pr
+
+    r = _router()
+    reps = [_replica("A", seq=1, stored=CHAIN, cached_blocks=4), _replica("B", seq=1, cached_blocks=0)]
+    pending = NS(args=(list(range(64)) + [7], {"max_new_tokens": 4}))
+
+    def first_choice() -> str:
+        return r._choose(reps, pending)[0][0].replica_id.unique_id
+
+    assert first_choice() == "A"  # it holds the prefix
+    pr.avoid_replica("A", seconds=60)
+    try:
+        assert first_choice() == "B"
+        assert [x[0].replica_id.unique_id for x in r._choose(reps, pending)] == ["B", "A"]  # still a fallback
+        real = time.monotonic
+        monkeypatch.setattr(pr.time, "monotonic", lambda: real() + 61)
+        assert first_choice() == "A"  # the window ended
+    finally:
+        pr._FAILED.clear()
