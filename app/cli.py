@@ -145,16 +145,19 @@ def _drain(settings: Settings, force: threading.Event) -> None:
         force.wait(0.5)
 
 
-def _supervise_redis(redis) -> None:
+def _supervise_redis(redis) -> bool:
     """The private redis-server is this process's child: if it dies, start it again (replicas and
-    routers reconnect on their own), rather than serve without the directory until the next restart."""
+    routers reconnect on their own), rather than serve without the directory until the next restart.
+    False once a restart failed: serving goes on without the directory (no retry every 2 s)."""
     try:
         if redis.restart_if_dead():
             print(f"radixserve: the local redis-server had stopped; restarted it at {redis.url}",
                   file=sys.stderr, flush=True)
+        return True
     except RuntimeError as e:
         print(f"radixserve: warning: cannot restart the local redis-server ({e}); serving goes on "
               "without the hot-prefix directory", file=sys.stderr, flush=True)
+        return False
 
 
 def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
@@ -187,8 +190,8 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
         print(f"RadixServe is up: http://{settings.host}:{settings.port} "
               f"(model {settings.model_name()}, {settings.num_replicas} replica(s)); Ctrl-C stops it", flush=True)
         while not stop.wait(2.0):
-            if redis is not None:
-                _supervise_redis(redis)
+            if redis is not None and not _supervise_redis(redis):
+                redis = None
         print(f"shutting down: finishing the requests in flight (up to {settings.drain_timeout_s:.0f} s; "
               "Ctrl-C again skips the wait)...", flush=True)
         _drain(settings, force)

@@ -49,15 +49,28 @@ class LocalRedis:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def _wait_ready(self, timeout: float = 10.0) -> None:
+        """Until our redis-server answers: the one that answers must be this process (on a restart,
+        another program may have taken the port meanwhile)."""
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=0.5,
+                             socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with code {self.proc.returncode} (port {self.port})")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
+                pid = int(client.info("server")["process_id"])
+            except (redis.RedisError, OSError, KeyError, ValueError):
                 time.sleep(0.05)
+                continue
+            finally:
+                client.close()
+            if pid == self.proc.pid:
+                return
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"port {self.port} is taken by another process")
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()

@@ -74,6 +74,7 @@ class HotPrefixDirectory:
         self._lock = threading.Lock()
         self._warned = False
         self._increment_script = self._r.register_script(_INCREMENT_LUA)
+        self._scripting = True
 
     # ------------------------------------------------------------------ resilience
     @property
@@ -107,9 +108,25 @@ class HotPrefixDirectory:
     # ------------------------------------------------------------------ writes
     def _increment(self, r, now: float) -> float:
         """The weight of a hit now (older hits weigh exponentially less)."""
-        exp = self._increment_script(keys=[self.ns + "epoch", self.ns + "hot"],
-                                     args=[repr(now), repr(self.half_life_s), repr(_MAX_EXP)], client=r)
-        return 2.0 ** float(exp)
+        if self._scripting:
+            try:
+                exp = self._increment_script(keys=[self.ns + "epoch", self.ns + "hot"],
+                                             args=[repr(now), repr(self.half_life_s), repr(_MAX_EXP)], client=r)
+                return 2.0 ** float(exp)
+            except redis.ResponseError as e:  # NOPERM (an ACL without @scripting) or EVAL disabled
+                log.warning("hot-prefix directory: Lua scripts refused (%s); rescaling without them", e)
+                self._scripting = False
+        # the same steps one command at a time (two writers may then both rescale: old hits weigh less)
+        epoch = r.get(self.ns + "epoch")
+        if epoch is None:
+            r.set(self.ns + "epoch", now, nx=True)
+            epoch = r.get(self.ns + "epoch")
+        exp = (now - float(epoch)) / self.half_life_s
+        if exp > _MAX_EXP:
+            r.zunionstore(self.ns + "hot", {self.ns + "hot": 2.0 ** -exp})
+            r.set(self.ns + "epoch", now)
+            exp = 0.0
+        return 2.0 ** exp
 
     def record(self, replica: str, tokens: Sequence[int], hits: int = 1, cache_salt: str | None = None,
                now: float | None = None) -> int | None:

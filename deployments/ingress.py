@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import Settings
 from app.schemas import TGI_FINISH, ChatRequest, CompletionRequest, TGIRequest, WarmupRequest
+from cache.hashing import block_hashes
 from deployments.metrics import HubClient, render
 from routing.prefix_router import avoid_replica
 
@@ -127,23 +128,30 @@ class PayloadLimit:
 
         async def counted():  # a chunked body declares no length: count it as it arrives
             nonlocal seen, over
-            if over:
-                return {"type": "http.request", "body": b"", "more_body": False}
             message = await receive()
-            if message["type"] == "http.request":
+            if message["type"] == "http.request" and not over:
                 seen += len(message.get("body", b""))
-                if seen > limit:  # cut the body off here; the app's answer to the stub is replaced below
+                if seen > limit:
+                    # fail the body read: the handler never runs (a valid start of a body must not run
+                    # with the rest cut off), and its error answer is replaced by the 413 below
                     over = True
-                    return {"type": "http.request", "body": b"", "more_body": False}
+                    raise _TooLarge
             return message
 
         async def unless_over(message):
             if not over:
                 await send(message)
 
-        await self.app(scope, counted, unless_over)
+        try:
+            await self.app(scope, counted, unless_over)
+        except _TooLarge:
+            pass
         if over:
             await _error_response(Request(scope), _too_large(limit))(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
 
 
 def _too_large(limit: int) -> ApiError:
@@ -231,6 +239,14 @@ async def _chain(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
 def _replica_header(events: list[dict]) -> dict[str, str]:
     """Which replica served the request (debugging, and the routing tests)."""
     return {"x-radixserve-replica": str(events[-1].get("replica", ""))}
+
+
+def _distinct_tokens(prefixes: list[list[int]], block_size: int) -> int:
+    """KV tokens ``prefixes`` take in a radix cache: blocks they share count once."""
+    blocks: set[int] = set()
+    for p in prefixes:
+        blocks.update(block_hashes(p, block_size, "warmup"))
+    return len(blocks) * block_size + sum(len(p) % block_size for p in prefixes)
 
 
 def _oai_finish(reason: str | None) -> str:
@@ -334,8 +350,10 @@ class Ingress:
                 if attempt == 1 or InFlight.draining:
                     raise ApiError(503, self._failure(e), "generation") from None
                 continue
-            if first.get("error") and first.get("error_kind") != "validation" and attempt == 0 \
-                    and not InFlight.draining:  # its engine failed or is stopping: nothing was sent yet
+            if first.get("error_kind") == "unavailable" and attempt == 0 and not InFlight.draining:
+                # its engine had stopped or was stopping before it ran this request: nothing was sent
+                # yet, and the request did not cause it (one that was running when an engine crashed
+                # is not retried: it may be what crashed it)
                 gen.cancel()
                 log.warning("replica %s failed before the first token: %s", first.get("replica"), first["error"])
                 if first.get("replica"):
@@ -617,7 +635,8 @@ class Ingress:
         prefixes = [p if isinstance(p, list) else await self._tokenize(p) for p in req.prefixes]
         if any(not p for p in prefixes):
             raise ApiError(422, "prefixes must not be empty", param="prefixes")
-        total, pool = sum(len(p) for p in prefixes), (await self.info_cached())["max_batch_total_tokens"]
+        info = await self.info_cached()
+        total, pool = _distinct_tokens(prefixes, info["block_size"]), info["max_batch_total_tokens"]
         if total > pool:  # the later ones would evict the earlier ones: work for nothing
             raise ApiError(422, f"the prefixes total {total} tokens, more than one replica's KV pool holds "
                                 f"({pool}): warm fewer or shorter ones", param="prefixes")

@@ -120,7 +120,7 @@ class LLMServer:
         except RequestError as e:
             yield {"error": str(e), "error_kind": "validation", "finished": True, "replica": self.replica_id}
         except EngineDeadError as e:  # named, so the caller retries elsewhere and routes around this one
-            yield {"error": str(e), "error_kind": "engine", "finished": True, "replica": self.replica_id}
+            yield {"error": str(e), "error_kind": "unavailable", "finished": True, "replica": self.replica_id}
         except TypeError as e:  # unknown sampling field: a caller bug, reported as such
             yield {"error": f"bad parameters: {e}", "error_kind": "validation", "finished": True,
                    "replica": self.replica_id}

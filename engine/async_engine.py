@@ -62,8 +62,12 @@ class AsyncEngine:
         box: dict[str, Any] = {}
         self._inbox.put(("call", fn, box, done))
         self._wake.set()
-        if not done.wait(timeout):
-            raise TimeoutError("engine thread did not answer")
+        deadline = time.monotonic() + timeout
+        while not done.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+            if self._closed and not self._thread.is_alive():  # ended after our check: nobody will answer
+                raise EngineDeadError(self._why_closed())
+            if time.monotonic() >= deadline:
+                raise TimeoutError("engine thread did not answer")
         if "error" in box:
             raise box["error"]
         return box["result"]
@@ -136,7 +140,7 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(ids, params, rid, prefill_only, arrival)
                 except Exception as e:  # noqa: BLE001 - report to the one request, keep serving
-                    self._emit(TokenEvent(rid, None, "", None, True, "error", error=str(e)))
+                    self._emit(TokenEvent(rid, None, "", None, True, "error", error=str(e), error_kind="engine"))
             elif kind == "abort":
                 self.engine.abort(msg[1])
             elif kind == "call":
@@ -165,6 +169,9 @@ class AsyncEngine:
             # Every waiter gets an error event (a stream cut short is not a normal finish), including
             # requests still in the inbox; then every block goes back.
             self._closed = True
+            # what the engine was running when it crashed may be what crashed it: not retried elsewhere;
+            # what it had not taken yet, or anything on a clean shutdown, may be
+            ran = set() if self._error is None else set(self.engine.requests)
             for rid in list(self.engine.requests):
                 try:
                     self.engine.abort(rid)
@@ -172,5 +179,6 @@ class AsyncEngine:
                     log.exception("abort after the engine loop ended")
             why = self._why_closed()
             for rid in list(self._streams):
-                self._emit(TokenEvent(rid, None, "", None, True, "error", error=why))
+                self._emit(TokenEvent(rid, None, "", None, True, "error", error=why,
+                                      error_kind="engine" if rid in ran else "unavailable"))
             self._drain_inbox()

@@ -93,6 +93,9 @@ class TokenEvent:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    # "unavailable": the engine never took the request (it had stopped or was stopping), so another
+    # replica may run it; "engine": it failed while the engine ran it (it may be the cause: no retry)
+    error_kind: str | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # the most likely alternatives, best first
 
 

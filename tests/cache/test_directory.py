@@ -154,3 +154,35 @@ def test_the_private_redis_server_is_restarted_on_its_port_when_it_dies():
         assert d.ping() and d.record("r1", toks(1)) is not None
     finally:
         server.stop()
+
+
+def test_a_restart_refuses_a_port_another_process_took():
+    server = LocalRedis()
+    other = None
+    try:
+        server.proc.kill()
+        server.proc.wait()
+        other = LocalRedis(port=server.port)  # someone else's server on the freed port
+        with pytest.raises(RuntimeError, match="taken by another process"):
+            server.restart_if_dead()
+    finally:
+        server.stop()
+        if other is not None:
+            other.stop()
+
+
+def test_a_redis_user_without_scripting_still_records(redis_server, d):
+    """Managed Redis often refuses EVAL (an ACL without @scripting): the directory falls back to plain
+    commands instead of failing every write."""
+    d._r.execute_command("ACL", "SETUSER", "noscript", "on", ">pw", "~*", "+@all", "-@scripting")
+    try:
+        limited = HotPrefixDirectory(f"redis://noscript:pw@127.0.0.1:{redis_server.port}/0",
+                                     deployment=d.ns.split(":")[1], model="m", block_size=BS)
+        now = time.time()
+        old = limited.record("r1", toks(40), now=now)
+        assert old is not None and not limited._scripting and limited.errors == 0
+        assert limited.record("r1", toks(41), now=now + 61 * limited.half_life_s) is not None  # rescales
+        scores = dict(d._r.zrange(d.ns + "hot", 0, -1, withscores=True))
+        assert scores[str(old).encode()] == pytest.approx(2.0 ** -61, rel=1e-6)
+    finally:
+        d._r.execute_command("ACL", "DELUSER", "noscript")

@@ -92,6 +92,7 @@ def test_shutdown_ends_open_streams(make_engine):
     last = asyncio.run(asyncio.wait_for(main(), 30))
     # a stream cut short is an error, not a normal "length" finish the client would take as complete
     assert last.finished and last.finish_reason == "error" and "shutting down" in last.error
+    assert last.error_kind == "unavailable"
     with pytest.raises(EngineDeadError):
         ae.call(lambda e: 1)
 
@@ -126,6 +127,8 @@ def test_engine_crash_answers_every_waiter(make_engine):
     la, lb = asyncio.run(main())
     for last in (la, lb):
         assert last.finish_reason == "error" and "device-side assert" in last.error
+    # the one running may be what crashed the engine: not to be retried elsewhere; the queued one may be
+    assert (la.error_kind, lb.error_kind) == ("engine", "unavailable")
     assert not ae.alive
     assert eng.requests == {} and eng.kv.allocator.num_in_use == 0
     eng.step = real_step

@@ -60,7 +60,9 @@ def test_health_check_fails_when_the_engine_loop_hangs(make_engine):
         except RuntimeError as e:
             assert "stuck" in str(e)
         release.set()
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while r.aengine.stalled_s() > 0.3 and time.monotonic() < deadline:  # a loaded machine may be slow
+            time.sleep(0.05)
         r.check_health()  # came round again: healthy
     finally:
         release.set()
