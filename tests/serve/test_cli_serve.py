@@ -122,3 +122,25 @@ def test_preflight_leaves_the_model_folder_to_the_cluster_it_joins(tmp_path):
     s = Settings(model_id=str(tmp_path / "only-on-the-cluster"))
     assert "does not exist" in preflight(s, local_ray=True)
     assert preflight(s, local_ray=False) is None
+
+
+def test_the_cli_restarts_its_redis_once_and_gives_up_after_a_failed_restart(capsys):
+    from app.cli import _supervise_redis
+
+    class Redis:
+        url = "redis://127.0.0.1:1/0"
+
+        def __init__(self, outcomes):
+            self.outcomes = list(outcomes)
+
+        def restart_if_dead(self):
+            got = self.outcomes.pop(0)
+            if isinstance(got, Exception):
+                raise got
+            return got
+
+    assert _supervise_redis(Redis([False]))  # alive: nothing said
+    assert _supervise_redis(Redis([True]))
+    assert "restarted it" in capsys.readouterr().err
+    assert not _supervise_redis(Redis([RuntimeError("port 1 is taken by another process")]))
+    assert "serving goes on without the hot-prefix directory" in capsys.readouterr().err
