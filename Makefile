@@ -3,16 +3,20 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The CPU build of torch is installed first so nothing pulls the multi-GB CUDA build.
+# The CPU build of torch is installed first so nothing pulls the multi-GB CUDA build (where pip is not
+# configured with it: make test TORCH_PIP_ARGS='--index-url https://download.pytorch.org/whl/cpu').
 TORCH ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: install redis serve test test-slow lint bench clean
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV) || { [ "$$(id -u)" = 0 ] && rm -rf $(VENV) && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null && \
+	  $(PY) -m venv $(VENV); }
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q "$(TORCH)" $(TORCH_PIP_ARGS)
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 

@@ -184,7 +184,8 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
             need = settings.num_replicas * settings.replica_num_cpus + 1
             ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
                      namespace="radixserve", logging_level=logging.WARNING)
-        serve.start(http_options={"host": settings.host, "port": settings.port})
+        serve.start(http_options={"host": settings.host, "port": settings.port,
+                                  "request_timeout_s": settings.request_timeout_s})
         serve.run(build_app(settings), name=settings.deployment_name, route_prefix="/", blocking=False)
         up.set()
         print(f"RadixServe is up: http://{settings.host}:{settings.port} "

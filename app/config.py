@@ -69,7 +69,9 @@ class Settings(BaseModel):
     replica_num_gpus: float = Field(0.0, ge=0)
     router: Literal["prefix", "pow2", "round_robin"] = "prefix"
     routing_stats_period_s: float = Field(1.0, gt=0)
-    request_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0, description="Serve's proxy ends a request that takes longer "
+                                     "(408, or a cut stream; `radixserve serve` only: a Serve config sets "
+                                     "http_options.request_timeout_s)")
     # below Kubernetes' default grace period (30 s), which also has to cover deleting the application
     drain_timeout_s: float = Field(20.0, ge=0, description="on Ctrl-C or SIGTERM, how long requests in flight may "
                                    "take to finish while new ones get 503 (default: 20)")

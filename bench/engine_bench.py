@@ -2,7 +2,7 @@
 
     python -m bench.engine_bench [--quick] [--skip-hf] [--out docs]
 
-Workloads ``gsp-small`` and ``no-share`` (DESIGN.md) on the bench model, greedy, no EOS stop. Engine
+Workloads ``gsp-small`` and ``no-share`` (the project's design notes) on the bench model, greedy, no EOS stop. Engine
 variants run closed-loop at concurrency 8 (as a serving benchmark's ``--max-concurrency 8``); the
 transformers variants are sequential ``generate``, ``generate`` reusing a copied prompt cache of each
 system prompt (the transformers docs' recipe), and ``generate_batch`` with and without

@@ -1,4 +1,4 @@
-"""Benchmark workloads of DESIGN.md, as lists of token-id prompts (deterministic per seed)."""
+"""Benchmark workloads of the project's design notes, as lists of token-id prompts (deterministic per seed)."""
 
 from __future__ import annotations
 

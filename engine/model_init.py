@@ -25,7 +25,7 @@ PRESETS: dict[str, dict] = {
     # The embedded default for serving and most tests: fast on two CPU cores.
     "tiny": dict(architecture="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=320, max_position_embeddings=4096),
-    # The benchmark model of DESIGN.md.
+    # The benchmark model of the project's design notes.
     "bench": dict(architecture="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=2, vocab_size=32000, max_position_embeddings=8192),
     # Sliding-window and Qwen variants, for architecture coverage in tests.
