@@ -196,8 +196,11 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
         print(f"shutting down: finishing the requests in flight (up to {settings.drain_timeout_s:.0f} s; "
               "Ctrl-C again skips the wait)...", flush=True)
         _drain(settings, force)
-        serve.delete(settings.deployment_name)
-        serve.shutdown()
+        if address:  # a cluster we joined keeps running (other applications too): take ours off it
+            serve.delete(settings.deployment_name)
+        # our own local cluster simply stops (ray.shutdown below): nothing is in flight any more, and
+        # deleting the application first would have Serve's proxy answer 404 for a few seconds, which
+        # load balancers take as an answer; a closed port they take as a server that is gone
     except KeyboardInterrupt:
         print("radixserve: interrupted while starting; stopping", file=sys.stderr, flush=True)
         code = 130

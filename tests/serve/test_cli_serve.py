@@ -56,6 +56,16 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path):
             assert httpx.get(url + "/health", timeout=10).status_code == 503
             rest = [line for line in lines if line.startswith("data:")]
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2], rest[-3:]
+        # after the drain the port closes: no moment where the app is gone and Serve answers 404, which
+        # a load balancer would pass on as an answer instead of trying another server
+        seen, deadline = set(), time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                seen.add(httpx.post(url + "/generate", json={"inputs": "hi"}, timeout=5).status_code)
+            except httpx.HTTPError:
+                break
+            time.sleep(0.1)
+        assert seen <= {503}, seen
         assert proc.wait(90) == 0
         out = open(tmp_path / "serve.log").read()
         assert "RadixServe is up" in out and "stopped" in out and "local redis-server" in out
