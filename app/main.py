@@ -60,7 +60,9 @@ def build_app(settings: Settings):
     s = settings.model_dump(exclude={"num_replicas", "autoscaling"})
     llm = llm_deployment(settings).bind(s)
     return Ingress.options(name=f"{settings.deployment_name}-ingress",
-                           max_ongoing_requests=settings.ingress_max_ongoing_requests).bind(llm, s)
+                           max_ongoing_requests=settings.ingress_max_ongoing_requests,
+                           # as the LLM replicas: a frozen ingress is every request's outage
+                           health_check_period_s=5, health_check_timeout_s=10).bind(llm, s)
 
 
 def app_builder(args: dict[str, Any]):

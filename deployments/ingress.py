@@ -75,9 +75,10 @@ def token_bytes(piece: str | None, text: str, byte_level: bool) -> list[int]:
 
 
 class InFlight:
-    """ASGI middleware: POST requests this process is still answering, until their last body byte (a
-    stream included), so a drain waits for what is tokenized or queued, not only for engine work. While
-    draining it refuses new POSTs with 503 before anything reads them (a bad body included)."""
+    """ASGI middleware: POST requests this process is still answering, from their last request body byte
+    to their last response byte (a stream included), so a drain waits for what is tokenized or queued,
+    not only for engine work, but not for a client still trickling its upload. While draining it refuses
+    new POSTs with 503 before anything reads them (a bad body included)."""
 
     count = 0
     draining = False  # set by Ingress.drain (one ingress process per replica)
@@ -90,11 +91,21 @@ class InFlight:
             return await self.app(scope, receive, send)
         if InFlight.draining:
             return await _error_response(Request(scope), _shutting_down())(scope, receive, send)
-        InFlight.count += 1
+        counted = False
+
+        async def received():
+            nonlocal counted
+            message = await receive()
+            if not counted and message["type"] == "http.request" and not message.get("more_body", False):
+                counted = True
+                InFlight.count += 1
+            return message
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, received, send)
         finally:
-            InFlight.count -= 1
+            if counted:
+                InFlight.count -= 1
 
 
 class ApiError(Exception):
@@ -191,7 +202,9 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
     if exc.status_code == 400 and "parsing the body" in str(exc.detail):
         message = "the request body could not be read (it must be UTF-8 encoded JSON)"
-    return _error_response(request, ApiError(exc.status_code, message, kind, code=kind))
+    response = _error_response(request, ApiError(exc.status_code, message, kind, code=kind))
+    response.headers.update(exc.headers or {})  # a 405's Allow: the methods the path takes
+    return response
 
 
 def _loc(loc: tuple) -> list[str]:
@@ -280,8 +293,12 @@ class Ingress:
         # loop keeps streaming other users' tokens and answering /health meanwhile
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         PayloadLimit.max_bytes = self.settings.payload_limit
+        # no token covers more characters than the longest vocabulary entry: bounds a text's token count
+        self._max_token_chars = max((len(k) for k in self.tokenizer.get_vocab()), default=1)
         self._info: dict[str, Any] | None = None
         self._hub = HubClient(self.settings.deployment_name)
+        self._last_health: tuple[float, int] = (float("-inf"), 0)  # (when, replicas) of the last good answer
+        self._hub_view: tuple | None = None  # the hub's state at the last /metrics (restored if it restarts)
         self._text_cache: dict[int, str] = {}  # bounded by the vocabulary
         self._bytes_cache: dict[int, list[int]] = {}
         self._special = frozenset(self.tokenizer.all_special_ids)  # the property rebuilds a list per call
@@ -313,6 +330,16 @@ class Ingress:
     async def _off_loop(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
                                                                 functools.partial(fn, *args, **kwargs))
+
+    async def _refuse_overlong(self, chars: int, param: str | None = None) -> None:
+        """Refuse a text that must have more than ``max_input_tokens`` tokens before tokenizing it (2 MB
+        take the one tokenizer thread for seconds, and every other request waits behind it). The bound
+        is loose (twice the longest vocabulary entry per token, for normalizers), so it never refuses a
+        text that would fit."""
+        limit = (await self.info_cached())["max_input_tokens"]
+        if chars > 2 * limit * self._max_token_chars:
+            raise ApiError(422, f"the prompt has more tokens than max_input_tokens ({limit}): "
+                                f"{chars} characters", param=param)
 
     async def _tokenize(self, text: str) -> list[int]:
         return await self._off_loop(lambda: list(self.tokenizer(text)["input_ids"]))
@@ -402,6 +429,8 @@ class Ingress:
 
     # ------------------------------------------------------------------ TGI
     async def _tgi_ids(self, req: TGIRequest) -> list[int]:
+        if not req.parameters.truncate:  # with truncate, a long text is fine: its end is kept
+            await self._refuse_overlong(len(req.inputs), "inputs")
         ids = await self._tokenize(req.inputs)
         t = req.parameters.truncate
         return ids[-t:] if t else ids  # TGI's truncate keeps the end of the prompt
@@ -472,7 +501,7 @@ class Ingress:
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=_replica_header([first]))
 
-    @app.get("/info")
+    @app.api_route("/info", methods=["GET", "HEAD"])
     async def info(self):
         i = await self.info_cached()
         # the model and limits, shared by every replica; not one replica's own (its id, its warm-up
@@ -490,8 +519,11 @@ class Ingress:
             raise _shutting_down()
         try:
             live = await self._hub.acall("fresh", HEALTHY_WITHIN_S, timeout=HEALTH_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - the hub is gone or slow
-            raise ApiError(503, f"cannot tell: {_error_text(e) or 'timed out'}", "unhealthy") from None
+            self._last_health = (time.monotonic(), live)
+        except Exception as e:  # noqa: BLE001 - the hub is gone, restarting, or hung (it gets restarted)
+            at, live = self._last_health
+            if time.monotonic() - at > HEALTHY_WITHIN_S:  # the last count is too old to vouch for
+                raise ApiError(503, f"cannot tell: {_error_text(e) or 'timed out'}", "unhealthy") from None
         if not live:
             raise ApiError(503, f"no replica's engine has reported in the last {HEALTHY_WITHIN_S:.0f} s "
                                 "(starting up, or failed and being replaced)", "unhealthy")
@@ -501,11 +533,11 @@ class Ingress:
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "radixserve"}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(self):
         return {"object": "list", "data": [self._model_card()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
     async def model(self, model: str):
         self._check_model(model)
         return self._model_card()
@@ -537,6 +569,8 @@ class Ingress:
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest):
         self._check_model(req.model)
+        if isinstance(req.prompt, str):
+            await self._refuse_overlong(len(req.prompt), "prompt")
         ids = req.prompt if isinstance(req.prompt, list) else await self._tokenize(req.prompt)
         top = req.logprobs or 0
         params = req.sampling(await self._max_tokens(req, ids, 16), logprobs=req.logprobs is not None, top_logprobs=top)
@@ -560,6 +594,7 @@ class Ingress:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         try:
             msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            await self._refuse_overlong(sum(len(m["content"]) for m in msgs), "messages")
         except ValueError as e:
             raise ApiError(422, str(e), param="messages") from None
         enc = await self._off_loop(self.tokenizer.apply_chat_template, msgs, add_generation_prompt=True, tokenize=True)
@@ -632,24 +667,38 @@ class Ingress:
     # ------------------------------------------------------------------ RadixServe's own
     @app.post("/warmup")
     async def warmup(self, req: WarmupRequest):
+        for p in req.prefixes:
+            if isinstance(p, str):
+                await self._refuse_overlong(len(p), "prefixes")
         prefixes = [p if isinstance(p, list) else await self._tokenize(p) for p in req.prefixes]
         if any(not p for p in prefixes):
             raise ApiError(422, "prefixes must not be empty", param="prefixes")
         info = await self.info_cached()
-        total, pool = _distinct_tokens(prefixes, info["block_size"]), info["max_batch_total_tokens"]
+        total = await self._off_loop(_distinct_tokens, prefixes, info["block_size"])  # 2 MB of ids: not on the loop
+        pool = info["max_batch_total_tokens"]
         if total > pool:  # the later ones would evict the earlier ones: work for nothing
             raise ApiError(422, f"the prefixes total {total} tokens, more than one replica's KV pool holds "
                                 f"({pool}): warm fewer or shorter ones", param="prefixes")
         try:
-            return await self.llm.warmup.remote(prefixes, req.cache_salt)
-        except Exception as e:  # noqa: BLE001 - the replica refused one of them, or failed
-            refused = "RequestError" in str(e) or "RequestError" in type(e).__name__
-            raise ApiError(422 if refused else 503, _error_text(e), "validation" if refused else "generation") from None
+            out = await self.llm.warmup.remote(prefixes, req.cache_salt)
+        except Exception as e:  # noqa: BLE001 - the replica failed
+            raise ApiError(503, _error_text(e), "generation") from None
+        if out.get("error"):
+            refused = out.get("error_kind") == "validation"
+            raise ApiError(422 if refused else 503, out["error"], "validation" if refused else "generation")
+        return out
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(self):
         try:
-            snaps, retired = await self._hub.acall("export", timeout=HEALTH_TIMEOUT_S)
+            snaps, retired, incarnation, by_replica, merged = await self._hub.acall("export_state",
+                                                                                  timeout=HEALTH_TIMEOUT_S)
+            if self._hub_view is not None and incarnation != self._hub_view[0]:
+                # the hub restarted empty: give it back the last view, so "all" counters do not drop
+                if await self._hub.acall("restore", *self._hub_view[1:], timeout=HEALTH_TIMEOUT_S):
+                    snaps, retired, incarnation, by_replica, merged = await self._hub.acall(
+                        "export_state", timeout=HEALTH_TIMEOUT_S)
+            self._hub_view = (incarnation, snaps, by_replica, merged)
         except Exception as e:  # noqa: BLE001 - the hub is gone or slow: say so in the API's format
             raise ApiError(503, f"metrics unavailable: {_error_text(e) or 'timed out'}", "unavailable") from None
         return PlainTextResponse(render(snaps, retired), media_type="text/plain; version=0.0.4")

@@ -34,11 +34,14 @@ EVENTS_WAIT_S = 5.0  # how long a stats poll waits for the engine thread to hand
 
 
 def _cached_tokens(engine: LLMEngine, prefixes: list[list[int]], cache_salt: str | None) -> int:
-    """Tokens of ``prefixes`` the radix cache holds now (whole blocks)."""
+    """KV tokens of ``prefixes`` the radix cache holds now (whole blocks; a block they share counts once)."""
     cache, bs = engine.kv.cache, engine.config.block_size
     if cache is None:
         return 0
-    return sum(len(cache.match(p, cache_salt, max_blocks=len(p) // bs, count=False).blocks) * bs for p in prefixes)
+    held: set[int] = set()
+    for p in prefixes:
+        held.update(cache.match(p, cache_salt, max_blocks=len(p) // bs, count=False).blocks)
+    return len(held) * bs
 
 
 class LLMServer:
@@ -141,8 +144,8 @@ class LLMServer:
         t0 = time.monotonic()
         for ids in prefixes:
             async for ev in self.generate(ids, {"max_new_tokens": 1, "cache_salt": cache_salt}, prefill_only=True):
-                if ev.get("error"):
-                    raise RequestError(ev["error"])
+                if ev.get("error"):  # an answer, not an exception (Serve would log a traceback per refusal)
+                    return {"error": ev["error"], "error_kind": ev.get("error_kind"), "replica": self.replica_id}
         cached = await asyncio.to_thread(self.aengine.call, lambda e: _cached_tokens(e, prefixes, cache_salt))
         return {"prefixes": len(prefixes), "cached_tokens": cached, "seconds": time.monotonic() - t0,
                 "replica": self.replica_id}

@@ -7,7 +7,9 @@ Snapshots are plain dicts, so this module is testable without Ray (the hub is a 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import uuid
 from typing import Any
 
 import ray
@@ -17,6 +19,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 STALE_AFTER_S = 30.0
 RETIRED_MERGE_S = 600.0
 HUB_VERSION = 2
+HUNG_AFTER_TIMEOUTS = 3  # calls in a row that time out before a client restarts the hub
+log = logging.getLogger(__name__)
 
 COUNTERS = {
     "radixserve_requests_total": ("requests_finished", "Requests finished."),
@@ -147,6 +151,9 @@ class SnapshotStore:
         self._snaps: dict[str, tuple[float, dict]] = {}
         self._retired: dict[str, tuple[float, dict]] = {}  # replica -> (when, its last totals)
         self._merged: dict[str, Any] = {}  # retired long ago, replica ids forgotten
+        # a fresh store (the hub restarted) starts empty; the ingress gives it back its last view once
+        self.incarnation = uuid.uuid4().hex
+        self._restored = False
 
     def push(self, replica: str, snapshot: dict) -> None:
         self._retired.pop(replica, None)
@@ -175,6 +182,30 @@ class SnapshotStore:
         for _, totals in self._retired.values():
             _add(retired, totals)
         return live, retired
+
+    def export_state(self) -> tuple[dict[str, dict], dict[str, Any], str, dict[str, dict], dict[str, Any]]:
+        """``export`` plus what a restarted store needs back (``restore``): (live snapshots, retired
+        sum, incarnation, retired totals per replica, merged totals)."""
+        live, retired = self.export()
+        return live, retired, self.incarnation, {r: t for r, (_, t) in self._retired.items()}, dict(self._merged)
+
+    def restore(self, live: dict[str, dict], retired: dict[str, dict], merged: dict[str, Any]) -> bool:
+        """Take back the last view a reader kept of the store before it restarted, once: replicas not
+        heard from since count as just heard (a live one replaces its entry at its next push; a dead one
+        retires after ``STALE_AFTER_S``), so the "all" counters continue where they were instead of
+        dropping to what the live replicas alone counted. False if this store was already restored."""
+        if self._restored:
+            return False
+        self._restored = True
+        now = self._clock()
+        for r, s in live.items():
+            if r not in self._snaps and r not in self._retired:
+                self._snaps[r] = (now, s)
+        for r, totals in retired.items():
+            if r not in self._snaps and r not in self._retired:
+                self._retired[r] = (now, totals)
+        _add(self._merged, merged)
+        return True
 
     def fresh(self, within_s: float) -> int:
         """Replicas that pushed within ``within_s``: a replica pushes every second only while its engine
@@ -213,16 +244,34 @@ class HubClient:
     def __init__(self, deployment_name: str):
         self._name = deployment_name
         self.handle = hub_handle(deployment_name)
+        self._timeouts = 0
 
     def renew(self) -> None:
         self.handle = hub_handle(self._name)
+
+    def _timed_out(self) -> None:
+        """A hub that stops answering (a hung process) is not restarted by Ray, which restarts only dead
+        actors: after a few timeouts in a row, kill it so Ray starts it again (readers restore it)."""
+        self._timeouts += 1
+        if self._timeouts >= HUNG_AFTER_TIMEOUTS:
+            self._timeouts = 0
+            log.warning("the metrics hub has not answered %d calls in a row: restarting it", HUNG_AFTER_TIMEOUTS)
+            try:
+                ray.kill(self.handle, no_restart=False)
+            except Exception:  # noqa: BLE001 - already gone: the next call renews the handle
+                pass
 
     def call(self, method: str, *args, timeout: float = 5.0):
         """``method(*args)`` on the hub, blocking (background threads); renews the handle once if the
         actor died."""
         for attempt in range(2):
             try:
-                return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout)
+                out = ray.get(getattr(self.handle, method).remote(*args), timeout=timeout)
+                self._timeouts = 0
+                return out
+            except ray.exceptions.GetTimeoutError:
+                self._timed_out()
+                raise
             except ray.exceptions.ActorDiedError:
                 if attempt:
                     raise
@@ -232,7 +281,12 @@ class HubClient:
         """The same from asyncio code (the ingress)."""
         for attempt in range(2):
             try:
-                return await asyncio.wait_for(getattr(self.handle, method).remote(*args), timeout=timeout)
+                out = await asyncio.wait_for(getattr(self.handle, method).remote(*args), timeout=timeout)
+                self._timeouts = 0
+                return out
+            except asyncio.TimeoutError:
+                await asyncio.to_thread(self._timed_out)
+                raise
             except ray.exceptions.ActorDiedError:
                 if attempt:
                     raise

@@ -307,7 +307,8 @@ def test_warmup_reports_what_the_cache_holds_and_refuses_more_than_a_pool(client
     r = client.post("/warmup", json={"prefixes": big})
     assert r.status_code == 422 and "KV pool holds (4096)" in r.json()["error"]
     shared = [big[0][:900] + big[k][900:] for k in range(5)]  # 5,000 tokens, but the cache keeps 900 once
-    assert client.post("/warmup", json={"prefixes": shared}).status_code == 200
+    r = client.post("/warmup", json={"prefixes": shared})
+    assert r.status_code == 200 and r.json()["cached_tokens"] <= 4096  # shared blocks counted once
 
 
 def test_disconnect_mid_stream_frees_blocks(serve_app, client):
@@ -372,6 +373,8 @@ def test_health_and_metrics_come_back_when_the_metrics_hub_is_killed(client):
 
     from deployments.metrics import hub_name
 
+    before = metrics(client)[("radixserve_requests_total", "all")]  # the ingress keeps this view
+    assert before > 0
     ray.kill(ray.get_actor(hub_name("radixserve"), namespace="radixserve"))  # no restart: gone for good
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -384,6 +387,7 @@ def test_health_and_metrics_come_back_when_the_metrics_hub_is_killed(client):
     assert health.status_code == 200 and health.json() == {"status": "ok", "replicas": 2}
     m = client.get("/metrics")
     assert m.status_code == 200 and 'radixserve_cache_blocks_total{replica="all"}' in m.text
+    assert metrics(client)[("radixserve_requests_total", "all")] >= before  # given back to the new hub
 
 
 def test_a_body_over_the_payload_limit_is_refused_before_it_is_read(client):
@@ -408,3 +412,27 @@ def test_a_body_over_the_payload_limit_is_refused_before_it_is_read(client):
     assert r.status_code == 413
     assert client.get("/health", timeout=10).status_code == 200  # the ingress is not stuck
     assert client.post("/generate", json={"inputs": "ok", "parameters": {"max_new_tokens": 1}}).status_code == 200
+
+
+def test_a_text_that_cannot_fit_is_refused_before_tokenizing(client):
+    long = "x" * 60_000  # more characters than 1,024 tokens of this vocabulary can cover
+    for path, body in [("/generate", {"inputs": long}), ("/v1/completions", {"model": "tiny", "prompt": long}),
+                       ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": long}]}),
+                       ("/warmup", {"prefixes": [long]})]:
+        r = client.post(path, json=body)
+        assert r.status_code in (400, 422) and "max_input_tokens" in r.text, (path, r.text)
+    # TGI's truncate keeps the end of a long text: not refused
+    r = client.post("/generate", json={"inputs": long, "parameters": {"truncate": 100, "max_new_tokens": 1}})
+    assert r.status_code == 200, r.text
+
+
+def test_head_on_read_endpoints_and_allow_on_405(client):
+    for path in ("/metrics", "/info", "/v1/models", "/health"):
+        assert client.head(path).status_code == 200, path
+    r = client.get("/generate")
+    assert r.status_code == 405 and "POST" in r.headers.get("allow", "")
+
+
+def test_a_refused_warmup_is_a_4xx(client):
+    r = client.post("/warmup", json={"prefixes": [[5] * 1100]})  # over max_input_tokens (1024) on the replica
+    assert r.status_code == 422 and "max_input_tokens" in r.json()["error"]

@@ -67,3 +67,28 @@ def test_busy_counts_only_replicas_that_report():
     now[0] = 4.0
     store.push("live", {"running": 1, "waiting": 0})
     assert store.busy(3.0) == 1 and store.busy(10.0) == 8 and store.fresh(3.0) == 1
+
+
+def test_a_restarted_store_takes_back_the_last_view_and_counters_continue():
+    """The hub restarts empty (killed, or restarted because it hung): the reader's last view, given
+    back once, keeps the "all" counters from dropping to what the live replicas alone counted."""
+    now = [0.0]
+    old = SnapshotStore(clock=lambda: now[0])
+    old.push("gone", snap(40))
+    now[0] = STALE_AFTER_S + 1
+    old.push("a", snap(100))
+    old.push("b", snap(50))
+    old.snapshots()  # "gone" retires
+    live, retired, inc, by_replica, merged = old.export_state()
+    assert values(render(live, retired))[("radixserve_requests_total", "all")] == 190
+
+    new = SnapshotStore(clock=lambda: now[0])  # the restart
+    assert new.incarnation != inc
+    new.push("a", snap(101))  # a reported before the reader came back; b has not yet
+    assert new.restore(live, by_replica, merged)
+    assert not new.restore(live, by_replica, merged)  # once: a second reader must not add it again
+    assert values(render(*new.export()))[("radixserve_requests_total", "all")] == 191  # 101 + 50 + 40
+    new.push("b", snap(52))  # b's own report replaces the restored one
+    assert values(render(*new.export()))[("radixserve_requests_total", "all")] == 193
+    now[0] += STALE_AFTER_S + 1  # a and b die without a word: they retire, still counted
+    assert values(render(*new.export()))[("radixserve_requests_total", "all")] == 193
