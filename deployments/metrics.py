@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -19,7 +20,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 STALE_AFTER_S = 30.0
 RETIRED_MERGE_S = 600.0
 HUB_VERSION = 2
-HUNG_AFTER_TIMEOUTS = 3  # calls in a row that time out before a client restarts the hub
+HUNG_AFTER_TIMEOUTS = 2  # calls in a row that time out before a client restarts the hub
 log = logging.getLogger(__name__)
 
 COUNTERS = {
@@ -224,6 +225,9 @@ class SnapshotStore:
 class MetricsHub(SnapshotStore):
     """The store as one small detached actor per deployment (restarted by Ray if its process dies; the
     replicas fill it again within a second)."""
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 def hub_name(deployment_name: str) -> str:

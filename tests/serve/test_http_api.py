@@ -373,6 +373,8 @@ def test_health_and_metrics_come_back_when_the_metrics_hub_is_killed(client):
 
     from deployments.metrics import hub_name
 
+    assert client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
+    time.sleep(1.5)  # the replica reports it
     before = metrics(client)[("radixserve_requests_total", "all")]  # the ingress keeps this view
     assert before > 0
     ray.kill(ray.get_actor(hub_name("radixserve"), namespace="radixserve"))  # no restart: gone for good
@@ -436,3 +438,38 @@ def test_head_on_read_endpoints_and_allow_on_405(client):
 def test_a_refused_warmup_is_a_4xx(client):
     r = client.post("/warmup", json={"prefixes": [[5] * 1100]})  # over max_input_tokens (1024) on the replica
     assert r.status_code == 422 and "max_input_tokens" in r.json()["error"]
+
+
+def test_a_hung_metrics_hub_is_restarted(client):
+    """Ray restarts dead actors only: a hub that hangs (here: stopped) must be restarted by its callers,
+    not leave /health failing while the service works."""
+    import os
+    import signal
+
+    import ray
+
+    from deployments.metrics import hub_name
+
+    hub = ray.get_actor(hub_name("radixserve"), namespace="radixserve")
+    pid = ray.get(hub.pid.remote(), timeout=10)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline, new_pid = time.monotonic() + 60, pid
+        while time.monotonic() < deadline:
+            assert client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
+            health = client.get("/health")
+            if health.status_code == 200:
+                try:
+                    new_pid = ray.get(hub.pid.remote(), timeout=1)
+                except ray.exceptions.GetTimeoutError:
+                    pass
+                if new_pid != pid and health.json()["replicas"] == 2:
+                    break
+            time.sleep(0.5)
+        assert new_pid != pid and health.status_code == 200
+        assert client.get("/metrics").status_code == 200
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # killed and replaced, as it should be
