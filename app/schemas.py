@@ -30,7 +30,8 @@ def _check_text(value: Any, path: str = "") -> None:
             raise ValueError(f"{path or 'text'} is not valid Unicode (it holds a lone surrogate)")
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _check_text(v, f"{path}[{i}]")
+            if isinstance(v, (str, list, dict)):  # not per token id: a 2 MB prompt of ids is 400k of them
+                _check_text(v, f"{path}[{i}]")
     elif isinstance(value, dict):
         for k, v in value.items():
             if isinstance(k, str) and not _encodable(k):
