@@ -1,0 +1,93 @@
+"""The ingress's one retry before the first token, without Serve: which failures are retried, and that
+the failed replica is ranked last for the retry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import routing.prefix_router as pr
+from deployments.ingress import ApiError, Ingress
+
+_stream = Ingress.func_or_class._stream
+
+
+class FakeResponse:
+    def __init__(self, events):
+        self.events, self.cancelled = list(events), False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.events:
+            raise StopAsyncIteration
+        return self.events.pop(0)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeIngress:
+    """What ``_stream`` touches: the LLM handle and ``_failure``."""
+
+    def __init__(self, *answers):
+        self.answers, self.calls = list(answers), 0
+        self.llm = self
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, *_):
+        self.calls += 1
+        return self.answers.pop(0)
+
+    def _failure(self, e):
+        return f"engine failure: {type(e).__name__}"
+
+
+OK = [{"token_id": 1, "text": "a", "finished": False, "replica": "B"},
+      {"token_id": 2, "text": "b", "finished": True, "replica": "B"}]
+
+
+def _run(fake):
+    async def go():
+        first, rest = await _stream(fake, [1, 2, 3], {})
+        return [first] + [ev async for ev in rest]
+    return asyncio.run(go())
+
+
+def test_a_request_the_engine_never_took_is_retried_once_and_the_replica_ranked_last():
+    dead = FakeResponse([{"error": "the engine thread has stopped", "error_kind": "unavailable", "finished": True,
+                          "replica": "A"}])
+    fake = FakeIngress(dead, FakeResponse(OK))
+    try:
+        assert [ev["text"] for ev in _run(fake)] == ["a", "b"]
+        assert fake.calls == 2 and dead.cancelled and "A" in pr._FAILED
+    finally:
+        pr._FAILED.clear()
+
+
+@pytest.mark.parametrize("kind,status", [("engine", 503), ("validation", 422)])
+def test_a_request_that_ran_when_the_engine_failed_or_was_refused_is_not_retried(kind, status):
+    fake = FakeIngress(FakeResponse([{"error": "boom", "error_kind": kind, "finished": True, "replica": "A"}]),
+                       FakeResponse(OK))
+    with pytest.raises(ApiError) as err:
+        _run(fake)
+    assert err.value.status == status and fake.calls == 1 and not pr._FAILED
+
+
+def test_a_second_failure_is_a_503():
+    gone = [{"error": "stopping", "error_kind": "unavailable", "finished": True, "replica": r} for r in "AB"]
+    fake = FakeIngress(FakeResponse(gone[:1]), FakeResponse(gone[1:]))
+    try:
+        with pytest.raises(ApiError) as err:
+            _run(fake)
+        assert err.value.status == 503 and fake.calls == 2
+    finally:
+        pr._FAILED.clear()
