@@ -22,6 +22,9 @@ class AutoscalingSettings(BaseModel):
     target_ongoing_requests: float = Field(8.0, gt=0)
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(60.0, ge=0)
+    # Serve's own default: the window of load averaged for each decision (Serve warns at 10 s or less,
+    # its deprecated metrics interval, and says a later release will refuse it)
+    look_back_period_s: float = Field(30.0, gt=10)
 
     @model_validator(mode="after")
     def _ordered(self):
@@ -74,7 +77,8 @@ class Settings(BaseModel):
                                      "http_options.request_timeout_s)")
     # below Kubernetes' default grace period (30 s), which also has to cover deleting the application
     drain_timeout_s: float = Field(20.0, ge=0, description="on Ctrl-C or SIGTERM, how long requests in flight may "
-                                   "take to finish while new ones get 503 (default: 20)")
+                                   "take to finish while new ones get 503; also how long a replica that Serve "
+                                   "removes (downscaling, redeploy) lets its streams finish (default: 20)")
     # hot-prefix directory
     redis_url: str | None = None
     warmup_top_k: int = Field(16, ge=0)

@@ -23,14 +23,15 @@ def llm_deployment(settings: Settings):
         ray_actor_options={"num_cpus": settings.replica_num_cpus, "num_gpus": settings.replica_num_gpus},
         health_check_period_s=5,
         health_check_timeout_s=10,  # Serve's 30 s, three times over, left a frozen replica in service for minutes
-        graceful_shutdown_timeout_s=10,
+        # a replica that autoscaling removes first lets its streams finish (Serve stops sending it new ones)
+        graceful_shutdown_timeout_s=settings.drain_timeout_s,
     )
     if settings.autoscaling is not None:
         a = settings.autoscaling
         opts["autoscaling_config"] = AutoscalingConfig(
             min_replicas=a.min_replicas, max_replicas=a.max_replicas, initial_replicas=max(1, a.min_replicas),
             target_ongoing_requests=a.target_ongoing_requests, upscale_delay_s=a.upscale_delay_s,
-            downscale_delay_s=a.downscale_delay_s)
+            downscale_delay_s=a.downscale_delay_s, look_back_period_s=a.look_back_period_s)
     else:
         opts["num_replicas"] = settings.num_replicas
     opts["request_router_config"] = request_router_config(settings)

@@ -7,7 +7,7 @@ import os
 import httpx
 import pytest
 
-from app.local_redis import free_port
+from app.local_redis import LocalRedis, free_port
 from bench.http_load import wait_healthy
 
 
@@ -17,6 +17,9 @@ def ray_cluster():
     from ray import serve
 
     os.environ.pop("RAY_ADDRESS", None)
+    # autoscaling tests: Serve hears the load every second instead of every 10 (workers inherit this)
+    for var in ("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"):
+        os.environ.setdefault(var, "1")
     # logical CPUs: several apps of tiny-model replicas share the two real cores
     ray.init(num_cpus=16, include_dashboard=False, namespace="radixserve-test", log_to_driver=False)
     yield ray
@@ -47,3 +50,12 @@ def serve_app(ray_cluster, model_dir, redis_server):
 def client(serve_app):
     with httpx.Client(base_url=serve_app, timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def own_redis():
+    """A module's own redis-server (its tests may stop and restart it): (server, port)."""
+    port = free_port()
+    r = LocalRedis(port=port)
+    yield r, port
+    r.stop()

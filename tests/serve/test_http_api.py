@@ -9,16 +9,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.serve.helpers import sse_events
+
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
-
-
-def sse_events(resp: httpx.Response) -> list:
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data:"):
-            data = line[5:].strip()
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def metrics(client) -> dict[tuple[str, str], float]:

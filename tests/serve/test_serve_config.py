@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+import pytest
 import yaml
 
 from app.config import Settings
@@ -25,3 +26,18 @@ def test_serve_config_args_are_valid_settings_and_build_the_app(model_dir):
     built = builder({**args, "model_id": model_dir("tiny")})
     assert isinstance(built, Application)
     assert cfg["http_options"]["port"] == Settings().port
+
+
+def test_replicas_get_the_drain_timeout_and_the_autoscaling_window(model_dir):
+    from app.main import llm_deployment
+
+    s = Settings(model_id=model_dir("tiny"), drain_timeout_s=45,
+                 autoscaling={"min_replicas": 1, "max_replicas": 3, "look_back_period_s": 12})
+    cfg = llm_deployment(s)._deployment_config
+    assert cfg.graceful_shutdown_timeout_s == 45  # a replica that autoscaling removes finishes its streams
+    assert cfg.autoscaling_config.look_back_period_s == 12 and cfg.autoscaling_config.max_replicas == 3
+
+
+def test_a_look_back_window_serve_would_refuse_is_a_settings_error():
+    with pytest.raises(ValueError, match="look_back_period_s"):
+        Settings.from_sources(file={"autoscaling": {"look_back_period_s": 5}}, env={})

@@ -4,44 +4,16 @@ Redis dying mid-run does not stop serving, and the directory resumes when it is 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from app.local_redis import LocalRedis, free_port
+from app.local_redis import LocalRedis
 from cache.directory import HotPrefixDirectory
+from tests.serve.helpers import per_replica, wait_for
 
 ROUTE = "/wtest"
 HOT = "This hot system prompt is shared by many users of the service. " * 5
-
-
-def per_replica(c: httpx.Client, metric: str) -> dict[str, float]:
-    out = {}
-    for fam in text_string_to_metric_families(c.get("/metrics").text):
-        for s in fam.samples:
-            if s.name == metric and s.labels.get("replica") != "all":
-                out[s.labels["replica"]] = s.value
-    return out
-
-
-def wait_for(fn, timeout=60.0, every=0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(every)
-    return fn()
-
-
-@pytest.fixture(scope="module")
-def own_redis():
-    port = free_port()
-    r = LocalRedis(port=port)
-    yield r, port
-    r.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,106 @@
+"""Autoscaling end to end: under load Serve adds a replica, which warms the hot prefix from the directory
+before it takes traffic and hits on its first request; when the load falls Serve removes one, and the
+requests that were running on it finish (nothing is cut or lost)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from cache.directory import HotPrefixDirectory
+from tests.serve.helpers import per_replica, sse_events, wait_for
+
+ROUTE = "/atest"
+HOT = "Every user of this assistant shares this long system prompt, word for word. " * 4
+
+
+@pytest.fixture(scope="module")
+def scaling_app(serve_app, model_dir, own_redis):
+    from ray import serve
+
+    from app.config import Settings
+    from app.main import build_app
+
+    r, _ = own_redis
+    s = Settings(model_id=model_dir("tiny"), replica_num_cpus=1, max_batch_total_tokens=4096, redis_url=r.url,
+                 router="prefix", deployment_name="atest", warmup_top_k=8,
+                 autoscaling={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                              "upscale_delay_s": 0, "downscale_delay_s": 2, "look_back_period_s": 11})
+    serve.run(build_app(s), name="atest", route_prefix=ROUTE)
+    with httpx.Client(base_url=serve_app + ROUTE, timeout=120) as c:
+        yield c, HotPrefixDirectory(r.url, "atest", "tiny")
+    serve.delete("atest")
+
+
+def running_replicas() -> int:
+    from ray import serve
+
+    return serve.status().applications["atest"].deployments["atest-llm"].replica_states.get("RUNNING", 0)
+
+
+class Client(threading.Thread):
+    """Streams requests of the hot prefix one after another until told to stop; keeps every outcome."""
+
+    def __init__(self, base: str, name: str, max_new_tokens: int):
+        super().__init__(daemon=True)
+        self.base, self.tag, self.max_new_tokens = base, name, max_new_tokens
+        self.stop = threading.Event()
+        self.outcomes: list[tuple[int, object]] = []  # (status, last event or body)
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.base, timeout=120) as c:
+            i = 0
+            while not self.stop.is_set():
+                body = {"inputs": HOT + f"{self.tag} asks question {i}",
+                        "parameters": {"max_new_tokens": self.max_new_tokens}}
+                with c.stream("POST", "/generate_stream", json=body) as r:
+                    self.outcomes.append((r.status_code, sse_events(r)[-1] if r.status_code == 200 else r.read()))
+                i += 1
+
+
+def test_autoscaling_adds_a_warm_replica_and_removes_one_without_losing_requests(scaling_app, serve_app):
+    c, directory = scaling_app
+    assert running_replicas() == 1
+    for i in range(4):
+        r = c.post("/generate", json={"inputs": HOT + f"first question {i}", "parameters": {"max_new_tokens": 4}})
+        assert r.status_code == 200, r.text
+    assert wait_for(lambda: directory.top_k(1), timeout=30), "the hot prefix never reached the directory"
+    hot_tokens = len(directory.top_k(1)[0].tokens)
+    before = wait_for(lambda: set(per_replica(c, "radixserve_cache_blocks_total")), timeout=30)
+    assert len(before) == 1
+
+    # four clients at once, against a target of one request per replica: Serve adds the second replica
+    base = serve_app + ROUTE
+    clients = [Client(base, f"client {k}", 24) for k in range(4)]
+    for t in clients:
+        t.start()
+    try:
+        assert wait_for(lambda: running_replicas() == 2, timeout=120), "Serve never added a replica"
+        new = wait_for(lambda: set(per_replica(c, "radixserve_cache_blocks_total")) - before, timeout=30)
+        assert len(new) == 1
+        (added,) = new
+        assert per_replica(c, "radixserve_warmup_prefixes")[added] >= 1
+        # the router learns what the new replica warmed: its first request finds the hot prefix cached
+        first = wait_for(lambda: per_replica(c, "radixserve_first_request_cached_tokens").get(added, -1) >= 0,
+                         timeout=60)
+        assert first, "the added replica served nothing"
+        assert per_replica(c, "radixserve_first_request_cached_tokens")[added] >= hot_tokens - 16
+
+        # the load falls to one client: Serve removes a replica while that client's streams keep running
+        for t in clients[1:]:
+            t.stop.set()
+        assert wait_for(lambda: running_replicas() == 1, timeout=120), "Serve never removed a replica"
+        done = len(clients[0].outcomes)
+        assert wait_for(lambda: len(clients[0].outcomes) >= done + 2, timeout=60)  # and it goes on serving
+    finally:
+        for t in clients:
+            t.stop.set()
+        for t in clients:
+            t.join(timeout=120)
+    outcomes = [o for t in clients for o in t.outcomes]
+    assert len(outcomes) >= 8
+    failed = [o for o in outcomes if o[0] != 200 or not isinstance(o[1], dict) or "error" in o[1]
+              or o[1].get("generated_text") is None]
+    assert not failed, failed[:3]
