@@ -1,4 +1,4 @@
-"""The ``radixserve`` command line: ``serve``, ``init-model``."""
+"""The ``radixserve`` command line: ``serve``, ``init-model``, ``batch``."""
 
 from __future__ import annotations
 
@@ -230,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
     p.set_defaults(func=_init_model)
+    b = sub.add_parser("batch", help="run a JSONL file of requests through a running service (`ray job submit`)",
+                       description="Requests that share a prefix are sent back to back; a rerun continues.")
+    from app import batch
+
+    batch.add_arguments(b)
+    b.set_defaults(func=batch.main)
     return ap
 
 

@@ -1,0 +1,84 @@
+"""``radixserve batch`` (what ``ray job submit`` runs) over real HTTP against the session's service:
+every line answered or refused with a reason, prefix order, and a rerun that continues."""
+
+from __future__ import annotations
+
+import json
+
+from app.batch import Line, prefix_order
+from app.cli import main as cli
+
+SYS_A = "You are a helpful assistant for the billing team; answer in one short sentence. " * 3
+SYS_B = "You translate the user's words into formal English, keeping every name as it is. " * 3
+
+
+def test_prefix_order_puts_shared_prefixes_together():
+    lines = [Line("1", {"prompt": SYS_A + "q1"}, False), Line("2", {"prompt": SYS_B + "q1"}, False),
+             Line("3", {"prompt": SYS_A + "q2"}, False), Line("4", {"prompt": [5, 6, 7]}, False),
+             Line("5", {"messages": [{"role": "system", "content": SYS_B}]}, True),
+             Line("6", {"prompt": SYS_B + "q2"}, False), Line("7", {"prompt": [5, 6]}, False)]
+    order = [x.id for x in prefix_order(lines)]
+    assert order.index("3") == order.index("1") + 1 and order.index("6") == order.index("2") + 1
+    assert order.index("4") == order.index("7") + 1  # token ids sort among themselves
+
+
+def write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def read(path) -> tuple[dict[str, dict], dict[int, str]]:
+    """Answers by id (each id once), and the errors of lines refused before sending, by line number."""
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    by_id = {r["id"]: r for r in recs if "id" in r}
+    assert len(by_id) == sum("id" in r for r in recs), "an id was written twice"
+    return by_id, {r["line"]: r["error"] for r in recs if "line" in r}
+
+
+def test_batch_answers_every_line_and_a_rerun_retries_only_the_failures(serve_app, tmp_path, capsys):
+    rows = [{"id": f"a{i}", "prompt": SYS_A + f"Question {i}?"} for i in range(4)]
+    rows += [{"id": f"b{i}", "prompt": SYS_B + f"Sentence {i}.", "max_tokens": 3} for i in range(3)]
+    rows += [{"id": "chat", "messages": [{"role": "system", "content": SYS_A}, {"role": "user", "content": "Hi"}]},
+             {"id": "ids", "prompt": [72, 101, 108, 108, 111] * 10, "temperature": 0.7, "seed": 3},
+             "",  # blank lines are skipped
+             "{not json",
+             {"id": "toolong", "prompt": "x" * 1500},  # over the service's max_input_tokens: a 400
+             {"id": "a0", "prompt": "the same id again"},
+             {"id": "neither", "text": "no prompt"}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write(src, rows)
+    argv = ["batch", "--input", str(src), "--output", str(out), "--url", serve_app, "--max-tokens", "4",
+            "--concurrency", "4"]
+    assert cli(argv) == 1  # some lines failed
+    totals = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    got, refused = read(out)
+    ok = {f"a{i}" for i in range(4)} | {f"b{i}" for i in range(3)} | {"chat", "ids"}
+    assert {k for k, r in got.items() if "output" in r} == ok
+    assert totals["ok"] == 9 and totals["failed"] == 4 and totals["skipped"] == 0
+    assert "HTTP 400" in got["toolong"]["error"] and "max_input_tokens" in got["toolong"]["error"]
+    assert "not JSON" in refused[11] and "earlier line" in refused[13] and "`prompt` or `messages`" in refused[14]
+    assert all(got[f"b{i}"]["usage"]["completion_tokens"] <= 3 for i in range(3))
+    assert all(got[f"a{i}"]["usage"]["completion_tokens"] <= 4 for i in range(4))
+    # sent back to back, the system prompt is computed once: later lines of each group hit the cache
+    assert totals["cached_tokens"] >= 16 * 5 * 4, totals
+
+    # the user fixes the long line and runs the same command: answered ids are not sent again
+    rows[rows.index({"id": "toolong", "prompt": "x" * 1500})] = {"id": "toolong", "prompt": "now short"}
+    write(src, rows)
+    assert cli(argv) == 1  # the malformed lines still fail
+    totals = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert totals["skipped"] == 9 and totals["sent"] == 1 and totals["ok"] == 1
+    got, refused = read(out)
+    assert sorted(refused) == [11, 13, 14]
+    assert "output" in got["toolong"] and {k for k, r in got.items() if "output" in r} == ok | {"toolong"}
+
+
+def test_batch_without_a_service_says_so(tmp_path, capsys):
+    from app.local_redis import free_port
+
+    src = tmp_path / "in.jsonl"
+    write(src, [{"prompt": "hi"}])
+    url = f"http://127.0.0.1:{free_port()}"
+    assert cli(["batch", "--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--url", url,
+                "--wait-s", "0"]) == 2
+    assert "no service answering" in capsys.readouterr().err
+    assert cli(["batch", "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o.jsonl")]) == 2
