@@ -1,0 +1,103 @@
+"""Batch jobs: ``radixserve batch`` in prefix order against the same file sent in its own (shuffled) order.
+
+    python -m bench.batch_bench
+
+A local Ray cluster, 2 replicas of the bench model whose KV pools (``--total-tokens`` each) hold fewer
+system prompts than the file has groups; ``gsp`` with ``--groups`` groups of ``--per-group`` prompts
+(1,024-token system prompt, 64-token question), ``--max-tokens`` generated each, ``--concurrency`` in
+flight. Each order runs on a fresh deployment (cold caches). Prints a table and a final JSON line with
+``prefix_order_speedup`` (wall time, file order over prefix order) and both runs' cached shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from app import batch
+from bench.serve_bench import deploy
+from bench.workloads import gsp
+
+
+def run_batch(url: str, src: Path, keep_order: bool, concurrency: int, max_tokens: int) -> dict:
+    out = Path(tempfile.mkdtemp()) / "out.jsonl"
+    args = argparse.Namespace(input=str(src), output=str(out), url=url, concurrency=concurrency,
+                              max_tokens=max_tokens, temperature=0.0, keep_order=keep_order, retries=3,
+                              request_timeout_s=600.0, wait_s=60.0)
+    return asyncio.run(batch.run(args))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=str(Path.home() / ".cache/radixserve/models/bench"))
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--per-group", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--total-tokens", type=int, default=4096, help="KV pool per replica (3-4 system prompts)")
+    ap.add_argument("--plot", default="docs/batch_bench.png", help="PNG path ('' for none)")
+    args = ap.parse_args(argv)
+    import ray
+    from ray import serve
+
+    from app.local_redis import free_port
+    from engine.model_init import write_model
+
+    if not Path(args.model_dir, "config.json").exists():
+        write_model(args.model_dir, "bench")
+    src = Path(tempfile.mkdtemp()) / "prompts.jsonl"
+    reqs = gsp(num_groups=args.groups, prompts_per_group=args.per_group)  # shuffled: groups interleave
+    src.write_text("".join(json.dumps({"id": str(i), "prompt": r.prompt, "ignore_eos": True}) + "\n"
+                           for i, r in enumerate(reqs)))
+    os.environ.pop("RAY_ADDRESS", None)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    rows = {}
+    try:
+        for order in ("file", "prefix"):
+            name = f"bb-{order}"
+            url = deploy("prefix", args.model_dir, port, args.total_tokens, name)
+            rows[order] = run_batch(url, src, order == "file", args.concurrency, args.max_tokens)
+            serve.delete(name)
+            print(f"{order} order: {json.dumps(rows[order])}", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print("\n| order | requests ok | wall s | cached share of prompt tokens | prompt tokens computed |")
+    print("|---|---:|---:|---:|---:|")
+    for order, r in rows.items():
+        print(f"| {order} | {r['ok']}/{r['sent']} | {r['wall_s']:.1f} | {r['cached_share']:.3f} | "
+              f"{r['prompt_tokens'] - r['cached_tokens']} |")
+    out = {"rows": rows, "prefix_order_speedup": rows["file"]["wall_s"] / rows["prefix"]["wall_s"],
+           "cached_share_file": rows["file"]["cached_share"], "cached_share_prefix": rows["prefix"]["cached_share"]}
+    if args.plot:
+        plot(rows, Path(args.plot), args)
+    print(json.dumps(out))
+    return out
+
+
+def plot(rows: dict, path: Path, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
+    for ax, key, label in zip(axes, ("wall_s", "cached_share"), ("wall time (s)", "cached share of prompt tokens"),
+                              strict=True):
+        ax.bar(names, [rows[n][key] for n in names], color=["tab:green" if n == "prefix" else "tab:gray" for n in names])
+        ax.set_title(label)
+    fig.suptitle(f"radixserve batch: {args.groups} groups x {args.per_group}, 2 replicas x {args.total_tokens} tokens")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
