@@ -12,7 +12,8 @@ refused before sending (not JSON, no prompt, an id used twice) gets ``{"line", "
 Lines are sent in prefix order (sorted by their text), not file order: prompts that share a prefix run
 back to back, so the fleet computes the prefix once and keeps it while it is needed, even when its
 caches cannot hold every prefix in the file at once. Run it again with the same ``--output`` to go on
-after an interruption: answered ids are skipped, failed ones tried again.
+after an interruption: answered ids are skipped, failed ones tried again (lines without an ``id`` are
+known by their line number: give ids if the file may change between runs).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -33,17 +35,42 @@ RETRY_STATUS = {429, 502, 503, 504}  # the service is busy or a replica is resta
 
 @dataclass
 class Line:
-    id: str
+    id: Any  # the line's ``id`` as given (any JSON value), else its line number
     body: dict  # the request without ``id``
     chat: bool
 
     def prefix_key(self) -> tuple:
-        """Sort key that puts prompts sharing a prefix next to each other (text and token ids apart)."""
+        """Sort key that puts prompts sharing a prefix next to each other: texts and chats by their text,
+        token ids among themselves, malformed prompts (the service will refuse them) last."""
         if self.chat:
-            return (0, "\x00".join(f"{m.get('role')}\x01{m.get('content')}" for m in self.body["messages"]
+            msgs = self.body.get("messages")
+            if not isinstance(msgs, list):
+                return (2, "")
+            return (0, "\x00".join(f"{m.get('role')}\x01{_text(m.get('content'))}" for m in msgs
                                    if isinstance(m, dict)))
-        p = self.body["prompt"]
-        return (0, p) if isinstance(p, str) else (1, tuple(p))
+        p = self.body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]  # one prompt wrapped in a list, as OpenAI's client sends it
+        if isinstance(p, str):
+            return (0, p)
+        if isinstance(p, list) and all(type(t) is int for t in p):
+            return (1, tuple(p))
+        return (2, "")
+
+
+def _text(content: Any) -> str:
+    """A message's text: a string, or the text parts of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(x if isinstance(x, str) else str(x.get("text", "")) if isinstance(x, dict) else ""
+                       for x in content)
+    return ""
+
+
+def id_key(rid: Any) -> str:
+    """Ids compare as JSON values: 1 and "1" are different ids."""
+    return json.dumps(rid, sort_keys=True, ensure_ascii=False)
 
 
 @dataclass
@@ -54,9 +81,15 @@ class Plan:
 
 
 def read_lines(path: Path, done: set[str]) -> Plan:
-    plan, seen = Plan(), set()  # ids of this file's lines so far
-    with path.open(encoding="utf-8") as f:
-        for n, raw in enumerate(f, 1):
+    """Parse the input (JSONL, UTF-8); ``done``: id keys answered by an earlier run."""
+    plan, seen = Plan(), set()  # id keys of this file's lines so far
+    with path.open("rb") as f:
+        for n, raw_bytes in enumerate(f, 1):
+            try:
+                raw = raw_bytes.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                plan.errors.append({"line": n, "error": f"not UTF-8 ({e.reason} at byte {e.start})"})
+                continue
             if not raw.strip():
                 continue
             try:
@@ -67,12 +100,14 @@ def read_lines(path: Path, done: set[str]) -> Plan:
             if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
                 plan.errors.append({"line": n, "error": "needs an object with `prompt` or `messages`"})
                 continue
-            rid = str(obj.pop("id", n))
-            if rid in seen:
-                plan.errors.append({"line": n, "error": f"id {rid!r} is used by an earlier line"})
+            rid = obj.pop("id", None)
+            rid = n if rid is None else rid
+            key = id_key(rid)
+            if key in seen:
+                plan.errors.append({"line": n, "error": f"id {key} is used by an earlier line"})
                 continue
-            seen.add(rid)
-            if rid in done:
+            seen.add(key)
+            if key in done:
                 plan.skipped += 1
             else:
                 plan.todo.append(Line(rid, obj, "messages" in obj))
@@ -80,27 +115,39 @@ def read_lines(path: Path, done: set[str]) -> Plan:
 
 
 def prefix_order(lines: list[Line]) -> list[Line]:
-    try:
-        return sorted(lines, key=Line.prefix_key)
-    except TypeError:  # a prompt of odd types (the service will refuse it): keep the file's order
-        return list(lines)
+    return sorted(lines, key=Line.prefix_key)  # stable: equal prompts keep the file's order
+
+
+class NotOurs(ValueError):
+    """The output file holds something other than this command's records: it is not touched."""
 
 
 def resume(output: Path) -> set[str]:
-    """Ids already answered in ``output``; its failed and unreadable lines are dropped (tried again)."""
+    """Id keys already answered in ``output``. Its failed records and a last line cut by an interruption
+    are dropped (those lines are tried again); the file is rewritten line by line."""
     if not output.exists():
         return set()
-    kept, done = [], set()
-    for raw in output.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(raw)
-        except json.JSONDecodeError:
-            continue  # a line cut by the interruption
-        if isinstance(rec, dict) and "output" in rec and str(rec.get("id")) not in done:
-            done.add(str(rec["id"]))
-            kept.append(raw)
+    done: set[str] = set()
     tmp = output.with_name(output.name + ".tmp")
-    tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+    with output.open(encoding="utf-8", errors="replace") as src, tmp.open("w", encoding="utf-8") as dst:
+        cut = None  # an unreadable line: fine only as the last one
+        for n, raw in enumerate(src, 1):
+            if cut is not None:
+                tmp.unlink()
+                raise NotOurs(f"{output} line {cut} is not a result of `radixserve batch`; "
+                              "pass another --output")
+            try:
+                rec = json.loads(raw)
+            except json.JSONDecodeError:
+                cut = n
+                continue
+            if not (isinstance(rec, dict) and "error" in rec and ("id" in rec or "line" in rec)
+                    or isinstance(rec, dict) and "output" in rec and "id" in rec):
+                tmp.unlink()
+                raise NotOurs(f"{output} line {n} is not a result of `radixserve batch`; pass another --output")
+            if "output" in rec and id_key(rec["id"]) not in done:
+                done.add(id_key(rec["id"]))
+                dst.write(raw if raw.endswith("\n") else raw + "\n")
     os.replace(tmp, output)
     return done
 
@@ -141,15 +188,27 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
     return {"id": line.id, "error": problem}
 
 
-async def run(args: argparse.Namespace) -> dict:
+async def run(args: argparse.Namespace, totals: dict) -> None:
+    """Send the input's lines, write each result as it comes, and keep ``totals`` up to date (the caller
+    still has them when the run is interrupted)."""
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     done = resume(output)
     plan = read_lines(Path(args.input), done)
     todo = plan.todo if args.keep_order else prefix_order(plan.todo)
-    totals = {"sent": len(todo), "ok": 0, "failed": len(plan.errors), "skipped": plan.skipped,
-              "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
+    totals.update({"sent": len(todo), "ok": 0, "failed": len(plan.errors), "skipped": plan.skipped,
+                   "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0})
     t0 = time.perf_counter()
+    with output.open("a", encoding="utf-8") as out:
+        for rec in plan.errors:
+            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        if todo:  # a finished job's rerun needs no service
+            await _send(args, todo, out, totals)
+    totals["wall_s"] = round(time.perf_counter() - t0, 3)
+    totals["cached_share"] = round(totals["cached_tokens"] / max(totals["prompt_tokens"], 1), 4)
+
+
+async def _send(args: argparse.Namespace, todo: list[Line], out, totals: dict) -> None:
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout_s, limits=limits) as client:
         model = await _model(client, args.wait_s)
@@ -157,23 +216,21 @@ async def run(args: argparse.Namespace) -> dict:
         bar = _progress(len(todo))
         queue = iter(todo)  # workers take the next line in order (no task per line)
 
-        with output.open("a", encoding="utf-8") as out:
-            for rec in plan.errors:
-                out.write(json.dumps(rec) + "\n")
-
-            async def worker() -> None:
-                for line in queue:
+        async def worker() -> None:
+            for line in queue:
+                try:
                     rec = await _one(client, line, defaults, args.retries)
-                    out.write(json.dumps(rec) + "\n")
-                    out.flush()
-                    bar.update(1)
-                    _count(totals, rec)
+                except Exception as e:  # noqa: BLE001 - one odd line must not end the job
+                    rec = {"id": line.id, "error": f"{type(e).__name__}: {e}"}
+                out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                out.flush()
+                bar.update(1)
+                _count(totals, rec)
 
-            await asyncio.gather(*(worker() for _ in range(min(args.concurrency, max(len(todo), 1)))))
-        bar.close()
-    totals["wall_s"] = round(time.perf_counter() - t0, 3)
-    totals["cached_share"] = round(totals["cached_tokens"] / max(totals["prompt_tokens"], 1), 4)
-    return totals
+        try:
+            await asyncio.gather(*(worker() for _ in range(min(args.concurrency, len(todo)))))
+        finally:
+            bar.close()
 
 
 def _count(totals: dict, rec: dict) -> None:
@@ -181,10 +238,11 @@ def _count(totals: dict, rec: dict) -> None:
         totals["failed"] += 1
         return
     totals["ok"] += 1
-    usage = rec.get("usage") or {}
-    totals["prompt_tokens"] += usage.get("prompt_tokens", 0)
-    totals["completion_tokens"] += usage.get("completion_tokens", 0)
-    totals["cached_tokens"] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    usage = rec.get("usage") if isinstance(rec.get("usage"), dict) else {}
+    details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
+    totals["prompt_tokens"] += usage.get("prompt_tokens") or 0
+    totals["completion_tokens"] += usage.get("completion_tokens") or 0
+    totals["cached_tokens"] += details.get("cached_tokens") or 0
 
 
 async def _model(client: httpx.AsyncClient, wait_s: float) -> str:
@@ -239,17 +297,27 @@ def main(args: argparse.Namespace) -> int:
         print("radixserve batch: --concurrency and --max-tokens must be at least 1, --retries at least 0",
               file=sys.stderr)
         return 2
-    if not Path(args.input).is_file():
-        print(f"radixserve batch: no input file {args.input}", file=sys.stderr)
+    src, dst = Path(args.input), Path(args.output)
+    if not src.is_file():
+        print(f"radixserve batch: no input file {src}", file=sys.stderr)
         return 2
+    if dst.exists() and dst.resolve() == src.resolve():
+        print("radixserve batch: --output is the input file; pass another path", file=sys.stderr)
+        return 2
+    totals: dict = {}
     try:
-        totals = asyncio.run(run(args))
-    except ConnectionError as e:
+        asyncio.run(run(args, totals))
+    except (ConnectionError, NotOurs) as e:
         print(f"radixserve batch: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(json.dumps(totals))
+        print(f"radixserve batch: interrupted; the answers so far are in {dst}: run the same command again "
+              "to go on", file=sys.stderr)
+        return 130
     print(json.dumps(totals))
     if totals["failed"]:
-        print(f"radixserve batch: {totals['failed']} request(s) failed (see `error` in {args.output}); "
+        print(f"radixserve batch: {totals['failed']} request(s) failed (see `error` in {dst}); "
               "run the same command again to retry them", file=sys.stderr)
         return 1
     return 0

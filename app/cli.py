@@ -197,7 +197,9 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
               "Ctrl-C again skips the wait)...", flush=True)
         _drain(settings, force)
         if address:  # a cluster we joined keeps running (other applications too): take ours off it
-            serve.delete(settings.deployment_name)
+            # without waiting: streams that outlived the drain get the replicas' own grace period
+            # (drain_timeout_s again) from the cluster, not from this process's shutdown budget
+            serve.delete(settings.deployment_name, _blocking=False)
         # our own local cluster simply stops (ray.shutdown below): nothing is in flight any more, and
         # deleting the application first would have Serve's proxy answer 404 for a few seconds, which
         # load balancers take as an answer; a closed port they take as a server that is gone

@@ -28,7 +28,9 @@ def run_batch(url: str, src: Path, keep_order: bool, concurrency: int, max_token
     args = argparse.Namespace(input=str(src), output=str(out), url=url, concurrency=concurrency,
                               max_tokens=max_tokens, temperature=0.0, keep_order=keep_order, retries=3,
                               request_timeout_s=600.0, wait_s=60.0)
-    return asyncio.run(batch.run(args))
+    totals: dict = {}
+    asyncio.run(batch.run(args, totals))
+    return totals
 
 
 def main(argv=None) -> dict:

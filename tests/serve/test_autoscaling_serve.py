@@ -47,7 +47,7 @@ class Client(threading.Thread):
         super().__init__(daemon=True)
         self.base, self.tag, self.max_new_tokens = base, name, max_new_tokens
         self.stop = threading.Event()
-        self.outcomes: list[tuple[int, object]] = []  # (status, last event or body)
+        self.outcomes: list[tuple[int | None, object]] = []  # (status, last event, body or error)
 
     def run(self) -> None:
         with httpx.Client(base_url=self.base, timeout=120) as c:
@@ -55,8 +55,12 @@ class Client(threading.Thread):
             while not self.stop.is_set():
                 body = {"inputs": HOT + f"{self.tag} asks question {i}",
                         "parameters": {"max_new_tokens": self.max_new_tokens}}
-                with c.stream("POST", "/generate_stream", json=body) as r:
-                    self.outcomes.append((r.status_code, sse_events(r)[-1] if r.status_code == 200 else r.read()))
+                try:
+                    with c.stream("POST", "/generate_stream", json=body) as r:
+                        events = sse_events(r) if r.status_code == 200 else [r.read()]
+                        self.outcomes.append((r.status_code, events[-1] if events else "empty stream"))
+                except Exception as e:  # noqa: BLE001 - a cut connection is an outcome too
+                    self.outcomes.append((None, repr(e)))
                 i += 1
 
 
@@ -99,6 +103,7 @@ def test_autoscaling_adds_a_warm_replica_and_removes_one_without_losing_requests
             t.stop.set()
         for t in clients:
             t.join(timeout=120)
+    assert not any(t.is_alive() for t in clients)
     outcomes = [o for t in clients for o in t.outcomes]
     assert len(outcomes) >= 8
     failed = [o for o in outcomes if o[0] != 200 or not isinstance(o[1], dict) or "error" in o[1]

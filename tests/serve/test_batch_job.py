@@ -5,21 +5,72 @@ from __future__ import annotations
 
 import json
 
-from app.batch import Line, prefix_order
+import pytest
+
+from app.batch import Line, NotOurs, id_key, prefix_order, read_lines, resume
 from app.cli import main as cli
+from app.local_redis import free_port
 
 SYS_A = "You are a helpful assistant for the billing team; answer in one short sentence. " * 3
 SYS_B = "You translate the user's words into formal English, keeping every name as it is. " * 3
 
 
 def test_prefix_order_puts_shared_prefixes_together():
-    lines = [Line("1", {"prompt": SYS_A + "q1"}, False), Line("2", {"prompt": SYS_B + "q1"}, False),
-             Line("3", {"prompt": SYS_A + "q2"}, False), Line("4", {"prompt": [5, 6, 7]}, False),
-             Line("5", {"messages": [{"role": "system", "content": SYS_B}]}, True),
-             Line("6", {"prompt": SYS_B + "q2"}, False), Line("7", {"prompt": [5, 6]}, False)]
+    lines = [Line(1, {"prompt": SYS_A + "q1"}, False), Line(2, {"prompt": SYS_B + "q1"}, False),
+             Line(3, {"prompt": SYS_A + "q2"}, False), Line(4, {"prompt": [5, 6, 7]}, False),
+             Line(5, {"messages": [{"role": "system", "content": SYS_B}]}, True),
+             Line(6, {"prompt": [SYS_B + "q2"]}, False), Line(7, {"prompt": [5, 6]}, False),
+             Line(8, {"prompt": None}, False), Line(9, {"messages": None}, True),
+             Line(10, {"prompt": ["two", "prompts"]}, False), Line(11, {"prompt": SYS_A + "q3"}, False),
+             Line(12, {"messages": [{"role": "system", "content": [{"type": "text", "text": SYS_B}]},
+                                    {"role": "user", "content": "x"}]}, True)]
     order = [x.id for x in prefix_order(lines)]
-    assert order.index("3") == order.index("1") + 1 and order.index("6") == order.index("2") + 1
-    assert order.index("4") == order.index("7") + 1  # token ids sort among themselves
+    # malformed prompts (refused by the service) do not stop the rest from being sorted
+    assert order[:3] == [1, 3, 11] and order.index(6) == order.index(2) + 1
+    assert order.index(12) == order.index(5) + 1  # content parts sort by their text
+    assert order.index(4) == order.index(7) + 1  # token ids sort among themselves
+    assert order[-3:] == [8, 9, 10]
+
+
+def test_input_lines_ids_and_encodings(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + b"\n".join([
+        json.dumps({"prompt": "first line, after a byte order mark"}).encode(),
+        json.dumps({"id": 1, "prompt": "the number 1: the first line's own id"}).encode(),
+        json.dumps({"id": "1", "prompt": "the string 1: another id"}).encode(),
+        json.dumps({"id": None, "prompt": "no id: line 4"}).encode(),
+        b'{"prompt": "bad \xff byte"}',
+        json.dumps({"id": "caf\u00e9", "prompt": "d\u00e9j\u00e0 vu"}, ensure_ascii=False).encode()]) + b"\n")
+    plan = read_lines(src, done={id_key(4)})
+    assert [x.id for x in plan.todo] == [1, "1", "café"] and plan.skipped == 1
+    assert [(e["line"], e["error"].split(" (")[0]) for e in plan.errors] == [(2, "id 1 is used by an earlier line"),
+                                                                          (5, "not UTF-8")]
+
+
+def test_resume_keeps_answers_drops_failures_and_a_cut_last_line(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text("\n".join([json.dumps({"id": 1, "output": "a"}), json.dumps({"id": 2, "error": "HTTP 503"}),
+                              json.dumps({"line": 7, "error": "not JSON"}), json.dumps({"id": "x", "output": "b"}),
+                              '{"id": 3, "outp']))
+    assert resume(out) == {id_key(1), id_key("x")}
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [1, "x"]
+    foreign = tmp_path / "notes.jsonl"
+    foreign.write_text('{"id": 1, "output": "a"}\nsomething else\n{"id": 2, "output": "b"}\n')
+    with pytest.raises(NotOurs):
+        resume(foreign)
+    assert foreign.read_text().count("\n") == 3  # untouched
+
+
+def test_batch_refuses_its_input_as_output_and_a_finished_job_needs_no_service(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    write(src, [{"id": "q", "prompt": "hi"}])
+    assert cli(["batch", "--input", str(src), "--output", str(src)]) == 2
+    assert "input file" in capsys.readouterr().err and src.read_text().strip()
+    out = tmp_path / "out.jsonl"
+    write(out, [{"id": "q", "output": "hello"}])
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert cli(["batch", "--input", str(src), "--output", str(out), "--url", dead, "--wait-s", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped"] == 1
 
 
 def write(path, rows):
@@ -35,8 +86,9 @@ def read(path) -> tuple[dict[str, dict], dict[int, str]]:
 
 
 def test_batch_answers_every_line_and_a_rerun_retries_only_the_failures(serve_app, tmp_path, capsys):
-    rows = [{"id": f"a{i}", "prompt": SYS_A + f"Question {i}?"} for i in range(4)]
-    rows += [{"id": f"b{i}", "prompt": SYS_B + f"Sentence {i}.", "max_tokens": 3} for i in range(3)]
+    a = [{"id": f"a{i}", "prompt": SYS_A + f"Question {i}?"} for i in range(4)]
+    b = [{"id": f"b{i}", "prompt": SYS_B + f"Sentence {i}.", "max_tokens": 3} for i in range(3)]
+    rows = [a[0], b[0], a[1], b[1], a[2], b[2], a[3]]  # the groups interleave, as in a real file
     rows += [{"id": "chat", "messages": [{"role": "system", "content": SYS_A}, {"role": "user", "content": "Hi"}]},
              {"id": "ids", "prompt": [72, 101, 108, 108, 111] * 10, "temperature": 0.7, "seed": 3},
              "",  # blank lines are skipped
@@ -58,7 +110,8 @@ def test_batch_answers_every_line_and_a_rerun_retries_only_the_failures(serve_ap
     assert "not JSON" in refused[11] and "earlier line" in refused[13] and "`prompt` or `messages`" in refused[14]
     assert all(got[f"b{i}"]["usage"]["completion_tokens"] <= 3 for i in range(3))
     assert all(got[f"a{i}"]["usage"]["completion_tokens"] <= 4 for i in range(4))
-    # sent back to back, the system prompt is computed once: later lines of each group hit the cache
+    # each group's system prompt is computed once: its later lines hit the cache (the order itself is
+    # checked above; this service's pools are big enough to hold both groups in any order)
     assert totals["cached_tokens"] >= 16 * 5 * 4, totals
 
     # the user fixes the long line and runs the same command: answered ids are not sent again
@@ -73,8 +126,6 @@ def test_batch_answers_every_line_and_a_rerun_retries_only_the_failures(serve_ap
 
 
 def test_batch_without_a_service_says_so(tmp_path, capsys):
-    from app.local_redis import free_port
-
     src = tmp_path / "in.jsonl"
     write(src, [{"prompt": "hi"}])
     url = f"http://127.0.0.1:{free_port()}"
