@@ -160,6 +160,13 @@ def _supervise_redis(redis) -> bool:
         return False
 
 
+def _replicas(settings: Settings) -> str:
+    a = settings.autoscaling
+    if a is not None:
+        return f"autoscaling {a.min_replicas}-{a.max_replicas} replicas"
+    return f"{settings.num_replicas} replica(s)"
+
+
 def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
     import ray
     from ray import serve
@@ -167,29 +174,36 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
     from app.main import build_app
     from deployments.metrics import hub_name
 
-    up, stop, force = threading.Event(), threading.Event(), threading.Event()
+    up, stop, force, interrupted = threading.Event(), threading.Event(), threading.Event(), threading.Event()
 
     def on_signal(*_) -> None:
         if not up.is_set():
+            interrupted.set()
             raise KeyboardInterrupt  # still starting: give up the start-up (the finally below cleans up)
         (force if stop.is_set() else stop).set()  # the first drains, a second skips the rest of the drain
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    def take_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    take_signals()
     code = 0
     try:
         if address:
             ray.init(address=address, namespace="radixserve", logging_level=logging.WARNING)
         else:
-            need = settings.num_replicas * settings.replica_num_cpus + 1
+            most = settings.autoscaling.max_replicas if settings.autoscaling else settings.num_replicas
+            need = most * settings.replica_num_cpus + 1  # logical CPUs: every replica must fit
             ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
                      namespace="radixserve", logging_level=logging.WARNING)
+        take_signals()  # a local Ray node puts in a SIGTERM handler that exits at once: SIGTERM drains too
         serve.start(http_options={"host": settings.host, "port": settings.port,
                                   "request_timeout_s": settings.request_timeout_s})
         serve.run(build_app(settings), name=settings.deployment_name, route_prefix="/", blocking=False)
+        take_signals()
         up.set()
         print(f"RadixServe is up: http://{settings.host}:{settings.port} "
-              f"(model {settings.model_name()}, {settings.num_replicas} replica(s)); Ctrl-C stops it", flush=True)
+              f"(model {settings.model_name()}, {_replicas(settings)}); Ctrl-C stops it", flush=True)
         while not stop.wait(2.0):
             if redis is not None and not _supervise_redis(redis):
                 redis = None
@@ -203,10 +217,15 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
         # our own local cluster simply stops (ray.shutdown below): nothing is in flight any more, and
         # deleting the application first would have Serve's proxy answer 404 for a few seconds, which
         # load balancers take as an answer; a closed port they take as a server that is gone
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not (isinstance(e, KeyboardInterrupt) or interrupted.is_set()):
+            raise
+        # (Ray may turn an interrupt inside its start-up into an error of its own)
         print("radixserve: interrupted while starting; stopping", file=sys.stderr, flush=True)
         code = 130
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up must finish, or Ray's processes leak
+            signal.signal(sig, signal.SIG_IGN)
         try:
             ray.kill(ray.get_actor(hub_name(settings.deployment_name), namespace="radixserve"))
         except Exception:  # noqa: BLE001 - already gone
@@ -243,7 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C before a command takes signals over (loading its modules)
+        print("radixserve: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`radixserve serve` as a user runs it: a subprocess with its own Ray and Redis, stopped by SIGINT."""
+"""`radixserve serve` as a user runs it: a subprocess with its own Ray and Redis, stopped by SIGINT
+(Ctrl-C) or SIGTERM (systemd, Kubernetes)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from app.local_redis import free_port
 
 
-def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path):
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_signal):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["RADIXSERVE_MAX_BATCH_TOTAL_TOKENS"] = "2048"  # settings from the environment work too
@@ -44,7 +47,7 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path):
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
             lines = stream.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(stop_signal)
             deadline, refused = time.monotonic() + 20, None
             while refused is None and time.monotonic() < deadline:
                 r = httpx.post(url + "/generate", json={"inputs": "hi"}, timeout=10)
@@ -72,7 +75,7 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path):
         assert "finishing the requests in flight" in out
         try:
             httpx.get(url + "/health", timeout=2)
-            raise AssertionError("the server still answers after SIGINT")
+            raise AssertionError(f"the server still answers after {stop_signal.name}")
         except httpx.HTTPError:
             pass
     finally:
