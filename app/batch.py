@@ -4,15 +4,16 @@
         radixserve batch --input /data/prompts.jsonl --output /data/results.jsonl
 
 Each input line is a JSON object with ``prompt`` (text or token ids) or ``messages`` (chat), an optional
-``id`` (default: its line number) and any OpenAI sampling fields (``max_tokens``, ``temperature``,
-``seed``, ``stop``, ...), which override the command's defaults. Each output line is one input's
-``{"id", "output", "finish_reason", "usage"}`` or ``{"id", "error"}``, written as it completes; a line
-refused before sending (not JSON, no prompt, an id used twice) gets ``{"line", "error"}``.
+``id`` and any OpenAI sampling fields (``max_tokens``, ``temperature``, ``seed``, ``stop``, ...), which
+override the command's defaults (``null`` keeps them). Each output line is one input's
+``{"id", "output", "finish_reason", "usage"}`` (and ``logprobs`` when asked for) or ``{"id", "error"}``,
+written as it completes; a line without an ``id`` is named by ``"line"`` (its line number) instead, and
+so is a line refused before sending (not JSON, no prompt, an id used twice).
 
 Lines are sent in prefix order (sorted by their text), not file order: prompts that share a prefix run
 back to back, so the fleet computes the prefix once and keeps it while it is needed, even when its
 caches cannot hold every prefix in the file at once. Run it again with the same ``--output`` to go on
-after an interruption: answered ids are skipped, failed ones tried again (lines without an ``id`` are
+after an interruption: answered lines are skipped, failed ones tried again (lines without an ``id`` are
 known by their line number: give ids if the file may change between runs).
 """
 
@@ -20,8 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,11 +35,12 @@ from typing import Any
 import httpx
 
 RETRY_STATUS = {429, 502, 503, 504}  # the service is busy or a replica is restarting: try again
+RETRY_WAITS_S = (1, 2, 4, 8, 16, 30)  # then 30 s each: the default 6 tries span a service restart
 
 
 @dataclass
 class Line:
-    id: Any  # the line's ``id`` as given (any JSON value), else its line number
+    ref: dict  # {"id": the line's id as given (any JSON value)}, or {"line": its number} without one
     body: dict  # the request without ``id``
     chat: bool
 
@@ -68,9 +73,11 @@ def _text(content: Any) -> str:
     return ""
 
 
-def id_key(rid: Any) -> str:
-    """Ids compare as JSON values: 1 and "1" are different ids."""
-    return json.dumps(rid, sort_keys=True, ensure_ascii=False)
+def ref_key(ref: dict) -> str:
+    """Ids compare as JSON values (1 and "1" differ), apart from the line numbers of lines without one."""
+    if "id" in ref:
+        return "id " + json.dumps(ref["id"], sort_keys=True, ensure_ascii=False)
+    return f"line {ref['line']}"
 
 
 @dataclass
@@ -98,19 +105,19 @@ def read_lines(path: Path, done: set[str]) -> Plan:
                 plan.errors.append({"line": n, "error": f"not JSON ({e.msg})"})
                 continue
             if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
-                plan.errors.append({"line": n, "error": "needs an object with `prompt` or `messages`"})
+                plan.errors.append({"line": n, "error": "needs an object with one of `prompt` and `messages`"})
                 continue
             rid = obj.pop("id", None)
-            rid = n if rid is None else rid
-            key = id_key(rid)
+            ref = {"line": n} if rid is None else {"id": rid}
+            key = ref_key(ref)
             if key in seen:
-                plan.errors.append({"line": n, "error": f"id {key} is used by an earlier line"})
+                plan.errors.append({"line": n, "error": f"{key} is used by an earlier line"})
                 continue
             seen.add(key)
             if key in done:
                 plan.skipped += 1
-            else:
-                plan.todo.append(Line(rid, obj, "messages" in obj))
+            else:  # a null field means the default, as in OpenAI's API
+                plan.todo.append(Line(ref, {k: v for k, v in obj.items() if v is not None}, "messages" in obj))
     return plan
 
 
@@ -141,12 +148,12 @@ def resume(output: Path) -> set[str]:
             except json.JSONDecodeError:
                 cut = n
                 continue
-            if not (isinstance(rec, dict) and "error" in rec and ("id" in rec or "line" in rec)
-                    or isinstance(rec, dict) and "output" in rec and "id" in rec):
+            if not (isinstance(rec, dict) and ("error" in rec or "output" in rec) and ("id" in rec or "line" in rec)):
                 tmp.unlink()
                 raise NotOurs(f"{output} line {n} is not a result of `radixserve batch`; pass another --output")
-            if "output" in rec and id_key(rec["id"]) not in done:
-                done.add(id_key(rec["id"]))
+            key = ref_key(rec)
+            if "output" in rec and key not in done:
+                done.add(key)
                 dst.write(raw if raw.endswith("\n") else raw + "\n")
     os.replace(tmp, output)
     return done
@@ -177,35 +184,43 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
                     choice = out["choices"][0]
                     text = choice["message"]["content"] if line.chat else choice["text"]
                 except (ValueError, LookupError, TypeError) as e:
-                    return {"id": line.id, "error": f"unexpected answer ({type(e).__name__}): {r.text[:200]}"}
-                return {"id": line.id, "output": text, "finish_reason": choice.get("finish_reason"),
-                        "usage": out.get("usage")}
+                    return {**line.ref, "error": f"unexpected answer ({type(e).__name__}): {r.text[:200]}"}
+                rec = {**line.ref, "output": text, "finish_reason": choice.get("finish_reason"),
+                       "usage": out.get("usage")}
+                if choice.get("logprobs") is not None:
+                    rec["logprobs"] = choice["logprobs"]
+                return rec
             problem = _error_message(r)
             if r.status_code not in RETRY_STATUS:
                 break  # the request itself is wrong: trying again gives the same answer
         if attempt < retries:
-            await asyncio.sleep(min(2.0 ** attempt, 30.0))
-    return {"id": line.id, "error": problem}
+            await asyncio.sleep(RETRY_WAITS_S[min(attempt, len(RETRY_WAITS_S) - 1)])
+    return {**line.ref, "error": problem}
 
 
 async def run(args: argparse.Namespace, totals: dict) -> None:
     """Send the input's lines, write each result as it comes, and keep ``totals`` up to date (the caller
     still has them when the run is interrupted)."""
     output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     done = resume(output)
     plan = read_lines(Path(args.input), done)
     todo = plan.todo if args.keep_order else prefix_order(plan.todo)
-    totals.update({"sent": len(todo), "ok": 0, "failed": len(plan.errors), "skipped": plan.skipped,
-                   "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0})
-    t0 = time.perf_counter()
+    totals.update({"to_send": len(todo), "ok": 0, "failed": len(plan.errors), "skipped": plan.skipped,
+                   "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "_t0": time.perf_counter()})
     with output.open("a", encoding="utf-8") as out:
         for rec in plan.errors:
             out.write(json.dumps(rec, ensure_ascii=False) + "\n")
         if todo:  # a finished job's rerun needs no service
             await _send(args, todo, out, totals)
-    totals["wall_s"] = round(time.perf_counter() - t0, 3)
-    totals["cached_share"] = round(totals["cached_tokens"] / max(totals["prompt_tokens"], 1), 4)
+
+
+def summary(totals: dict) -> dict:
+    """What the command prints at the end (also after an interruption)."""
+    out = {k: v for k, v in totals.items() if not k.startswith("_")}
+    if "_t0" in totals:
+        out["wall_s"] = round(time.perf_counter() - totals["_t0"], 3)
+        out["cached_share"] = round(totals["cached_tokens"] / max(totals["prompt_tokens"], 1), 4)
+    return out
 
 
 async def _send(args: argparse.Namespace, todo: list[Line], out, totals: dict) -> None:
@@ -221,7 +236,7 @@ async def _send(args: argparse.Namespace, todo: list[Line], out, totals: dict) -
                 try:
                     rec = await _one(client, line, defaults, args.retries)
                 except Exception as e:  # noqa: BLE001 - one odd line must not end the job
-                    rec = {"id": line.id, "error": f"{type(e).__name__}: {e}"}
+                    rec = {**line.ref, "error": f"{type(e).__name__}: {e}"}
                 out.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 out.flush()
                 bar.update(1)
@@ -283,13 +298,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="JSONL file of results (a rerun continues it)")
     p.add_argument("--url", default=os.environ.get("RADIXSERVE_URL", "http://127.0.0.1:8000"),
                    help="the service (default: $RADIXSERVE_URL or http://127.0.0.1:8000)")
-    p.add_argument("--concurrency", type=int, default=32, help="requests in flight at once")
-    p.add_argument("--max-tokens", type=int, default=256, help="default for lines without max_tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="default for lines without temperature")
+    p.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (default: 32)")
+    p.add_argument("--max-tokens", type=int, default=256, help="for lines without max_tokens (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="for lines without temperature (default: 0)")
     p.add_argument("--keep-order", action="store_true", help="send in file order, not prefix order")
-    p.add_argument("--retries", type=int, default=3, help="tries again after a 429/502/503/504 or a lost connection")
-    p.add_argument("--request-timeout-s", type=float, default=600.0)
-    p.add_argument("--wait-s", type=float, default=60.0, help="how long to wait for a service that is starting")
+    p.add_argument("--retries", type=int, default=len(RETRY_WAITS_S),
+                   help="tries again after a 429/502/503/504 or a lost connection, waiting "
+                        f"{', '.join(map(str, RETRY_WAITS_S))} s, then 30 s each (default: {len(RETRY_WAITS_S)}, "
+                        "about a minute: a service restart)")
+    p.add_argument("--request-timeout-s", type=float, default=600.0, help="per request (default: 600)")
+    p.add_argument("--wait-s", type=float, default=60.0,
+                   help="how long to wait for a service that is starting (default: 60)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -298,26 +317,60 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     src, dst = Path(args.input), Path(args.output)
-    if not src.is_file():
-        print(f"radixserve batch: no input file {src}", file=sys.stderr)
-        return 2
-    if dst.exists() and dst.resolve() == src.resolve():
-        print("radixserve batch: --output is the input file; pass another path", file=sys.stderr)
+    problem = (f"{src} is a folder, not a file" if src.is_dir() else None if src.is_file() else f"no input file {src}")
+    problem = problem or (f"--output {dst} is a folder; name a file" if dst.is_dir() else None)
+    if problem is None and dst.exists() and dst.resolve() == src.resolve():
+        problem = "--output is the input file; pass another path"
+    if problem:
+        print(f"radixserve batch: {problem}", file=sys.stderr)
         return 2
     totals: dict = {}
+    # SIGTERM (``ray job stop``, systemd) ends the run as Ctrl-C does: the answers so far stay, a summary
     try:
-        asyncio.run(run(args, totals))
-    except (ConnectionError, NotOurs) as e:
+        before = signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:  # not the main thread (called as a library): leave signals alone
+        before = None
+    try:
+        with _only_writer(dst):
+            asyncio.run(run(args, totals))
+    except (ConnectionError, NotOurs, BlockingIOError) as e:
         print(f"radixserve batch: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(json.dumps(totals))
+    except KeyboardInterrupt as e:
+        print(json.dumps(summary(totals)))
         print(f"radixserve batch: interrupted; the answers so far are in {dst}: run the same command again "
               "to go on", file=sys.stderr)
-        return 130
-    print(json.dumps(totals))
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
+    print(json.dumps(summary(totals)))
     if totals["failed"]:
-        print(f"radixserve batch: {totals['failed']} request(s) failed (see `error` in {dst}); "
+        print(f"radixserve batch: {totals['failed']} line(s) failed (see `error` in {dst}); "
               "run the same command again to retry them", file=sys.stderr)
         return 1
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as an interrupt."""
+
+
+def _interrupt(*_) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _only_writer(output: Path):
+    """One run per output file at a time: a second would rewrite it under the first (resume)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    lock = output.with_name(output.name + ".lock")
+    with lock.open("w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BlockingIOError(f"another run is writing {output}") from None
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)

@@ -30,7 +30,7 @@ def run_batch(url: str, src: Path, keep_order: bool, concurrency: int, max_token
                               request_timeout_s=600.0, wait_s=60.0)
     totals: dict = {}
     asyncio.run(batch.run(args, totals))
-    return totals
+    return batch.summary(totals)
 
 
 def main(argv=None) -> dict:
@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     print("\n| order | requests ok | wall s | cached share of prompt tokens | prompt tokens computed |")
     print("|---|---:|---:|---:|---:|")
     for order, r in rows.items():
-        print(f"| {order} | {r['ok']}/{r['sent']} | {r['wall_s']:.1f} | {r['cached_share']:.3f} | "
+        print(f"| {order} | {r['ok']}/{r['to_send']} | {r['wall_s']:.1f} | {r['cached_share']:.3f} | "
               f"{r['prompt_tokens'] - r['cached_tokens']} |")
     out = {"rows": rows, "prefix_order_speedup": rows["file"]["wall_s"] / rows["prefix"]["wall_s"],
            "cached_share_file": rows["file"]["cached_share"], "cached_share_prefix": rows["prefix"]["cached_share"]}

@@ -49,6 +49,7 @@ GAUGES = {
                                                "Cached prompt tokens of the replica's first request (-1: none yet)."),
     "radixserve_queue_depth": ("waiting", "Requests waiting for admission."),
 }
+PER_REPLICA_ONLY = frozenset({"radixserve_first_request_cached_tokens"})  # a fleet sum would mean nothing
 HISTOGRAMS = {
     "radixserve_time_to_first_token_seconds": ("ttft", "Time to first token.", TTFT_BUCKETS),
     "radixserve_inter_token_latency_seconds": ("itl", "Time between generated tokens.", ITL_BUCKETS),
@@ -116,7 +117,8 @@ def render(snapshots: dict[str, dict[str, Any]], retired: dict[str, Any] | None 
         lines += [f'{name}{{replica="{_esc(r)}"}} {float(s.get(key, 0))}' for r, s in snaps.items()]
     for name, (key, help_) in GAUGES.items():
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge"]
-        lines += [f'{name}{{replica="{_esc(r)}"}} {float(s.get(key, 0))}' for r, s in snaps.items()]
+        lines += [f'{name}{{replica="{_esc(r)}"}} {float(s.get(key, 0))}' for r, s in snaps.items()
+                  if not (r == "all" and name in PER_REPLICA_ONLY)]
     name = "radixserve_cache_hit_rate"
     lines += [f"# HELP {name} Token-weighted prefix cache hit rate since start.", f"# TYPE {name} gauge"]
     for r, s in snaps.items():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from app.batch import Line, NotOurs, id_key, prefix_order, read_lines, resume
+from app.batch import Line, NotOurs, prefix_order, read_lines, ref_key, resume
 from app.cli import main as cli
 from app.local_redis import free_port
 
@@ -16,15 +16,15 @@ SYS_B = "You translate the user's words into formal English, keeping every name 
 
 
 def test_prefix_order_puts_shared_prefixes_together():
-    lines = [Line(1, {"prompt": SYS_A + "q1"}, False), Line(2, {"prompt": SYS_B + "q1"}, False),
-             Line(3, {"prompt": SYS_A + "q2"}, False), Line(4, {"prompt": [5, 6, 7]}, False),
-             Line(5, {"messages": [{"role": "system", "content": SYS_B}]}, True),
-             Line(6, {"prompt": [SYS_B + "q2"]}, False), Line(7, {"prompt": [5, 6]}, False),
-             Line(8, {"prompt": None}, False), Line(9, {"messages": None}, True),
-             Line(10, {"prompt": ["two", "prompts"]}, False), Line(11, {"prompt": SYS_A + "q3"}, False),
-             Line(12, {"messages": [{"role": "system", "content": [{"type": "text", "text": SYS_B}]},
+    lines = [Line({"id": 1}, {"prompt": SYS_A + "q1"}, False), Line({"id": 2}, {"prompt": SYS_B + "q1"}, False),
+             Line({"id": 3}, {"prompt": SYS_A + "q2"}, False), Line({"id": 4}, {"prompt": [5, 6, 7]}, False),
+             Line({"id": 5}, {"messages": [{"role": "system", "content": SYS_B}]}, True),
+             Line({"id": 6}, {"prompt": [SYS_B + "q2"]}, False), Line({"id": 7}, {"prompt": [5, 6]}, False),
+             Line({"id": 8}, {"prompt": None}, False), Line({"id": 9}, {"messages": None}, True),
+             Line({"id": 10}, {"prompt": ["two", "prompts"]}, False), Line({"id": 11}, {"prompt": SYS_A + "q3"}, False),
+             Line({"id": 12}, {"messages": [{"role": "system", "content": [{"type": "text", "text": SYS_B}]},
                                     {"role": "user", "content": "x"}]}, True)]
-    order = [x.id for x in prefix_order(lines)]
+    order = [x.ref["id"] for x in prefix_order(lines)]
     # malformed prompts (refused by the service) do not stop the rest from being sorted
     assert order[:3] == [1, 3, 11] and order.index(6) == order.index(2) + 1
     assert order.index(12) == order.index(5) + 1  # content parts sort by their text
@@ -38,22 +38,29 @@ def test_input_lines_ids_and_encodings(tmp_path):
         json.dumps({"prompt": "first line, after a byte order mark"}).encode(),
         json.dumps({"id": 1, "prompt": "the number 1: the first line's own id"}).encode(),
         json.dumps({"id": "1", "prompt": "the string 1: another id"}).encode(),
-        json.dumps({"id": None, "prompt": "no id: line 4"}).encode(),
+        json.dumps({"id": None, "prompt": "no id: line 4", "max_tokens": None}).encode(),
+        json.dumps({"id": 4, "prompt": "the number 4: not line 4"}).encode(),
         b'{"prompt": "bad \xff byte"}',
         json.dumps({"id": "caf\u00e9", "prompt": "d\u00e9j\u00e0 vu"}, ensure_ascii=False).encode()]) + b"\n")
-    plan = read_lines(src, done={id_key(4)})
-    assert [x.id for x in plan.todo] == [1, "1", "café"] and plan.skipped == 1
-    assert [(e["line"], e["error"].split(" (")[0]) for e in plan.errors] == [(2, "id 1 is used by an earlier line"),
-                                                                          (5, "not UTF-8")]
+    plan = read_lines(src, done={ref_key({"line": 4})})
+    assert [x.ref for x in plan.todo] == [{"line": 1}, {"id": 1}, {"id": "1"}, {"id": 4}, {"id": "café"}]
+    assert plan.skipped == 1 and plan.todo[0].body == {"prompt": "first line, after a byte order mark"}
+    assert [(e["line"], e["error"].split(" (")[0]) for e in plan.errors] == [(6, "not UTF-8")]
+    dup = tmp_path / "dup.jsonl"
+    write(dup, [{"id": "x", "prompt": "a"}, {"id": "x", "prompt": "b"}, {"prompt": "a", "messages": []}])
+    assert [e["error"] for e in read_lines(dup, set()).errors] == [
+        'id "x" is used by an earlier line', "needs an object with one of `prompt` and `messages`"]
+    # null fields mean the default
+    assert read_lines(src, set()).todo[3].body == {"prompt": "no id: line 4"}
 
 
 def test_resume_keeps_answers_drops_failures_and_a_cut_last_line(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text("\n".join([json.dumps({"id": 1, "output": "a"}), json.dumps({"id": 2, "error": "HTTP 503"}),
                               json.dumps({"line": 7, "error": "not JSON"}), json.dumps({"id": "x", "output": "b"}),
-                              '{"id": 3, "outp']))
-    assert resume(out) == {id_key(1), id_key("x")}
-    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [1, "x"]
+                              json.dumps({"line": 1, "output": "c"}), '{"id": 3, "outp']))
+    assert resume(out) == {ref_key({"id": 1}), ref_key({"id": "x"}), ref_key({"line": 1})}
+    assert [json.loads(x).get("id") for x in out.read_text().splitlines()] == [1, "x", None]
     foreign = tmp_path / "notes.jsonl"
     foreign.write_text('{"id": 1, "output": "a"}\nsomething else\n{"id": 2, "output": "b"}\n')
     with pytest.raises(NotOurs):
@@ -107,7 +114,7 @@ def test_batch_answers_every_line_and_a_rerun_retries_only_the_failures(serve_ap
     assert {k for k, r in got.items() if "output" in r} == ok
     assert totals["ok"] == 9 and totals["failed"] == 4 and totals["skipped"] == 0
     assert "HTTP 400" in got["toolong"]["error"] and "max_input_tokens" in got["toolong"]["error"]
-    assert "not JSON" in refused[11] and "earlier line" in refused[13] and "`prompt` or `messages`" in refused[14]
+    assert "not JSON" in refused[11] and "earlier line" in refused[13] and "`prompt` and `messages`" in refused[14]
     assert all(got[f"b{i}"]["usage"]["completion_tokens"] <= 3 for i in range(3))
     assert all(got[f"a{i}"]["usage"]["completion_tokens"] <= 4 for i in range(4))
     # each group's system prompt is computed once: its later lines hit the cache (the order itself is
@@ -119,7 +126,7 @@ def test_batch_answers_every_line_and_a_rerun_retries_only_the_failures(serve_ap
     write(src, rows)
     assert cli(argv) == 1  # the malformed lines still fail
     totals = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert totals["skipped"] == 9 and totals["sent"] == 1 and totals["ok"] == 1
+    assert totals["skipped"] == 9 and totals["to_send"] == 1 and totals["ok"] == 1
     got, refused = read(out)
     assert sorted(refused) == [11, 13, 14]
     assert "output" in got["toolong"] and {k for k, r in got.items() if "output" in r} == ok | {"toolong"}
@@ -133,3 +140,38 @@ def test_batch_without_a_service_says_so(tmp_path, capsys):
                 "--wait-s", "0"]) == 2
     assert "no service answering" in capsys.readouterr().err
     assert cli(["batch", "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o.jsonl")]) == 2
+
+
+def test_batch_refuses_folders_and_a_second_writer(tmp_path, capsys):
+    import fcntl
+
+    src = tmp_path / "in.jsonl"
+    write(src, [{"prompt": "hi"}])
+    assert cli(["batch", "--input", str(tmp_path), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert cli(["batch", "--input", str(src), "--output", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    out = tmp_path / "o.jsonl"
+    with open(tmp_path / "o.jsonl.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another run is writing this output
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--wait-s", "0"]) == 2
+    assert "another run is writing" in capsys.readouterr().err
+
+
+def test_sigterm_ends_a_batch_like_ctrl_c_with_a_summary(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "in.jsonl"
+    write(src, [{"prompt": "hi"}])
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "batch", "--input", str(src), "--output",
+                             str(tmp_path / "o.jsonl"), "--url", f"http://127.0.0.1:{free_port()}", "--wait-s", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(5)  # waiting for a service that never comes
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err
+    assert json.loads(out)["to_send"] == 1 and "interrupted" in err
+    assert not (tmp_path / "o.jsonl.lock").exists()

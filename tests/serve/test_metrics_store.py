@@ -92,3 +92,10 @@ def test_a_restarted_store_takes_back_the_last_view_and_counters_continue():
     assert values(render(*new.export()))[("radixserve_requests_total", "all")] == 193
     now[0] += STALE_AFTER_S + 1  # a and b die without a word: they retire, still counted
     assert values(render(*new.export()))[("radixserve_requests_total", "all")] == 193
+
+
+def test_a_replica_only_gauge_has_no_fleet_sum():
+    got = values(render({"a": {"first_request_cached_tokens": 0}, "b": {"first_request_cached_tokens": -1}}))
+    assert got[("radixserve_first_request_cached_tokens", "a")] == 0
+    assert got[("radixserve_first_request_cached_tokens", "b")] == -1  # "no request yet"
+    assert ("radixserve_first_request_cached_tokens", "all") not in got  # a sum of those would be -1
