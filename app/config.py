@@ -15,7 +15,7 @@ ENV_PREFIX = "RADIXSERVE_"
 
 
 class AutoscalingSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON from a flag: "1" is a mistake, not a number
 
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(4, ge=1)

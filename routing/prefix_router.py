@@ -139,7 +139,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         cached = getattr(pending, "_radixserve_hashes", None)
         if cached is None:  # computed once per request, even when Serve retries the routing
             ids, _, salt = request_tokens(pending)
-            cached = block_hashes(ids, self.policy.cfg.block_size, self.model_id, salt) if ids else []
+            try:
+                cached = block_hashes(ids, self.policy.cfg.block_size, self.model_id, salt) if ids else []
+            except (OverflowError, TypeError):  # an id no model has (negative, over 32 bits): the replica
+                cached = []  # refuses the request with a 400; routing it as cold is all there is to do
             pending._radixserve_hashes = cached
         return cached
 

@@ -93,3 +93,13 @@ def test_a_replica_whose_engine_failed_is_ranked_last_until_it_is_replaced(monke
         assert first_choice() == "A"  # the window ended
     finally:
         pr._FAILED.clear()
+
+
+def test_token_ids_no_model_has_route_as_cold_without_an_error():
+    """A negative or over-32-bit id reaches the router before the replica refuses it (a 400): the router
+    must not count or log that as its own failure."""
+    r = _router()
+    for ids in ([5, -1] * 20, [5, 2**40] * 20):
+        pending = NS(args=(ids, {"max_new_tokens": 4}))
+        assert r._hashes(pending) == []
+    assert r.errors == 0

@@ -41,3 +41,10 @@ def test_replicas_get_the_drain_timeout_and_the_autoscaling_window(model_dir):
 def test_a_look_back_window_serve_would_refuse_is_a_settings_error():
     with pytest.raises(ValueError, match="look_back_period_s"):
         Settings.from_sources(file={"autoscaling": {"look_back_period_s": 5}}, env={})
+
+
+def test_autoscaling_numbers_must_be_numbers():
+    with pytest.raises(ValueError, match="min_replicas"):
+        Settings.from_sources(file={"autoscaling": {"min_replicas": "1"}}, env={})
+    a = Settings.from_sources(file={"autoscaling": {"max_replicas": 2, "target_ongoing_requests": 1}}, env={})
+    assert a.autoscaling.target_ongoing_requests == 1.0  # an integer where a float goes is fine
