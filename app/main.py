@@ -63,7 +63,8 @@ def build_app(settings: Settings):
     return Ingress.options(name=f"{settings.deployment_name}-ingress",
                            max_ongoing_requests=settings.ingress_max_ongoing_requests,
                            # as the LLM replicas: a frozen ingress is every request's outage
-                           health_check_period_s=5, health_check_timeout_s=10).bind(llm, s)
+                           health_check_period_s=5, health_check_timeout_s=10
+                           ).bind(llm, settings.model_dump(exclude={"num_replicas"}))  # /health: min_replicas 0
 
 
 def app_builder(args: dict[str, Any]):

@@ -524,10 +524,21 @@ class Ingress:
             at, live = self._last_health
             if time.monotonic() - at > HEALTHY_WITHIN_S:  # the last count is too old to vouch for
                 raise ApiError(503, f"cannot tell: {_error_text(e) or 'timed out'}", "unhealthy") from None
-        if not live:
+        if not live and not await self._scaled_to_zero():
             raise ApiError(503, f"no replica's engine has reported in the last {HEALTHY_WITHIN_S:.0f} s "
                                 "(starting up, or failed and being replaced)", "unhealthy")
         return JSONResponse({"status": "ok", "replicas": live})
+
+    async def _scaled_to_zero(self) -> bool:
+        """Autoscaling down to ``min_replicas`` 0 is idle, not down: a request starts a replica, so a
+        load balancer must keep sending them (a 503 here would keep the service at zero for good)."""
+        a = self.settings.autoscaling
+        if a is None or a.min_replicas > 0:
+            return False
+        try:
+            return bool(await self._hub.acall("scaled_to_zero", timeout=HEALTH_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - cannot tell: report what is known, no live replica
+            return False
 
     # ------------------------------------------------------------------ OpenAI
     def _model_card(self) -> dict[str, Any]:

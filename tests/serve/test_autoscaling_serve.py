@@ -109,3 +109,32 @@ def test_autoscaling_adds_a_warm_replica_and_removes_one_without_losing_requests
     failed = [o for o in outcomes if o[0] != 200 or not isinstance(o[1], dict) or "error" in o[1]
               or o[1].get("generated_text") is None]
     assert not failed, failed[:3]
+
+
+def test_scaled_to_zero_the_service_stays_healthy_and_the_next_request_starts_a_replica(serve_app, model_dir):
+    """min_replicas 0: with no replica left, /health still answers 200 (a load balancer that took a 503
+    would stop sending the request that brings a replica back), and that request is answered."""
+    from ray import serve
+
+    from app.config import Settings
+    from app.main import build_app
+
+    s = Settings(model_id=model_dir("tiny"), replica_num_cpus=1, max_batch_total_tokens=2048, router="prefix",
+                 deployment_name="ztest",
+                 autoscaling={"min_replicas": 0, "max_replicas": 1, "target_ongoing_requests": 1,
+                              "upscale_delay_s": 0, "downscale_delay_s": 1, "look_back_period_s": 11})
+    serve.run(build_app(s), name="ztest", route_prefix="/ztest")
+    status = lambda: serve.status().applications["ztest"].deployments["ztest-llm"].replica_states  # noqa: E731
+    try:
+        with httpx.Client(base_url=serve_app + "/ztest", timeout=120) as c:
+            body = {"inputs": "wake up", "parameters": {"max_new_tokens": 2}}
+            assert c.post("/generate", json=body).status_code == 200
+            assert wait_for(lambda: not status().get("RUNNING") and not status().get("STOPPING"), timeout=120), \
+                "never scaled to zero"
+            h = c.get("/health")
+            assert h.status_code == 200 and h.json() == {"status": "ok", "replicas": 0}, h.text
+            r = c.post("/generate", json=body)  # waits while Serve starts a replica
+            assert r.status_code == 200, r.text
+            assert status().get("RUNNING") == 1
+    finally:
+        serve.delete("ztest")
