@@ -115,7 +115,27 @@ def _serve(args: argparse.Namespace) -> int:
             redis.stop()
 
 
-def _drain(settings: Settings, force: threading.Event) -> None:
+class Flag:
+    """A flag a signal handler may set: ``threading.Event.set`` takes a lock that the main thread may
+    be holding inside ``Event.wait`` when the signal lands there, which would hang the process."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self._set and time.monotonic() < deadline:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        return self._set
+
+
+def _drain(settings: Settings, force: Flag) -> None:
     """New requests get 503 while those in flight finish (deleting the application at once would answer
     404 and cut every stream): until the ingress answers nothing and the live replicas run nothing for
     a few polls in a row, ``drain_timeout_s`` passes, or a second Ctrl-C."""
@@ -160,6 +180,20 @@ def _supervise_redis(redis) -> bool:
         return False
 
 
+_cleanup_signals = 0
+
+
+def _during_cleanup(*_) -> None:
+    """Signals while stopping: the first is ignored (the clean-up must finish, or Ray's processes leak);
+    a second one gives up on it (a clean-up that hangs on an unreachable cluster)."""
+    global _cleanup_signals
+    _cleanup_signals += 1
+    if _cleanup_signals >= 2:
+        os.write(2, b"radixserve: stopping without finishing the clean-up\n")
+        os._exit(130)
+    os.write(2, b"radixserve: still stopping (once more to quit at once)\n")
+
+
 def _replicas(settings: Settings) -> str:
     a = settings.autoscaling
     if a is not None:
@@ -174,7 +208,7 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
     from app.main import build_app
     from deployments.metrics import hub_name
 
-    up, stop, force, interrupted = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+    up, stop, force, interrupted = Flag(), Flag(), Flag(), Flag()
 
     def on_signal(*_) -> None:
         if not up.is_set():
@@ -201,6 +235,8 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
                                   "request_timeout_s": settings.request_timeout_s})
         serve.run(build_app(settings), name=settings.deployment_name, route_prefix="/", blocking=False)
         take_signals()
+        if interrupted.is_set():  # Ray caught the interrupt and went on: give up the start-up all the same
+            raise KeyboardInterrupt
         up.set()
         print(f"RadixServe is up: http://{settings.host}:{settings.port} "
               f"(model {settings.model_name()}, {_replicas(settings)}); Ctrl-C stops it", flush=True)
@@ -218,14 +254,14 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
         # deleting the application first would have Serve's proxy answer 404 for a few seconds, which
         # load balancers take as an answer; a closed port they take as a server that is gone
     except BaseException as e:
-        if not (isinstance(e, KeyboardInterrupt) or interrupted.is_set()):
+        if not (isinstance(e, KeyboardInterrupt) or (interrupted.is_set() and not up.is_set())):
             raise
         # (Ray may turn an interrupt inside its start-up into an error of its own)
         print("radixserve: interrupted while starting; stopping", file=sys.stderr, flush=True)
         code = 130
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up must finish, or Ray's processes leak
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, _during_cleanup)
         try:
             ray.kill(ray.get_actor(hub_name(settings.deployment_name), namespace="radixserve"))
         except Exception:  # noqa: BLE001 - already gone
@@ -260,13 +296,24 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # until a command takes signals over (loading torch and Ray takes seconds), SIGTERM stops it as
+    # Ctrl-C does, so the clean-up (a private redis-server) still runs
+    previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         return args.func(args)
-    except KeyboardInterrupt:  # Ctrl-C before a command takes signals over (loading its modules)
+    except KeyboardInterrupt:
         print("radixserve: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

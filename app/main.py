@@ -56,15 +56,15 @@ def request_router_config(settings: Settings):
 
 def build_app(settings: Settings):
     settings.resolved_model_id()  # create the built-in model before replicas look for it
-    # Replica counts stay out of the replicas' own arguments: changing them then scales the deployment
-    # in place instead of replacing every replica.
+    # Replica counts stay out of the replicas' own arguments: changing them through the Python API then
+    # scales the deployment in place instead of replacing every replica (`serve deploy` hashes a config
+    # file's whole `args`, so there any change restarts every replica).
     s = settings.model_dump(exclude={"num_replicas", "autoscaling"})
     llm = llm_deployment(settings).bind(s)
     return Ingress.options(name=f"{settings.deployment_name}-ingress",
                            max_ongoing_requests=settings.ingress_max_ongoing_requests,
                            # as the LLM replicas: a frozen ingress is every request's outage
-                           health_check_period_s=5, health_check_timeout_s=10
-                           ).bind(llm, settings.model_dump(exclude={"num_replicas"}))  # /health: min_replicas 0
+                           health_check_period_s=5, health_check_timeout_s=10).bind(llm, s)
 
 
 def app_builder(args: dict[str, Any]):

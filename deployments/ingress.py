@@ -36,6 +36,8 @@ DEFAULT_MAX_NEW_TOKENS = 64
 HEALTH_TIMEOUT_S = 3.0
 # replicas report every second, between engine steps (deployments.llm_server): room for long CPU steps
 HEALTHY_WITHIN_S = 10.0
+ZERO_CHECK_S = 2.0  # how long /health keeps Serve's word that the LLM deployment is idle at zero replicas
+ZERO_OK_STATUSES = frozenset({"HEALTHY", "UPSCALING", "DOWNSCALING"})
 VERSION = "0.1.0"
 # what clients send when they do not know the model's name: TGI's own clients send "tgi" (TGI's server
 # ignores the field), huggingface_hub's InferenceClient "dummy"; any other name must be the served one
@@ -298,6 +300,7 @@ class Ingress:
         self._info: dict[str, Any] | None = None
         self._hub = HubClient(self.settings.deployment_name)
         self._last_health: tuple[float, int] = (float("-inf"), 0)  # (when, replicas) of the last good answer
+        self._zero_seen: tuple[float, bool] = (float("-inf"), False)  # (when, answer) of _scaled_to_zero
         self._hub_view: tuple | None = None  # the hub's state at the last /metrics (restored if it restarts)
         self._text_cache: dict[int, str] = {}  # bounded by the vocabulary
         self._bytes_cache: dict[int, list[int]] = {}
@@ -530,15 +533,25 @@ class Ingress:
         return JSONResponse({"status": "ok", "replicas": live})
 
     async def _scaled_to_zero(self) -> bool:
-        """Autoscaling down to ``min_replicas`` 0 is idle, not down: a request starts a replica, so a
-        load balancer must keep sending them (a 503 here would keep the service at zero for good)."""
-        a = self.settings.autoscaling
-        if a is None or a.min_replicas > 0:
-            return False
+        """No replica because autoscaling (``min_replicas`` 0) took them all away is idle, not down: a
+        request starts one, so a load balancer must keep sending them (a 503 would keep the service at
+        zero for good). Serve's controller knows which it is; its answer is kept for a few seconds."""
+        at, answer = self._zero_seen
+        if time.monotonic() - at < ZERO_CHECK_S:
+            return answer
         try:
-            return bool(await self._hub.acall("scaled_to_zero", timeout=HEALTH_TIMEOUT_S))
+            answer = await asyncio.wait_for(asyncio.to_thread(self._llm_idle_at_zero), HEALTH_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - cannot tell: report what is known, no live replica
-            return False
+            answer = False
+        self._zero_seen = (time.monotonic(), answer)
+        return answer
+
+    def _llm_idle_at_zero(self) -> bool:
+        app = serve.get_replica_context().app_name
+        dep = serve.status().applications[app].deployments[f"{self.settings.deployment_name}-llm"]
+        # HEALTHY (or scaling) with no replica at all: the target is zero; a failed or updating
+        # deployment with none is down or starting
+        return not dep.replica_states and str(getattr(dep.status, "value", dep.status)) in ZERO_OK_STATUSES
 
     # ------------------------------------------------------------------ OpenAI
     def _model_card(self) -> dict[str, Any]:

@@ -271,9 +271,8 @@ class LLMServer:
         # and tell the directory this replica no longer holds anything.
         try:
             self._stop.set()
-            self._background.join(timeout=5)  # a push after the forget below would bring this replica back
             self.aengine.shutdown()
-            self._hub.call("forget", self.replica_id)  # answered before this actor exits
+            self._hub.handle.forget.remote(self.replica_id)
             if self.directory is not None:
                 self.directory.forget_replica(self.replica_id)
         except Exception:  # noqa: BLE001

@@ -19,7 +19,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STALE_AFTER_S = 30.0
 RETIRED_MERGE_S = 600.0
-HUB_VERSION = 3
+HUB_VERSION = 2
 HUNG_AFTER_TIMEOUTS = 2  # calls in a row that time out before a client restarts the hub
 log = logging.getLogger(__name__)
 
@@ -157,32 +157,22 @@ class SnapshotStore:
         # a fresh store (the hub restarted) starts empty; the ingress gives it back its last view once
         self.incarnation = uuid.uuid4().hex
         self._restored = False
-        self._emptied_gracefully = False  # the last replica left by a graceful stop (see scaled_to_zero)
 
     def push(self, replica: str, snapshot: dict) -> None:
         self._retired.pop(replica, None)
         self._snaps[replica] = (self._clock(), snapshot)
-        self._emptied_gracefully = False
 
-    def forget(self, replica: str, graceful: bool = True) -> None:
-        """A replica is gone: by a graceful stop (it says so itself), or it stopped pushing (stale)."""
+    def forget(self, replica: str) -> None:
         gone = self._snaps.pop(replica, None)
         if gone is not None:
             totals: dict[str, Any] = {}
             _add(totals, gone[1], COUNTER_KEYS)
             self._retired[replica] = (self._clock(), totals)
-            self._emptied_gracefully = graceful and not self._snaps
-
-    def scaled_to_zero(self) -> bool:
-        """No replica, and the last one stopped gracefully (autoscaling took it away) rather than going
-        silent (a crash, a hung engine): with ``min_replicas`` 0 the service is then idle, not down."""
-        self.snapshots()  # retire the silent ones first
-        return not self._snaps and self._emptied_gracefully
 
     def snapshots(self) -> dict[str, dict]:
         now = self._clock()
         for r in [r for r, (at, _) in self._snaps.items() if now - at >= STALE_AFTER_S]:
-            self.forget(r, graceful=False)
+            self.forget(r)
         for r in [r for r, (at, _) in self._retired.items() if now - at >= RETIRED_MERGE_S]:
             _add(self._merged, self._retired.pop(r)[1])  # bounded: old replicas fold into one sum
         return {r: s for r, (_, s) in self._snaps.items()}

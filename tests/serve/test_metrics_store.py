@@ -100,23 +100,3 @@ def test_a_replica_only_gauge_has_no_fleet_sum():
     assert got[("radixserve_first_request_cached_tokens", "b")] == -1  # "no request yet"
     assert ("radixserve_first_request_cached_tokens", "all") not in got  # a sum of those would be -1
 
-
-def test_scaled_to_zero_only_when_the_last_replica_stopped_gracefully():
-    now = [0.0]
-    store = SnapshotStore(clock=lambda: now[0])
-    assert not store.scaled_to_zero()  # nothing yet: starting up
-    store.push("a", snap(1))
-    store.push("b", snap(1))
-    store.forget("a")  # autoscaling removes one
-    assert not store.scaled_to_zero()
-    store.forget("b")  # ... and the last: idle, not down
-    assert store.scaled_to_zero()
-    store.push("c", snap(0))  # a request brought one back
-    assert not store.scaled_to_zero()
-    now[0] = STALE_AFTER_S + 1  # it went silent (a crash): down, not idle
-    assert not store.scaled_to_zero()
-    store.push("d", snap(0))
-    store.push("e", snap(0))
-    store.forget("d")
-    now[0] += STALE_AFTER_S + 1  # e crashed after d's graceful stop: the last departure decides
-    assert not store.scaled_to_zero()
