@@ -135,6 +135,9 @@ class Flag:
         return self._set
 
 
+DRAIN_LEASE_S = 10.0  # how long the ingress replicas keep refusing after the CLI's last renewal
+
+
 def _drain(settings: Settings, force: Flag) -> None:
     """New requests get 503 while those in flight finish (deleting the application at once would answer
     404 and cut every stream): until the ingress answers nothing and the live replicas run nothing for
@@ -146,9 +149,9 @@ def _drain(settings: Settings, force: Flag) -> None:
 
     name = settings.deployment_name
     try:
-        ingress = serve.get_deployment_handle(f"{name}-ingress", app_name=name)
-        ingress.drain.remote().result(timeout_s=5)
         hub = ray.get_actor(hub_name(name), namespace="radixserve")
+        ray.get(hub.drain.remote(DRAIN_LEASE_S), timeout=5)  # every ingress replica, at its next heartbeat
+        serve.get_deployment_handle(f"{name}-ingress", app_name=name).drain.remote().result(timeout_s=5)
     except Exception as e:  # noqa: BLE001 - nothing to drain (the app never came up): just stop
         print(f"radixserve: not draining: {e}", file=sys.stderr)
         return
@@ -156,7 +159,8 @@ def _drain(settings: Settings, force: Flag) -> None:
     idle = 0
     while time.monotonic() < deadline and not force.is_set():
         try:
-            busy = ingress.in_flight.remote().result(timeout_s=2) + ray.get(hub.busy.remote(3.0), timeout=2)
+            hub.drain.remote(DRAIN_LEASE_S)  # renewed: a drain outlives this process by one lease only
+            busy = ray.get(hub.ingress_in_flight.remote(3.0), timeout=2) + ray.get(hub.busy.remote(3.0), timeout=2)
         except Exception:  # noqa: BLE001
             return
         idle = idle + 1 if busy == 0 else 0
@@ -227,7 +231,7 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
             ray.init(address=address, namespace="radixserve", logging_level=logging.WARNING)
         else:
             most = settings.autoscaling.max_replicas if settings.autoscaling else settings.num_replicas
-            need = most * settings.replica_num_cpus + 1  # logical CPUs: every replica must fit
+            need = most * settings.replica_num_cpus + settings.ingress_replicas  # logical CPUs: all must fit
             ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
                      namespace="radixserve", logging_level=logging.WARNING)
         take_signals()  # a local Ray node puts in a SIGTERM handler that exits at once: SIGTERM drains too

@@ -62,6 +62,8 @@ class Settings(BaseModel):
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingSettings | None = None
     max_ongoing_requests: int = Field(64, gt=0)
+    ingress_replicas: int = Field(1, ge=1, description="HTTP ingress replicas (tokenizing, routing); more than "
+                                  "one keeps the service answering while one is replaced")
     # the HTTP ingress only forwards streams: Serve's default cap of 5 would queue the 6th client
     ingress_max_ongoing_requests: int = Field(4096, gt=0)
     engine_stall_timeout_s: float = Field(120.0, gt=0, description="a replica whose engine loop has not come "

@@ -59,9 +59,9 @@ def build_app(settings: Settings):
     # Replica counts stay out of the replicas' own arguments: changing them through the Python API then
     # scales the deployment in place instead of replacing every replica (`serve deploy` hashes a config
     # file's whole `args`, so there any change restarts every replica).
-    s = settings.model_dump(exclude={"num_replicas", "autoscaling"})
+    s = settings.model_dump(exclude={"num_replicas", "autoscaling", "ingress_replicas"})
     llm = llm_deployment(settings).bind(s)
-    return Ingress.options(name=f"{settings.deployment_name}-ingress",
+    return Ingress.options(name=f"{settings.deployment_name}-ingress", num_replicas=settings.ingress_replicas,
                            max_ongoing_requests=settings.ingress_max_ongoing_requests,
                            # as the LLM replicas: a frozen ingress is every request's outage
                            health_check_period_s=5, health_check_timeout_s=10).bind(llm, s)

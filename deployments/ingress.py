@@ -13,6 +13,7 @@ import concurrent.futures
 import functools
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,6 +37,7 @@ DEFAULT_MAX_NEW_TOKENS = 64
 HEALTH_TIMEOUT_S = 3.0
 # replicas report every second, between engine steps (deployments.llm_server): room for long CPU steps
 HEALTHY_WITHIN_S = 10.0
+HEARTBEAT_S = 0.5  # how often an ingress replica asks the hub whether to drain
 ZERO_CHECK_S = 2.0  # how long /health keeps Serve's word that the LLM deployment is idle at zero replicas
 ZERO_OK_STATUSES = frozenset({"HEALTHY", "UPSCALING", "DOWNSCALING"})
 VERSION = "0.1.0"
@@ -83,7 +85,7 @@ class InFlight:
     new POSTs with 503 before anything reads them (a bad body included)."""
 
     count = 0
-    draining = False  # set by Ingress.drain (one ingress process per replica)
+    draining = False  # set by Ingress.drain and by the hub's word (one ingress process per replica)
 
     def __init__(self, asgi_app):
         self.app = asgi_app
@@ -299,6 +301,10 @@ class Ingress:
         self._max_token_chars = max((len(k) for k in self.tokenizer.get_vocab()), default=1)
         self._info: dict[str, Any] | None = None
         self._hub = HubClient(self.settings.deployment_name)
+        # every ingress replica hears of a drain and tells its requests in flight through the hub: the
+        # CLI's drain reaches all of them, not only the one a handle call lands on
+        self._replica_id = serve.get_replica_context().replica_id.unique_id
+        threading.Thread(target=self._heartbeat, name="ingress-heartbeat", daemon=True).start()
         self._last_health: tuple[float, int] = (float("-inf"), 0)  # (when, replicas) of the last good answer
         self._zero_seen: tuple[float, bool] = (float("-inf"), False)  # (when, answer) of _scaled_to_zero
         self._hub_view: tuple | None = None  # the hub's state at the last /metrics (restored if it restarts)
@@ -312,13 +318,20 @@ class Ingress:
     # ------------------------------------------------------------------ plumbing
     def drain(self) -> bool:
         """Stop taking new requests (503, "shutting down") while those in flight finish: ``radixserve
-        serve`` calls this on Ctrl-C before it deletes the application, which would cut them off."""
+        serve`` calls this on Ctrl-C (after telling the hub, which tells the other ingress replicas)."""
         InFlight.draining = True
         return True
 
-    def in_flight(self) -> int:
-        """POST requests being answered now (for the drain)."""
-        return InFlight.count
+    def _heartbeat(self) -> None:
+        """Twice a second: this replica's requests in flight to the hub, the hub's drain back."""
+        while True:
+            try:
+                # the hub's word, also to undo a drain whose CLI died (its renewals lapse)
+                InFlight.draining = bool(self._hub.call("ingress_poll", self._replica_id, InFlight.count,
+                                                        timeout=HEALTH_TIMEOUT_S))
+            except Exception as e:  # noqa: BLE001 - the hub is restarting: keep the last word
+                log.debug("ingress heartbeat failed: %s", e)
+            time.sleep(HEARTBEAT_S)
 
     def _failure(self, e: BaseException) -> str:
         if InFlight.draining:

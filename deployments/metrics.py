@@ -19,7 +19,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STALE_AFTER_S = 30.0
 RETIRED_MERGE_S = 600.0
-HUB_VERSION = 2
+HUB_VERSION = 3
 HUNG_AFTER_TIMEOUTS = 2  # calls in a row that time out before a client restarts the hub
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,8 @@ class SnapshotStore:
         # a fresh store (the hub restarted) starts empty; the ingress gives it back its last view once
         self.incarnation = uuid.uuid4().hex
         self._restored = False
+        self._draining_until = float("-inf")  # the CLI's drain, refreshed while it lasts (see drain)
+        self._ingress: dict[str, tuple[float, int]] = {}  # ingress replica -> (when, requests in flight)
 
     def push(self, replica: str, snapshot: dict) -> None:
         self._retired.pop(replica, None)
@@ -215,6 +217,23 @@ class SnapshotStore:
         thread answers, so this is the count of live engines, busy or not."""
         now = self._clock()
         return sum(1 for at, _ in self._snaps.values() if now - at < within_s)
+
+    def drain(self, for_s: float) -> None:
+        """Every ingress replica refuses new requests for ``for_s`` seconds (the CLI renews this while it
+        drains, so a drain whose CLI died does not outlive it)."""
+        self._draining_until = max(self._draining_until, self._clock() + for_s)
+
+    def ingress_poll(self, replica: str, in_flight: int) -> bool:
+        """An ingress replica's heartbeat: its requests in flight in; whether to drain out."""
+        self._ingress[replica] = (self._clock(), in_flight)
+        return self._clock() < self._draining_until
+
+    def ingress_in_flight(self, within_s: float) -> int:
+        """Requests in flight on the ingress replicas heard from within ``within_s``."""
+        now = self._clock()
+        for r in [r for r, (at, _) in self._ingress.items() if now - at >= STALE_AFTER_S]:
+            del self._ingress[r]  # bounded: replicas gone long ago
+        return sum(n for at, n in self._ingress.values() if now - at < within_s)
 
     def busy(self, within_s: float) -> int:
         """Requests running or waiting on the replicas that pushed within ``within_s`` (a dead

@@ -16,13 +16,14 @@ import pytest
 from app.local_redis import free_port
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_signal):
+@pytest.mark.parametrize(("stop_signal", "ingresses"), [(signal.SIGINT, 1), (signal.SIGTERM, 2)],
+                         ids=["SIGINT", "SIGTERM-2-ingresses"])
+def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_signal, ingresses):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["RADIXSERVE_MAX_BATCH_TOTAL_TOKENS"] = "2048"  # settings from the environment work too
     cmd = [sys.executable, "-m", "app.cli", "serve", "--model-id", model_dir("tiny"), "--port", str(port),
-           "--num-replicas", "1", "--router", "pow2"]
+           "--num-replicas", "1", "--router", "pow2", "--ingress-replicas", str(ingresses)]
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -43,6 +44,7 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_si
         r = httpx.post(url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 4}}, timeout=30)
         assert r.status_code == 200
         # Ctrl-C drains: a stream in flight finishes; a new request meanwhile gets a 503 that says why
+        # (from every ingress replica: the proxy spreads these requests over them)
         body = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
             lines = stream.iter_lines()
@@ -54,6 +56,9 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_si
                 refused = r if r.status_code == 503 else None
                 time.sleep(0.2)
             assert refused is not None and "shutting down" in refused.json()["error"], "no 503 while draining"
+            time.sleep(1)  # the other ingress replicas hear of the drain at their next heartbeat (0.5 s)
+            codes = [httpx.post(url + "/generate", json={"inputs": "hi"}, timeout=10).status_code for _ in range(8)]
+            assert codes == [503] * 8, codes
             bad = httpx.post(url + "/v1/completions", content=b"{not json", timeout=10)  # refused before parsing
             assert bad.status_code == 503 and "shutting down" in bad.json()["error"]["message"]
             assert httpx.get(url + "/health", timeout=10).status_code == 503

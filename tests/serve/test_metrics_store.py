@@ -100,3 +100,16 @@ def test_a_replica_only_gauge_has_no_fleet_sum():
     assert got[("radixserve_first_request_cached_tokens", "b")] == -1  # "no request yet"
     assert ("radixserve_first_request_cached_tokens", "all") not in got  # a sum of those would be -1
 
+
+
+def test_a_drain_reaches_every_ingress_and_lapses_without_renewal():
+    now = [0.0]
+    store = SnapshotStore(clock=lambda: now[0])
+    assert store.ingress_poll("i1", 2) is False
+    store.drain(10.0)
+    assert store.ingress_poll("i1", 2) is True and store.ingress_poll("i2", 1) is True
+    assert store.ingress_in_flight(3.0) == 3
+    now[0] = 5.0
+    assert store.ingress_in_flight(3.0) == 0  # neither heard from lately: their counts no longer hold up a drain
+    now[0] = 11.0  # the CLI that drained stopped renewing (it died): serving resumes
+    assert store.ingress_poll("i1", 0) is False

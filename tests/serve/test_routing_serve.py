@@ -81,3 +81,27 @@ def test_killed_replica_stops_getting_traffic_and_nothing_hangs(routed):
     assert all(c in (200, 503) for c in codes), f"codes {codes}"
     after = [served_by(routed, text + f" after {i}") for i in range(8)]
     assert victim not in after
+
+
+def test_with_two_ingress_replicas_both_routers_send_a_prefix_to_its_holder(serve_app, model_dir, redis_server):
+    """Each ingress replica has its own router; what one routes, the other learns from the replicas'
+    reports (a stats period), so a prefix still sticks to one replica whichever ingress takes it."""
+    from ray import serve
+
+    from app.config import Settings
+    from app.main import build_app
+
+    settings = Settings(model_id=model_dir("tiny"), num_replicas=2, ingress_replicas=2, replica_num_cpus=1,
+                        max_batch_total_tokens=4096, redis_url=redis_server.url, router="prefix",
+                        deployment_name="r2test")
+    serve.run(build_app(settings), name="r2test", route_prefix="/r2test")
+    try:
+        ingresses = serve.status().applications["r2test"].deployments["r2test-ingress"].replica_states
+        assert ingresses.get("RUNNING") == 2
+        with httpx.Client(base_url=serve_app + "/r2test", timeout=60) as c:
+            a = "Gamma system prompt shared by everyone behind two ingress replicas. " * 4
+            first = served_by(c, a + "q0")
+            time.sleep(2.5)  # the holder reports what it stored; both routers fold it in
+            assert [served_by(c, a + f"q{i}") for i in range(1, 9)] == [first] * 8
+    finally:
+        serve.delete("r2test")
