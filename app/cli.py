@@ -135,9 +135,6 @@ class Flag:
         return self._set
 
 
-DRAIN_LEASE_S = 10.0  # how long the ingress replicas keep refusing after the CLI's last renewal
-
-
 def _drain(settings: Settings, force: Flag) -> None:
     """New requests get 503 while those in flight finish (deleting the application at once would answer
     404 and cut every stream): until the ingress answers nothing and the live replicas run nothing for
@@ -145,12 +142,17 @@ def _drain(settings: Settings, force: Flag) -> None:
     import ray
     from ray import serve
 
+    from deployments.ingress import DRAIN_LEASE_S
     from deployments.metrics import hub_name
 
     name = settings.deployment_name
+    hub = None
     try:
         hub = ray.get_actor(hub_name(name), namespace="radixserve")
         ray.get(hub.drain.remote(DRAIN_LEASE_S), timeout=5)  # every ingress replica, at its next heartbeat
+    except Exception as e:  # noqa: BLE001 - the one the handle reaches still drains; the loop keeps asking
+        print(f"radixserve: the metrics hub did not take the drain: {e}", file=sys.stderr)
+    try:
         serve.get_deployment_handle(f"{name}-ingress", app_name=name).drain.remote().result(timeout_s=5)
     except Exception as e:  # noqa: BLE001 - nothing to drain (the app never came up): just stop
         print(f"radixserve: not draining: {e}", file=sys.stderr)
@@ -159,10 +161,11 @@ def _drain(settings: Settings, force: Flag) -> None:
     idle = 0
     while time.monotonic() < deadline and not force.is_set():
         try:
+            hub = hub or ray.get_actor(hub_name(name), namespace="radixserve")
             hub.drain.remote(DRAIN_LEASE_S)  # renewed: a drain outlives this process by one lease only
             busy = ray.get(hub.ingress_in_flight.remote(3.0), timeout=2) + ray.get(hub.busy.remote(3.0), timeout=2)
-        except Exception:  # noqa: BLE001
-            return
+        except Exception:  # noqa: BLE001 - the hub is restarting: cannot tell, so wait (up to the deadline)
+            hub, busy = None, 1
         idle = idle + 1 if busy == 0 else 0
         if idle >= 3:
             return
@@ -231,7 +234,7 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
             ray.init(address=address, namespace="radixserve", logging_level=logging.WARNING)
         else:
             most = settings.autoscaling.max_replicas if settings.autoscaling else settings.num_replicas
-            need = most * settings.replica_num_cpus + settings.ingress_replicas  # logical CPUs: all must fit
+            need = most * settings.replica_num_cpus + 1  # logical CPUs: every LLM replica must fit
             ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
                      namespace="radixserve", logging_level=logging.WARNING)
         take_signals()  # a local Ray node puts in a SIGTERM handler that exits at once: SIGTERM drains too

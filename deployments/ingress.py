@@ -38,6 +38,7 @@ HEALTH_TIMEOUT_S = 3.0
 # replicas report every second, between engine steps (deployments.llm_server): room for long CPU steps
 HEALTHY_WITHIN_S = 10.0
 HEARTBEAT_S = 0.5  # how often an ingress replica asks the hub whether to drain
+DRAIN_LEASE_S = 10.0  # a drain lasts this long past its last renewal (the CLI renews it while it drains)
 ZERO_CHECK_S = 2.0  # how long /health keeps Serve's word that the LLM deployment is idle at zero replicas
 ZERO_OK_STATUSES = frozenset({"HEALTHY", "UPSCALING", "DOWNSCALING"})
 VERSION = "0.1.0"
@@ -304,6 +305,8 @@ class Ingress:
         # every ingress replica hears of a drain and tells its requests in flight through the hub: the
         # CLI's drain reaches all of them, not only the one a handle call lands on
         self._replica_id = serve.get_replica_context().replica_id.unique_id
+        self._drained_until = float("-inf")  # Ingress.drain's own word, kept for one lease
+        self._stop = threading.Event()
         threading.Thread(target=self._heartbeat, name="ingress-heartbeat", daemon=True).start()
         self._last_health: tuple[float, int] = (float("-inf"), 0)  # (when, replicas) of the last good answer
         self._zero_seen: tuple[float, bool] = (float("-inf"), False)  # (when, answer) of _scaled_to_zero
@@ -320,18 +323,22 @@ class Ingress:
         """Stop taking new requests (503, "shutting down") while those in flight finish: ``radixserve
         serve`` calls this on Ctrl-C (after telling the hub, which tells the other ingress replicas)."""
         InFlight.draining = True
+        self._drained_until = time.monotonic() + DRAIN_LEASE_S  # a hub that restarts forgets the drain
         return True
 
     def _heartbeat(self) -> None:
         """Twice a second: this replica's requests in flight to the hub, the hub's drain back."""
-        while True:
+        while not self._stop.wait(HEARTBEAT_S):
             try:
-                # the hub's word, also to undo a drain whose CLI died (its renewals lapse)
-                InFlight.draining = bool(self._hub.call("ingress_poll", self._replica_id, InFlight.count,
-                                                        timeout=HEALTH_TIMEOUT_S))
+                told = self._hub.call("ingress_poll", self._replica_id, InFlight.count, timeout=HEALTH_TIMEOUT_S,
+                                      renew=False)
+                # the hub's word (a drain whose CLI died ends when its renewals lapse), or drain()'s own
+                InFlight.draining = bool(told) or time.monotonic() < self._drained_until
             except Exception as e:  # noqa: BLE001 - the hub is restarting: keep the last word
                 log.debug("ingress heartbeat failed: %s", e)
-            time.sleep(HEARTBEAT_S)
+
+    def __del__(self):
+        self._stop.set()  # no heartbeat after Serve stops this replica (it would find no hub)
 
     def _failure(self, e: BaseException) -> str:
         if InFlight.draining:

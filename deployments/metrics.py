@@ -158,7 +158,8 @@ class SnapshotStore:
         self.incarnation = uuid.uuid4().hex
         self._restored = False
         self._draining_until = float("-inf")  # the CLI's drain, refreshed while it lasts (see drain)
-        self._ingress: dict[str, tuple[float, int]] = {}  # ingress replica -> (when, requests in flight)
+        # ingress replica -> (when, requests in flight, whether it was told of the drain then)
+        self._ingress: dict[str, tuple[float, int, bool]] = {}
 
     def push(self, replica: str, snapshot: dict) -> None:
         self._retired.pop(replica, None)
@@ -225,15 +226,19 @@ class SnapshotStore:
 
     def ingress_poll(self, replica: str, in_flight: int) -> bool:
         """An ingress replica's heartbeat: its requests in flight in; whether to drain out."""
-        self._ingress[replica] = (self._clock(), in_flight)
-        return self._clock() < self._draining_until
+        now = self._clock()
+        told = now < self._draining_until
+        self._ingress[replica] = (now, in_flight, told)
+        for r in [r for r, (at, *_) in self._ingress.items() if now - at >= STALE_AFTER_S]:
+            del self._ingress[r]  # bounded: replicas gone long ago
+        return told
 
     def ingress_in_flight(self, within_s: float) -> int:
-        """Requests in flight on the ingress replicas heard from within ``within_s``."""
+        """Requests in flight on the ingress replicas heard from within ``within_s``; during a drain, one
+        more for each that has not yet reported since it was told (it may still be taking requests)."""
         now = self._clock()
-        for r in [r for r, (at, _) in self._ingress.items() if now - at >= STALE_AFTER_S]:
-            del self._ingress[r]  # bounded: replicas gone long ago
-        return sum(n for at, n in self._ingress.values() if now - at < within_s)
+        draining = now < self._draining_until
+        return sum(n + (draining and not told) for at, n, told in self._ingress.values() if now - at < within_s)
 
     def busy(self, within_s: float) -> int:
         """Requests running or waiting on the replicas that pushed within ``within_s`` (a dead
@@ -286,9 +291,10 @@ class HubClient:
             except Exception:  # noqa: BLE001 - already gone: the next call renews the handle
                 pass
 
-    def call(self, method: str, *args, timeout: float = 5.0):
+    def call(self, method: str, *args, timeout: float = 5.0, renew: bool = True):
         """``method(*args)`` on the hub, blocking (background threads); renews the handle once if the
-        actor died."""
+        actor died (``renew``; a heartbeat that must not bring back a hub the CLI removed passes False,
+        and takes the handle the other callers renew)."""
         for attempt in range(2):
             try:
                 out = ray.get(getattr(self.handle, method).remote(*args), timeout=timeout)
@@ -298,7 +304,7 @@ class HubClient:
                 self._timed_out()
                 raise
             except ray.exceptions.ActorDiedError:
-                if attempt:
+                if attempt or not renew:
                     raise
                 self.renew()
 

@@ -105,11 +105,17 @@ def test_a_replica_only_gauge_has_no_fleet_sum():
 def test_a_drain_reaches_every_ingress_and_lapses_without_renewal():
     now = [0.0]
     store = SnapshotStore(clock=lambda: now[0])
-    assert store.ingress_poll("i1", 2) is False
+    assert store.ingress_poll("i1", 2) is False and store.ingress_poll("i2", 1) is False
     store.drain(10.0)
-    assert store.ingress_poll("i1", 2) is True and store.ingress_poll("i2", 1) is True
-    assert store.ingress_in_flight(3.0) == 3
+    # i2 has not reported since the drain began: it may still be taking requests, so it counts as busy
+    assert store.ingress_poll("i1", 2) is True
+    assert store.ingress_in_flight(3.0) == 2 + 1 + 1
+    assert store.ingress_poll("i2", 0) is True
+    assert store.ingress_in_flight(3.0) == 2
     now[0] = 5.0
     assert store.ingress_in_flight(3.0) == 0  # neither heard from lately: their counts no longer hold up a drain
     now[0] = 11.0  # the CLI that drained stopped renewing (it died): serving resumes
     assert store.ingress_poll("i1", 0) is False
+    now[0] = 50.0
+    store.ingress_poll("i3", 0)
+    assert set(store._ingress) == {"i3"}  # replicas gone long ago are dropped
