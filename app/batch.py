@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tqdm import tqdm
 
 RETRY_STATUS = {429, 502, 503, 504}  # the service is busy or a replica is restarting: try again
 RETRY_WAITS_S = (1, 2, 4, 8, 16, 30)  # then 30 s each: the default 6 tries span a service restart
@@ -228,7 +229,7 @@ async def _send(args: argparse.Namespace, todo: list[Line], out, totals: dict) -
     async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout_s, limits=limits) as client:
         model = await _model(client, args.wait_s)
         defaults = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature}
-        bar = _progress(len(todo))
+        bar = tqdm(total=len(todo), unit="req", mininterval=2.0, file=sys.stderr)
         queue = iter(todo)  # workers take the next line in order (no task per line)
 
         async def worker() -> None:
@@ -275,22 +276,6 @@ async def _model(client: httpx.AsyncClient, wait_s: float) -> str:
             raise ConnectionError(f"no service answering at {client.base_url} ({problem}); "
                                   "start one with `radixserve serve` or pass --url")
         await asyncio.sleep(1.0)
-
-
-def _progress(total: int):
-    try:
-        from tqdm import tqdm
-
-        return tqdm(total=total, unit="req", mininterval=2.0, file=sys.stderr)
-    except ImportError:  # pragma: no cover - tqdm comes with transformers
-        class _Quiet:
-            def update(self, n):
-                pass
-
-            def close(self):
-                pass
-
-        return _Quiet()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -19,15 +19,17 @@ import tempfile
 from pathlib import Path
 
 from app import batch
+from bench.plots import bar_panels
 from bench.serve_bench import deploy
 from bench.workloads import gsp
 
 
 def run_batch(url: str, src: Path, keep_order: bool, concurrency: int, max_tokens: int) -> dict:
     out = Path(tempfile.mkdtemp()) / "out.jsonl"
-    args = argparse.Namespace(input=str(src), output=str(out), url=url, concurrency=concurrency,
-                              max_tokens=max_tokens, temperature=0.0, keep_order=keep_order, retries=3,
-                              request_timeout_s=600.0, wait_s=60.0)
+    parser = argparse.ArgumentParser()
+    batch.add_arguments(parser)  # the command's own defaults (retries, timeouts)
+    args = parser.parse_args(["--input", str(src), "--output", str(out), "--url", url, "--concurrency", str(concurrency),
+                              "--max-tokens", str(max_tokens)] + (["--keep-order"] if keep_order else []))
     totals: dict = {}
     asyncio.run(batch.run(args, totals))
     return batch.summary(totals)
@@ -84,22 +86,8 @@ def main(argv=None) -> dict:
 
 
 def plot(rows: dict, path: Path, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(rows)
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
-    for ax, key, label in zip(axes, ("wall_s", "cached_share"), ("wall time (s)", "cached share of prompt tokens"),
-                              strict=True):
-        ax.bar(names, [rows[n][key] for n in names], color=["tab:green" if n == "prefix" else "tab:gray" for n in names])
-        ax.set_title(label)
-    fig.suptitle(f"radixserve batch: {args.groups} groups x {args.per_group}, 2 replicas x {args.total_tokens} tokens")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-
+    bar_panels(rows, [("wall_s", "wall time (s)"), ("cached_share", "cached share of prompt tokens")],
+               f"radixserve batch: {args.groups} groups x {args.per_group}, 2 replicas x {args.total_tokens} tokens", path)
 
 if __name__ == "__main__":
     main()

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from bench.http_load import metric_samples, run_load, wait_healthy
+from bench.plots import bar_panels
 from bench.workloads import gsp
 
 
@@ -120,22 +121,9 @@ def main(argv=None) -> dict:
 
 
 def plot(rows: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [k for k in rows if isinstance(rows[k], dict)]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    for ax, key, label in zip(axes, ("out_tok_s", "ttft_p50_s", "hit_rate"),
-                              ("output tokens/s", "TTFT p50 (s)", "prefix cache hit rate"), strict=True):
-        ax.bar(names, [rows[n][key] for n in names], color=["tab:green" if n == "prefix" else "tab:gray" for n in names])
-        ax.set_title(label)
-    fig.suptitle("2 replicas, bench model, gsp-small x16 over HTTP, concurrency 8")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-
+    bar_panels({k: r for k, r in rows.items() if isinstance(r, dict)},
+               [("out_tok_s", "output tokens/s"), ("ttft_p50_s", "TTFT p50 (s)"), ("hit_rate", "prefix cache hit rate")],
+               "2 replicas, bench model, gsp-small x16 over HTTP, concurrency 8", path)
 
 if __name__ == "__main__":
     main()
