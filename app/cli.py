@@ -204,7 +204,7 @@ def _during_cleanup(*_) -> None:
 def _replicas(settings: Settings) -> str:
     a = settings.autoscaling
     if a is not None:
-        return f"autoscaling {a.min_replicas}-{a.max_replicas} replicas"
+        return f"autoscaling {a.min_replicas}-{a.max_replicas} replicas ({a.policy} policy)"
     return f"{settings.num_replicas} replica(s)"
 
 

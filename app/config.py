@@ -25,6 +25,11 @@ class AutoscalingSettings(BaseModel):
     # Serve's own default: the window of load averaged for each decision (Serve warns at 10 s or less,
     # its deprecated metrics interval, and says a later release will refuse it)
     look_back_period_s: float = Field(30.0, gt=10)
+    # "cache": ours (deployments.autoscaling_policy): requests in flight, KV pressure, prefixes computed
+    # again after their eviction, and no scaling down that would drop the working set; "requests": Serve's
+    policy: Literal["cache", "requests"] = "cache"
+    recompute_share: float = Field(0.1, gt=0, le=1)
+    target_kv_usage: float = Field(0.8, gt=0, le=1)
 
     @model_validator(mode="after")
     def _ordered(self):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
-from ray.serve.config import AutoscalingConfig
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
 from app.config import Settings
 from deployments.ingress import Ingress
@@ -28,10 +28,15 @@ def llm_deployment(settings: Settings):
     )
     if settings.autoscaling is not None:
         a = settings.autoscaling
+        extra = {}
+        if a.policy == "cache":
+            extra["policy"] = AutoscalingPolicy(
+                policy_function="deployments.autoscaling_policy:CacheAwarePolicy",
+                policy_kwargs={"recompute_share": a.recompute_share, "target_kv_usage": a.target_kv_usage})
         opts["autoscaling_config"] = AutoscalingConfig(
             min_replicas=a.min_replicas, max_replicas=a.max_replicas, initial_replicas=max(1, a.min_replicas),
             target_ongoing_requests=a.target_ongoing_requests, upscale_delay_s=a.upscale_delay_s,
-            downscale_delay_s=a.downscale_delay_s, look_back_period_s=a.look_back_period_s)
+            downscale_delay_s=a.downscale_delay_s, look_back_period_s=a.look_back_period_s, **extra)
     else:
         opts["num_replicas"] = settings.num_replicas
     opts["request_router_config"] = request_router_config(settings)

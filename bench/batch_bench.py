@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 from pathlib import Path
 
 from app import batch
+from bench import local_cluster
 from bench.plots import bar_panels
 from bench.serve_bench import deploy
 from bench.workloads import gsp
@@ -37,7 +37,7 @@ def run_batch(url: str, src: Path, keep_order: bool, concurrency: int, max_token
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", default=str(Path.home() / ".cache/radixserve/models/bench"))
+    ap.add_argument("--model-dir", default=local_cluster.BENCH_MODEL_DIR)
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--per-group", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -45,22 +45,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--total-tokens", type=int, default=4096, help="KV pool per replica (3-4 system prompts)")
     ap.add_argument("--plot", default="docs/batch_bench.png", help="PNG path ('' for none)")
     args = ap.parse_args(argv)
-    import ray
     from ray import serve
 
-    from app.local_redis import free_port
-    from engine.model_init import write_model
-
-    if not Path(args.model_dir, "config.json").exists():
-        write_model(args.model_dir, "bench")
     src = Path(tempfile.mkdtemp()) / "prompts.jsonl"
     reqs = gsp(num_groups=args.groups, prompts_per_group=args.per_group)  # shuffled: groups interleave
     src.write_text("".join(json.dumps({"id": str(i), "prompt": r.prompt, "ignore_eos": True}) + "\n"
                            for i, r in enumerate(reqs)))
-    os.environ.pop("RAY_ADDRESS", None)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = local_cluster.start(args.model_dir)
     rows = {}
     try:
         for order in ("file", "prefix"):
@@ -70,8 +61,7 @@ def main(argv=None) -> dict:
             serve.delete(name)
             print(f"{order} order: {json.dumps(rows[order])}", flush=True)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        local_cluster.stop()
     print("\n| order | requests ok | wall s | cached share of prompt tokens | prompt tokens computed |")
     print("|---|---:|---:|---:|---:|")
     for order, r in rows.items():

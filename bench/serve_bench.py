@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 
+from bench import local_cluster
 from bench.http_load import metric_samples, run_load, wait_healthy
 from bench.plots import bar_panels
 from bench.workloads import gsp
@@ -64,25 +64,16 @@ def fleet_metrics(url: str) -> tuple[float, float]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--router", choices=["prefix", "pow2", "both"], default="both")
-    ap.add_argument("--model-dir", default=str(Path.home() / ".cache/radixserve/models/bench"))
+    ap.add_argument("--model-dir", default=local_cluster.BENCH_MODEL_DIR)
     ap.add_argument("--per-group", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--total-tokens", type=int, default=8192)
     ap.add_argument("--prefill-chunk", type=int, default=512, help="max_prefill_chunk_tokens of both deployments")
     ap.add_argument("--plot", default="docs/serve_bench.png", help="PNG path ('' for none)")
     args = ap.parse_args(argv)
-    import ray
     from ray import serve
 
-    from app.local_redis import free_port
-    from engine.model_init import write_model
-
-    if not Path(args.model_dir, "config.json").exists():
-        write_model(args.model_dir, "bench")
-    os.environ.pop("RAY_ADDRESS", None)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = local_cluster.start(args.model_dir)
     reqs = gsp(num_groups=8, prompts_per_group=args.per_group)
     prompts = [r.prompt for r in reqs]
     routers = ["pow2", "prefix"] if args.router == "both" else [args.router]
@@ -103,8 +94,7 @@ def main(argv=None) -> dict:
                   f" ~{res['engine_ttft_p50_s']:.2f}s), hit rate {res['hit_rate']:.2f}",
                   flush=True)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        local_cluster.stop()
     print("\n| router | requests ok | wall s | output tok/s | TTFT p50 s | TTFT p90 s | cache hit rate |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for router, r in rows.items():

@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
-from pathlib import Path
 
+from bench import local_cluster
 from bench.http_load import metric_samples, run_load, wait_healthy
 from bench.workloads import gsp
 
@@ -76,27 +75,18 @@ def _p50(xs):
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", default=str(Path.home() / ".cache/radixserve/models/bench"))
+    ap.add_argument("--model-dir", default=local_cluster.BENCH_MODEL_DIR)
     ap.add_argument("--before", type=int, default=48, help="requests on the single replica")
     ap.add_argument("--after", type=int, default=24, help="requests after scaling to 2")
     ap.add_argument("--first", type=int, default=8, help="how many of them count as 'first requests'")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--warm-top-k", type=int, default=16, help="warmup_top_k of the warm variant (default: the default)")
     args = ap.parse_args(argv)
-    import ray
-    from ray import serve
+    from app.local_redis import LocalRedis
 
-    from app.local_redis import LocalRedis, free_port
-    from engine.model_init import write_model
-
-    if not Path(args.model_dir, "config.json").exists():
-        write_model(args.model_dir, "bench")
     reqs = gsp(num_groups=16, zipf_alpha=1.0, num_requests=args.before + args.after, seed=3)
     before, after = reqs[: args.before], reqs[args.before:]
-    os.environ.pop("RAY_ADDRESS", None)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = local_cluster.start(args.model_dir)
     rows = []
     with LocalRedis() as redis:
         try:
@@ -104,8 +94,7 @@ def main(argv=None) -> dict:
                 rows.append(run_variant(name, k, args.model_dir, redis.url, port, before, after, args))
                 print(json.dumps({k: v for k, v in rows[-1].items()}), flush=True)
         finally:
-            serve.shutdown()
-            ray.shutdown()
+            local_cluster.stop()
     cold, warm = rows
     print("\n| variant | scale-up s | TTFT p50 s (first requests) | TTFT p50 s (all after) | first requests hit | "
           "token hit rate after |")

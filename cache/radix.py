@@ -14,8 +14,9 @@ Locking a node locks its whole path, so an interior node is never evicted before
 from __future__ import annotations
 
 import heapq
+import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cache.hashing import chain_hashes, pack_tokens, root_hash
@@ -31,6 +32,7 @@ class Node:
     lock_ref: int = 0
     last_access: int = 0
     reused: bool = False  # matched by a later request (or warmed on purpose): protected from eviction
+    last_hit: float = float("-inf")  # wall clock (the cache's ``clock``) of its last hit: the working set
     seed_hash: int = 0  # roots only: the chain's starting hash
     salt: str | None = None  # roots only
     alive: bool = True
@@ -72,16 +74,20 @@ class CacheCounters:
     hit_tokens: int = 0  # of which served from cache
     inserted_blocks: int = 0
     evicted_blocks: int = 0
+    # computed again soon after their eviction (still in the ghost list): the cache was too small for
+    # them, work that a bigger cache (another replica) would have saved
+    recomputed_blocks: int = 0
 
 
 class RadixCache:
     def __init__(self, block_size: int, model_id: str = "", record_events: bool = False,
-                 reuse_bonus: int = 0):
+                 reuse_bonus: int = 0, clock: Callable[[], float] = time.monotonic):
         """``reuse_bonus``: how many cache operations (lookups + inserts) longer a block that was
         reused, or recomputed soon after its eviction, outlives one that never was. Prompts' unique
         tails (a question, a generated answer) would otherwise push out a shared system prompt as
         soon as it is a little older than them (plain LRU is not scan-resistant). 0 is plain LRU;
-        the engine passes about its pool size."""
+        the engine passes about its pool size. ``clock`` stamps hits (``hot_blocks``); eviction
+        order never reads it."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if reuse_bonus < 0:
@@ -89,6 +95,7 @@ class RadixCache:
         self.block_size = block_size
         self.model_id = model_id
         self.reuse_bonus = reuse_bonus
+        self.wall_clock = clock
         # hashes of recently evicted blocks (bounded): a block computed again soon after eviction is
         # in demand, so it comes back protected (the "ghost" list of ARC)
         self._ghost: OrderedDict[int, None] = OrderedDict()
@@ -122,14 +129,15 @@ class RadixCache:
         return node
 
     def match(self, token_ids: Sequence[int], cache_salt: str | None = None,
-              max_blocks: int | None = None, count: bool = True, own_blocks: int = 0) -> PrefixMatch:
+              max_blocks: int | None = None, count: bool = True, own_blocks: int = 0, hit: bool = True) -> PrefixMatch:
         """Longest cached prefix of ``token_ids``, in whole blocks.
 
         By default at most ``(n - 1) // block_size`` blocks match: the last prompt token is always
         recomputed, since its logits start generation. Touches the path (LRU) and splits a node
         when the match ends inside it, so the returned node can be locked exactly. Matched blocks
         count as reused (protected), except nodes within the first ``own_blocks``: a request taking
-        back blocks it published itself (after a preemption) is not a second user of them.
+        back blocks it published itself (after a preemption) is not a second user of them. ``hit``: a
+        request will use the match (stamps the working set, see ``hot_blocks``); False for a look.
         """
         n = len(token_ids)
         limit = (n - 1) // self.block_size if max_blocks is None else min(max_blocks, n // self.block_size)
@@ -139,7 +147,7 @@ class RadixCache:
         hashes: list[int] = []
         if limit > 0:
             packed = pack_tokens(token_ids[: limit * self.block_size])
-            node = self._walk(node, packed, blocks, hashes, own_blocks)
+            node = self._walk(node, packed, blocks, hashes, own_blocks, hit)
         if count:
             c = self.counters
             c.queries += 1
@@ -147,8 +155,10 @@ class RadixCache:
             c.hit_tokens += len(blocks) * self.block_size
         return PrefixMatch(blocks, hashes, node, self.block_size)
 
-    def _walk(self, node: Node, packed: bytes, blocks: list[int], hashes: list[int], own_blocks: int = 0) -> Node:
+    def _walk(self, node: Node, packed: bytes, blocks: list[int], hashes: list[int], own_blocks: int = 0,
+              hit: bool = True) -> Node:
         step, pos, end = self._step, 0, len(packed)
+        now = None
         while pos < end:
             child = node.children.get(packed[pos:pos + step])
             if child is None:
@@ -159,6 +169,8 @@ class RadixCache:
             child.last_access = self._clock
             if len(blocks) + len(child.blocks) > own_blocks:
                 child.reused = True
+                if hit:
+                    child.last_hit = now = self.wall_clock() if now is None else now
             blocks.extend(child.blocks)
             hashes.extend(child.hashes)
             pos += m * step
@@ -187,7 +199,8 @@ class RadixCache:
         parent = node.parent
         assert parent is not None and 0 < m < len(node.blocks)
         prefix = Node(key=node.key[:cut], blocks=node.blocks[:m], hashes=node.hashes[:m],
-                      parent=parent, lock_ref=node.lock_ref, last_access=node.last_access, reused=node.reused)
+                      parent=parent, lock_ref=node.lock_ref, last_access=node.last_access, reused=node.reused,
+                      last_hit=node.last_hit)
         parent.children[node.key[: self._step]] = prefix
         node.key, node.blocks, node.hashes = node.key[cut:], node.blocks[m:], node.hashes[m:]
         node.parent = prefix
@@ -246,7 +259,8 @@ class RadixCache:
         return InsertResult(node, canonical, redundant, new_hashes)
 
     def _protect_returning(self, leaf: Node) -> None:
-        """Mark the leading blocks of a new leaf that were evicted recently as reused."""
+        """Mark the leading blocks of a new leaf that were evicted recently as reused (and count them
+        as recomputed)."""
         if not self._ghost or leaf.reused:
             return
         n = 0
@@ -254,6 +268,7 @@ class RadixCache:
             if h not in self._ghost:
                 break
             n += 1
+        self.counters.recomputed_blocks += n
         if n == len(leaf.blocks):
             leaf.reused = True
         elif n:
@@ -364,6 +379,11 @@ class RadixCache:
             if node.parent is not None:
                 yield node
             stack.extend(node.children.values())
+
+    def hot_blocks(self, since: float) -> int:
+        """Cached blocks that served a hit at ``since`` (the cache's clock) or later: the working set a
+        replica would lose if it went away. Walks the tree (O(nodes)): for periodic stats only."""
+        return sum(len(node.blocks) for node in self._iter_nodes() if node.last_hit >= since)
 
     def block_ids(self) -> list[int]:
         """Every block the cache owns (for invariant checks)."""

@@ -30,6 +30,8 @@ from engine.sequence import SamplingParams
 
 log = logging.getLogger("radixserve.replica")
 MAX_REPORTED_HASHES = 20_000  # per stats period; more and routers just trim to the cached count
+# a block hit within this window is in the working set that scaling down must not throw away
+HOT_WINDOW_S = 60.0
 EVENTS_WAIT_S = 5.0  # how long a stats poll waits for the engine thread to hand over its cache events
 
 
@@ -40,7 +42,7 @@ def _cached_tokens(engine: LLMEngine, prefixes: list[list[int]], cache_salt: str
         return 0
     held: set[int] = set()
     for p in prefixes:
-        held.update(cache.match(p, cache_salt, max_blocks=len(p) // bs, count=False).blocks)
+        held.update(cache.match(p, cache_salt, max_blocks=len(p) // bs, count=False, hit=False).blocks)
     return len(held) * bs
 
 
@@ -60,6 +62,7 @@ class LLMServer:
         except Exception:  # noqa: BLE001 - outside Serve (tests)
             self.replica_id = f"local-{os.getpid()}"
         self._stats_seq = 0
+        self._autoscaling_prev: tuple[float, dict] | None = None  # last autoscaling poll (for rates)
         self._events_lock = threading.Lock()
         self._route_stored: list[int] = []
         self._route_removed: list[int] = []
@@ -226,10 +229,22 @@ class LLMServer:
                 "stored": stored, "removed": removed, "truncated": overflow, "seq": self._stats_seq,
                 "replica": self.replica_id}
 
-    def record_autoscaling_stats(self) -> dict[str, Any]:
-        s = self.aengine.call(lambda e: e.kv_stats(), timeout=5)
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Polled by Serve for the cache-aware autoscaling policy (``deployments.autoscaling_policy``),
+        which averages each value over its look-back window: load, KV pressure, the prompt tokens
+        computed again after their eviction (per second, since the last poll) and the working set."""
+        s, hot = self.aengine.call(lambda e: (e.kv_stats(), e.hot_blocks(HOT_WINDOW_S)), timeout=5)
+        now = time.monotonic()
+        prev, self._autoscaling_prev = self._autoscaling_prev, (now, s)
+        prompt_tps = recompute_tps = 0.0
+        if prev is not None and now > prev[0]:
+            dt, p = now - prev[0], prev[1]
+            prompt_tps = (s["prefix_queries_tokens"] - p["prefix_queries_tokens"]) / dt
+            recompute_tps = (s["recomputed_blocks"] - p["recomputed_blocks"]) * s["block_size"] / dt
         return {"ongoing": float(s["running"] + s["waiting"]),
-                "kv_usage": float(s["blocks_in_use"]) / max(1, s["blocks_total"])}
+                "kv_usage": float(s["blocks_in_use"]) / max(1, s["blocks_total"]),
+                "prompt_tps": prompt_tps, "recompute_tps": recompute_tps,
+                "hot_blocks": float(hot), "total_blocks": float(s["blocks_total"])}
 
     def _background_loop(self) -> None:
         """Every second: push metrics to the hub and flush directory records; never on the request path."""

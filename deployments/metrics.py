@@ -32,6 +32,8 @@ COUNTERS = {
     "radixserve_prefix_cache_queries_total": ("prefix_queries_tokens", "Prompt tokens looked up in the prefix cache."),
     "radixserve_prefix_cache_hits_total": ("prefix_hit_tokens", "Prompt tokens served from the prefix cache."),
     "radixserve_cache_evictions_total": ("evicted_blocks", "KV blocks evicted from the prefix cache."),
+    "radixserve_cache_recomputed_blocks_total": ("recomputed_blocks",
+                                                 "KV blocks computed again soon after their eviction (cache too small)."),
     "radixserve_preemptions_total": ("preemptions", "Sequences preempted for lack of KV blocks."),
     "radixserve_directory_errors_total": ("directory_errors",
                                           "Hot-prefix directory (Redis) calls that failed; serving went on."),

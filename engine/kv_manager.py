@@ -33,7 +33,7 @@ class KVManager:
         # (blocks past them, published by others meanwhile, are)
         own = seq.own_cached_blocks if seq.admitted_once else 0
         m = self.cache.match(seq.tokens, cache_salt=seq.params.cache_salt, max_blocks=max_blocks, count=False,
-                             own_blocks=own)
+                             own_blocks=own, hit=not seq.prefill_only)  # warm-up is not the working set
         self.cache.lock(m.node)
         seq.lock_node = m.node
         seq.block_table = list(m.blocks)

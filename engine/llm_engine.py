@@ -265,6 +265,11 @@ class LLMEngine:
         live = list(self.scheduler.running) + [s for s in self.scheduler.waiting if s.block_table]
         self.kv.check(live)
 
+    def hot_blocks(self, window_s: float) -> int:
+        """Cached blocks that served a hit in the last ``window_s`` seconds (the working set)."""
+        c = self.kv.cache
+        return 0 if c is None else c.hot_blocks(c.wall_clock() - window_s)
+
     def kv_stats(self) -> dict:
         a = self.kv.allocator
         c = self.kv.cache
@@ -279,6 +284,7 @@ class LLMEngine:
             "prefix_queries_tokens": counters.query_tokens if counters else 0,
             "prefix_hit_tokens": counters.hit_tokens if counters else 0,
             "evicted_blocks": counters.evicted_blocks if counters else 0,
+            "recomputed_blocks": counters.recomputed_blocks if counters else 0,
             "preemptions": self.scheduler.num_preemptions,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),

@@ -123,6 +123,53 @@ def test_prefix_recomputed_soon_after_its_eviction_comes_back_protected():
     alloc.check_invariants([])
 
 
+def test_recomputed_blocks_count_only_what_returns_soon_after_its_eviction():
+    cache = RadixCache(BS, reuse_bonus=2)  # the ghost list keeps 4 x 2 evicted hashes
+    alloc = BlockAllocator(6, BS, cache)
+    prompt = [5] * 8
+    publish(cache, alloc, prompt)
+    assert cache.counters.recomputed_blocks == 0  # a first computation is not a recomputation
+    alloc.free(cache.evict(2))
+    publish(cache, alloc, prompt + [6] * 4)  # its 2 evicted blocks come back (the question is new)
+    assert cache.counters.recomputed_blocks == 2
+    cache.insert([9] * 8, alloc.allocate(2), protect=True)  # a warm-up on purpose is not counted
+    assert cache.counters.recomputed_blocks == 2
+    alloc.free(cache.evict(6))
+    for q in range(10, 15):  # 10 unique blocks evicted after it: the prompt leaves the ghost list
+        publish(cache, alloc, [q] * 8)
+        alloc.free(cache.evict(cache.evictable_blocks))
+    publish(cache, alloc, prompt)
+    assert cache.counters.recomputed_blocks == 2
+    plain = RadixCache(BS)  # plain LRU keeps no ghost list: nothing counts
+    palloc = BlockAllocator(4, BS, plain)
+    publish(plain, palloc, prompt)
+    palloc.free(plain.evict(2))
+    publish(plain, palloc, prompt)
+    assert plain.counters.recomputed_blocks == 0
+
+
+def test_hot_blocks_are_those_hit_within_the_window():
+    now = [100.0]
+    cache = RadixCache(BS, clock=lambda: now[0])
+    alloc = BlockAllocator(16, BS, cache)
+    a, b = [1] * 12, [2] * 8
+    publish(cache, alloc, a)
+    publish(cache, alloc, b)
+    assert cache.hot_blocks(since=0.0) == 0  # cached but never hit
+    now[0] = 110.0
+    cache.match(a[:8] + [7])  # hits a's first 2 blocks (the node splits: its third is not hit)
+    assert cache.hot_blocks(since=105.0) == 2
+    now[0] = 130.0
+    cache.match(b + [7])
+    assert cache.hot_blocks(since=120.0) == 2 and cache.hot_blocks(since=105.0) == 4
+    cache.match(a + [7], count=False)  # a lookup that serves a request is a hit too
+    assert cache.hot_blocks(since=120.0) == 5
+    now[0] = 140.0
+    cache.match(a + [7], hit=False)  # a look (a warm-up's check) is not
+    assert cache.hot_blocks(since=135.0) == 0
+    cache.check()
+
+
 def test_warm_up_inserts_can_be_protected_up_front():
     cache = RadixCache(BS, reuse_bonus=100)
     alloc = BlockAllocator(4, BS, cache)

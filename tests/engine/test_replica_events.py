@@ -67,3 +67,28 @@ def test_health_check_fails_when_the_engine_loop_hangs(make_engine):
     finally:
         release.set()
         r.aengine.shutdown()
+
+
+def test_autoscaling_stats_report_prefixes_computed_again_and_the_working_set(make_engine):
+    """What the cache-aware autoscaling policy reads: prompt and recomputed tokens per second since the
+    last poll, and the blocks hit within the window. Three 5-block prompts cycle through an 8-block
+    pool: after the first round every prompt is computed again soon after its eviction."""
+    eng = make_engine("tiny", max_batch_total_tokens=128)
+    r = _replica(eng)
+    r._autoscaling_prev = None
+    prompts = [[k * 60 + j for j in range(80)] for k in (1, 2, 3)]  # the tiny vocabulary: 320 ids
+    try:
+        first = r.record_autoscaling_stats()
+        assert first["prompt_tps"] == first["recompute_tps"] == 0.0 and first["total_blocks"] == 8.0
+        for _ in range(3):
+            for p in prompts:
+                eng.generate([p], SamplingParams(max_new_tokens=1))
+        time.sleep(0.05)
+        s = r.record_autoscaling_stats()
+        assert s["prompt_tps"] > 0 and s["recompute_tps"] / s["prompt_tps"] > 0.5, s
+        assert s["ongoing"] == 0.0 and s["kv_usage"] == 0.0 and s["hot_blocks"] == 0.0  # nothing ever hit
+        eng.generate([prompts[2] + [7]], SamplingParams(max_new_tokens=1))  # the last prompt is still cached
+        s = r.record_autoscaling_stats()
+        assert s["hot_blocks"] == 5.0 and s["recompute_tps"] == 0.0, s
+    finally:
+        r.aengine.shutdown()

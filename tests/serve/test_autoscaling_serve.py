@@ -138,3 +138,57 @@ def test_scaled_to_zero_the_service_stays_healthy_and_the_next_request_starts_a_
             assert status().get("RUNNING") == 1
     finally:
         serve.delete("ztest")
+
+
+def test_a_fleet_that_recomputes_its_prefixes_grows_though_its_queues_are_short(serve_app, model_dir):
+    """One client cycles through four system prompts that one replica's pool cannot hold together: it
+    keeps computing them again, with one request in flight against a target of 8 (Serve's own policy
+    would stay at one replica). The cache-aware policy adds a replica; the prompts then fit in the two
+    caches and hit, and that working set keeps the fleet at two while the load stays as light (Serve's
+    policy would remove the replica again)."""
+    from ray import serve
+
+    from app.config import Settings
+    from app.main import build_app
+
+    s = Settings(model_id=model_dir("tiny"), replica_num_cpus=1, max_batch_total_tokens=1024, max_input_tokens=512,
+                 max_total_tokens=600, router="prefix", deployment_name="rtest",
+                 autoscaling={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8,
+                              "upscale_delay_s": 0, "downscale_delay_s": 2, "look_back_period_s": 11})
+    serve.run(build_app(s), name="rtest", route_prefix="/rtest")
+    replicas = lambda: serve.status().applications["rtest"].deployments["rtest-llm"].replica_states.get("RUNNING", 0)  # noqa: E731
+    systems = [f"System prompt {k}: " + f"rule {k} says be brief; " * 13 for k in range(4)]  # ~320 tokens each
+    shares: list[float] = []  # each request's cached share of its prompt
+
+    def one_cycle(c: httpx.Client, i: int) -> None:
+        for k, system in enumerate(systems):
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": system + f"question {i}.{k}",
+                                                 "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            u = r.json()["usage"]
+            shares.append(u["prompt_tokens_details"]["cached_tokens"] / u["prompt_tokens"])
+
+    try:
+        with httpx.Client(base_url=serve_app + "/rtest", timeout=120) as c:
+            i = 0
+            while replicas() < 2:
+                assert i < 300, "the fleet never grew"
+                one_cycle(c, i)
+                i += 1
+            before = sum(shares) / len(shares)
+            assert before < 0.5, before
+            assert wait_for(lambda: sum(per_replica(c, "radixserve_cache_recomputed_blocks_total").values()) > 0)
+            # the same light load goes on: the router moves half of the prompts to the new replica (after
+            # its work rate catches up with the old one's), they hit there, and the fleet keeps both
+            held, j = True, i
+            while len(shares) < 16 or sum(shares[-16:]) / 16 < 0.8:
+                assert j < i + 200, f"the prompts never fit: {shares[-16:]}"
+                one_cycle(c, j)
+                held = held and replicas() == 2
+                j += 1
+            for extra in range(10):  # and a little longer, well past the downscale delay
+                one_cycle(c, j + extra)
+                held = held and replicas() == 2
+            assert held, "the working set did not hold the second replica"
+    finally:
+        serve.delete("rtest")

@@ -38,6 +38,24 @@ def test_replicas_get_the_drain_timeout_and_the_autoscaling_window(model_dir):
     assert cfg.autoscaling_config.look_back_period_s == 12 and cfg.autoscaling_config.max_replicas == 3
 
 
+def test_the_cache_aware_autoscaling_policy_is_the_default_and_serves_can_be_chosen(model_dir):
+    from ray.serve.config import AutoscalingPolicy
+
+    from app.main import llm_deployment
+    from deployments.autoscaling_policy import CacheAwarePolicy
+
+    s = Settings(model_id=model_dir("tiny"), autoscaling={"max_replicas": 3, "recompute_share": 0.2})
+    policy = llm_deployment(s)._deployment_config.autoscaling_config.policy
+    assert policy.policy_function == "deployments.autoscaling_policy:CacheAwarePolicy"
+    assert policy.policy_kwargs == {"recompute_share": 0.2, "target_kv_usage": 0.8}
+    assert isinstance(policy.get_policy()(**policy.policy_kwargs), CacheAwarePolicy)  # what Serve's controller does
+    s = Settings(model_id=model_dir("tiny"), autoscaling={"max_replicas": 3, "policy": "requests"})
+    assert llm_deployment(s)._deployment_config.autoscaling_config.policy == AutoscalingPolicy()
+    for bad in ({"policy": "queue"}, {"recompute_share": 0}, {"target_kv_usage": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Settings.from_sources(file={"autoscaling": bad}, env={})
+
+
 def test_a_look_back_window_serve_would_refuse_is_a_settings_error():
     with pytest.raises(ValueError, match="look_back_period_s"):
         Settings.from_sources(file={"autoscaling": {"look_back_period_s": 5}}, env={})

@@ -1,0 +1,107 @@
+"""Cache-aware autoscaling of the LLM deployment: what Serve's controller asks every control loop.
+
+Serve's default policy counts requests in flight, and a prefix cache changes what a replica is worth:
+
+- A fleet whose caches are too small for its working set computes the same prefixes again and again
+  while its queues stay short. Each replica counts the prompt blocks it computes again soon after it
+  evicted them (its ghost list); when they are more than ``recompute_share`` of the prompt tokens, one
+  more replica adds a cache's worth of room. A working set far beyond the fleet (every prompt new)
+  recomputes nothing the ghost lists remember, so it adds no replica that would not help.
+- Running sequences that fill the KV pools (``target_kv_usage``) ask for more room too.
+- Removing a replica throws its cache away: the policy scales down one replica at a time, and only when
+  the blocks that served a hit in the last minute, with the blocks its running sequences hold, fit in
+  the replicas that stay with room to spare (``working_set_fill``), and less than half of
+  ``recompute_share`` is being recomputed.
+- After the fleet changes, Serve's averages still cover the old fleet for a look-back window (and a
+  metrics interval): until then only requests in flight may add replicas, and none are removed.
+
+The requests-in-flight target still holds (``target_ongoing_requests``). Pure Python: Serve applies
+``min_replicas``/``max_replicas``, the scaling factors and the up/down delays around it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class ReplicaSignals:
+    """One replica's ``record_autoscaling_stats``, each averaged by Serve over its look-back window."""
+
+    ongoing: float = 0.0  # requests running or waiting in its engine
+    kv_usage: float = 0.0  # share of its KV pool held by running sequences
+    prompt_tps: float = 0.0  # prompt tokens looked up in its cache, per second
+    recompute_tps: float = 0.0  # of which computed again soon after their eviction, per second
+    hot_blocks: float = 0.0  # cached blocks that served a hit in the last minute (its working set)
+    total_blocks: float = 0.0  # its KV pool
+
+
+@dataclass(frozen=True)
+class Knobs:
+    target_ongoing_requests: float = 8.0
+    target_kv_usage: float = 0.8
+    recompute_share: float = 0.1
+    working_set_fill: float = 0.8
+    min_prompt_tps: float = 16.0  # fewer prompt tokens per second than this: too few to judge the share
+
+
+def desired_replicas(current: int, total_requests: float, signals: list[ReplicaSignals], k: Knobs,
+                     settled: bool = True) -> tuple[float, str]:
+    """How many replicas the fleet wants (before Serve's bounds and delays), and why. ``settled``: the
+    averages cover only the current fleet (not so after a replica came or went: then requests may
+    scale up, and nothing scales down)."""
+    by_requests = total_requests / k.target_ongoing_requests
+    if current == 0:
+        return by_requests, "requests"
+    if not signals or not settled:
+        return max(by_requests, float(current)), "requests"
+    seen = len(signals)
+    by_kv = current * sum(s.kv_usage for s in signals) / seen / k.target_kv_usage
+    prompt = sum(s.prompt_tps for s in signals)
+    share = sum(s.recompute_tps for s in signals) / prompt if prompt >= k.min_prompt_tps else 0.0
+    by_cache = current + 1.0 if share > k.recompute_share else 0.0
+    desired, reason = max((by_requests, "requests"), (by_kv, "kv usage"), (by_cache, "recomputed prefixes"))
+    if desired >= current:
+        return desired, reason
+    pool = sum(s.total_blocks for s in signals) / seen
+    scale = current / seen  # replicas that did not report count as the mean of those that did
+    working_set = sum(s.hot_blocks for s in signals) * scale
+    running = sum(s.kv_usage * s.total_blocks for s in signals) * scale  # moves to the replicas that stay
+    if share > k.recompute_share / 2:
+        return float(current), "recomputed prefixes"
+    if working_set + running > k.working_set_fill * pool * (current - 1):
+        return float(current), "working set"
+    return max(desired, current - 1.0), reason  # one cache at a time
+
+
+class CacheAwarePolicy:
+    """Serve's custom autoscaling policy (``AutoscalingPolicy(policy_function=...)``; the keyword
+    arguments are ``Knobs`` fields, the requests target comes from the autoscaling config)."""
+
+    def __init__(self, **knobs: float):
+        self.knobs = Knobs(**knobs)  # a wrong name fails when Serve deploys the policy, not at every decision
+        self._last_reason = ""
+        self._fleet: tuple[int, float] | None = None  # (running replicas, since when)
+
+    def __call__(self, ctx) -> tuple[float, dict]:
+        metrics = ctx.aggregated_metrics or {}
+        replicas = set().union(*(m.keys() for m in metrics.values())) if metrics else set()
+        fields = ReplicaSignals.__dataclass_fields__
+        signals = [ReplicaSignals(**{f: float(metrics.get(f, {}).get(r, 0.0)) for f in fields}) for r in replicas]
+        k = dataclasses.replace(self.knobs, target_ongoing_requests=ctx.config.get_target_ongoing_requests())
+        current, now = ctx.current_num_replicas, time.time() if ctx.current_time is None else ctx.current_time
+        if self._fleet is None or self._fleet[0] != current:
+            self._fleet = (current, now)
+        # the window Serve averages over must no longer reach back to the fleet before its last change
+        # (replicas push their reports every metrics interval: the newest may be that old)
+        settled = now - self._fleet[1] >= ctx.config.look_back_period_s + ctx.config.metrics_interval_s
+        desired, reason = desired_replicas(current, ctx.total_num_requests, signals, k, settled)
+        if reason != self._last_reason and reason != "requests":
+            log.info("cache-aware autoscaling of %s: %.2f replicas for now (%s)", ctx.deployment_name, desired, reason)
+        self._last_reason = reason
+        return desired, {}
