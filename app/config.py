@@ -35,6 +35,9 @@ class AutoscalingSettings(BaseModel):
     def _ordered(self):
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) is more than max_replicas ({self.max_replicas})")
+        unused = sorted({"recompute_share", "target_kv_usage"} & self.model_fields_set)
+        if self.policy == "requests" and unused:
+            raise ValueError(f"policy \"requests\" takes no {' or '.join(unused)} (settings of the cache policy)")
         return self
 
 

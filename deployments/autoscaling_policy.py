@@ -5,8 +5,9 @@ Serve's default policy counts requests in flight, and a prefix cache changes wha
 - A fleet whose caches are too small for its working set computes the same prefixes again and again
   while its queues stay short. Each replica counts the prompt blocks it computes again soon after it
   evicted them (its ghost list); when they are more than ``recompute_share`` of the prompt tokens, one
-  more replica adds a cache's worth of room. A working set far beyond the fleet (every prompt new)
-  recomputes nothing the ghost lists remember, so it adds no replica that would not help.
+  more replica adds a cache's worth of room (while the replicas' latest reports still show it). A
+  working set far beyond the fleet (every prompt new) recomputes nothing the ghost lists remember, so
+  it adds no replica that would not help.
 - Running sequences that fill the KV pools (``target_kv_usage``) ask for more room too.
 - Removing a replica throws its cache away: the policy scales down one replica at a time, and only when
   the blocks that served a hit in the last minute, with the blocks its running sequences hold, fit in
@@ -51,20 +52,25 @@ class Knobs:
 
 
 def desired_replicas(current: int, total_requests: float, signals: list[ReplicaSignals], k: Knobs,
-                     settled: bool = True) -> tuple[float, str]:
+                     settled: bool = True, latest_share: float | None = None, target: int = 0
+                     ) -> tuple[float, str]:
     """How many replicas the fleet wants (before Serve's bounds and delays), and why. ``settled``: the
     averages cover only the current fleet (not so after a replica came or went: then requests may
-    scale up, and nothing scales down)."""
+    scale up, and nothing scales down). ``latest_share``: the recomputed share in the replicas' latest
+    reports; a replica is added for recomputation only while it goes on (after a scale-up the router
+    takes a while to split the prefixes between the caches, and the averages remember that). ``target``:
+    the replicas Serve is bringing up; while none runs yet, none is taken away."""
     by_requests = total_requests / k.target_ongoing_requests
     if current == 0:
-        return by_requests, "requests"
+        return max(by_requests, float(target)), "requests"
     if not signals or not settled:
         return max(by_requests, float(current)), "requests"
     seen = len(signals)
     by_kv = current * sum(s.kv_usage for s in signals) / seen / k.target_kv_usage
     prompt = sum(s.prompt_tps for s in signals)
     share = sum(s.recompute_tps for s in signals) / prompt if prompt >= k.min_prompt_tps else 0.0
-    by_cache = current + 1.0 if share > k.recompute_share else 0.0
+    still = latest_share is None or latest_share > k.recompute_share
+    by_cache = current + 1.0 if share > k.recompute_share and still else 0.0
     desired, reason = max((by_requests, "requests"), (by_kv, "kv usage"), (by_cache, "recomputed prefixes"))
     if desired >= current:
         return desired, reason
@@ -100,8 +106,22 @@ class CacheAwarePolicy:
         # the window Serve averages over must no longer reach back to the fleet before its last change
         # (replicas push their reports every metrics interval: the newest may be that old)
         settled = now - self._fleet[1] >= ctx.config.look_back_period_s + ctx.config.metrics_interval_s
-        desired, reason = desired_replicas(current, ctx.total_num_requests, signals, k, settled)
+        desired, reason = desired_replicas(current, ctx.total_num_requests, signals, k, settled,
+                                           latest_share(ctx.raw_metrics, k.min_prompt_tps), ctx.target_num_replicas)
         if reason != self._last_reason and reason != "requests":
             log.info("cache-aware autoscaling of %s: %.2f replicas for now (%s)", ctx.deployment_name, desired, reason)
         self._last_reason = reason
         return desired, {}
+
+
+def latest_share(raw: dict | None, min_prompt_tps: float) -> float | None:
+    """The recomputed share of prompt tokens in each replica's latest report (Serve's raw time series:
+    ``{metric: {replica: [TimeStampedValue(timestamp, value), ...]}}``): 0 when the traffic has all but
+    stopped, None without reports."""
+    if not raw:
+        return None
+    latest = {name: sum(series[-1].value for series in raw.get(name, {}).values() if series)
+              for name in ("prompt_tps", "recompute_tps")}
+    if latest["prompt_tps"] < min_prompt_tps:
+        return 0.0
+    return latest["recompute_tps"] / latest["prompt_tps"]

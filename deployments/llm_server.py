@@ -247,10 +247,13 @@ class LLMServer:
                 "hot_blocks": float(hot), "total_blocks": float(s["blocks_total"])}
 
     def _background_loop(self) -> None:
-        """Every second: push metrics to the hub and flush directory records; never on the request path."""
+        """Every second: push metrics to the hub and flush directory records; never on the request path.
+        (Not at once: /health would turn 200 before ``radixserve serve`` has seen its start-up finish,
+        and a Ctrl-C then would abandon the start-up instead of draining.)"""
         while not self._stop.wait(1.0):
             try:
-                self._hub.call("push", self.replica_id, self.aengine.call(self._snapshot, timeout=5))
+                # the ingress (re)creates the hub; a replica only finds it (see HubClient.call)
+                self._hub.call("push", self.replica_id, self.aengine.call(self._snapshot, timeout=5), create=False)
             except Exception as e:  # noqa: BLE001 - metrics must never take a replica down
                 log.debug("metrics push failed: %s", e)
             try:

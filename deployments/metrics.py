@@ -278,8 +278,13 @@ class HubClient:
         self.handle = hub_handle(deployment_name)
         self._timeouts = 0
 
-    def renew(self) -> None:
-        self.handle = hub_handle(self._name)
+    def renew(self, create: bool = True) -> None:
+        """A fresh handle: to the hub, created if need be (``create``), else to one that exists (ValueError
+        if none does)."""
+        if create:
+            self.handle = hub_handle(self._name)
+        else:
+            self.handle = ray.get_actor(hub_name(self._name), namespace="radixserve")
 
     def _timed_out(self) -> None:
         """A hub that stops answering (a hung process) is not restarted by Ray, which restarts only dead
@@ -293,10 +298,12 @@ class HubClient:
             except Exception:  # noqa: BLE001 - already gone: the next call renews the handle
                 pass
 
-    def call(self, method: str, *args, timeout: float = 5.0, renew: bool = True):
+    def call(self, method: str, *args, timeout: float = 5.0, renew: bool = True, create: bool = True):
         """``method(*args)`` on the hub, blocking (background threads); renews the handle once if the
         actor died (``renew``; a heartbeat that must not bring back a hub the CLI removed passes False,
-        and takes the handle the other callers renew)."""
+        and takes the handle the other callers renew). ``create`` False: renew only to a hub that exists
+        (the LLM replicas' pushes: a replica that outlives its application's deletion, draining its
+        streams, would otherwise bring back a detached hub that nobody removes)."""
         for attempt in range(2):
             try:
                 out = ray.get(getattr(self.handle, method).remote(*args), timeout=timeout)
@@ -308,7 +315,7 @@ class HubClient:
             except ray.exceptions.ActorDiedError:
                 if attempt or not renew:
                     raise
-                self.renew()
+                self.renew(create)
 
     async def acall(self, method: str, *args, timeout: float = 5.0):
         """The same from asyncio code (the ingress)."""

@@ -65,16 +65,26 @@ def test_unsettled_or_unmeasured_fleets_never_scale_down_but_requests_still_scal
     # nor does recomputation add a second replica before the first one's effect is measured
     assert desired_replicas(3, 0.0, fleet(3, recompute_tps=500.0), K, settled=False)[0] == 3.0
     assert desired_replicas(0, 3.0, [], K) == (3 / 8, "requests")
+    # Serve is starting the first replica (none runs yet): it is not idle, keep it coming
+    assert desired_replicas(0, 0.0, [], K, target=1) == (1.0, "requests")
+
+
+def test_recomputation_adds_a_replica_only_while_it_goes_on():
+    thrash = fleet(2, recompute_tps=300.0)
+    assert desired_replicas(2, 0.0, thrash, K, latest_share=0.3)[0] == 3.0
+    # the averages still remember the thrash before the router split the prefixes: the latest reports do not
+    assert desired_replicas(2, 0.0, thrash, K, latest_share=0.0) == (2.0, "recomputed prefixes")
 
 
 class Ctx:
     """What the policy reads of Serve's AutoscalingContext."""
 
-    def __init__(self, current, metrics, now, requests=0.0, look_back=30.0):
+    def __init__(self, current, metrics, now, requests=0.0, look_back=30.0, raw=None, target=None):
         from ray.serve.config import AutoscalingConfig
 
         self.deployment_name, self.current_num_replicas, self.current_time = "llm", current, now
         self.aggregated_metrics, self.total_num_requests = metrics, requests
+        self.raw_metrics, self.target_num_replicas = raw, current if target is None else target
         self.config = AutoscalingConfig(target_ongoing_requests=8, look_back_period_s=look_back)
 
 
@@ -91,6 +101,16 @@ def test_the_policy_reads_serves_per_replica_metrics_and_waits_a_window_after_a_
     assert policy(Ctx(3, thrash, now=41.0))[0] == 3.0  # grew: wait again
     assert policy(Ctx(3, thrash, now=81.0))[0] == 4.0
     assert policy(Ctx(3, {}, now=100.0, requests=40.0))[0] == 5.0  # nothing reported: requests only
+    # the latest reports (Serve's raw series) say the recomputation stopped: no fourth replica
+    from ray.serve._private.common import TimeStampedValue as V
+
+    raw = {"prompt_tps": {"r1": [V(1.0, 500.0), V(2.0, 500.0)], "r2": [V(1.0, 500.0), V(2.0, 500.0)]},
+           "recompute_tps": {"r1": [V(1.0, 400.0), V(2.0, 0.0)], "r2": [V(1.0, 0.0), V(2.0, 0.0)]}}
+    assert policy(Ctx(3, thrash, now=101.0, raw=raw))[0] == 3.0
+    raw["prompt_tps"] = {"r1": [V(2.0, 1.0)]}  # and the traffic all but stopped: nor then
+    assert policy(Ctx(3, thrash, now=102.0, raw=raw))[0] == 3.0
+    raw = {"prompt_tps": {"r1": [V(2.0, 500.0)]}, "recompute_tps": {"r1": [V(2.0, 200.0)]}}
+    assert policy(Ctx(3, thrash, now=103.0, raw=raw))[0] == 4.0
 
 
 def test_behind_serves_own_wrapper_with_its_context_and_config():

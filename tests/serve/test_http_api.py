@@ -385,6 +385,39 @@ def test_health_and_metrics_come_back_when_the_metrics_hub_is_killed(client):
     assert metrics(client)[("radixserve_requests_total", "all")] >= before  # given back to the new hub
 
 
+def test_a_replicas_push_never_brings_back_a_removed_hub(ray_cluster):
+    """With --address the CLI removes the hub as it deletes the application, while the LLM replicas may
+    still be draining streams: their pushes must not create a new detached hub that nobody removes.
+    They find one the ingress created again."""
+    import ray
+
+    from deployments.metrics import HubClient, hub_name
+
+    name = "hub-orphan-check"
+    ingress, replica = HubClient(name), HubClient(name)  # the first creates it
+    assert replica.call("fresh", 10.0, create=False) == 0
+    ray.kill(ray.get_actor(hub_name(name), namespace="radixserve"))
+
+    def hub_exists() -> bool:
+        try:
+            ray.get_actor(hub_name(name), namespace="radixserve")
+            return True
+        except ValueError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while hub_exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for _ in range(3):
+        with pytest.raises((ValueError, ray.exceptions.ActorDiedError)):
+            replica.call("push", "r1", {"running": 0}, create=False)
+    assert not hub_exists()
+    assert ingress.call("fresh", 10.0) == 0  # the ingress's calls create it again
+    replica.call("push", "r1", {"running": 0}, create=False)  # and the replica finds that one
+    assert ingress.call("fresh", 10.0) == 1
+    ray.kill(ray.get_actor(hub_name(name), namespace="radixserve"))
+
+
 def test_a_body_over_the_payload_limit_is_refused_before_it_is_read(client):
     big = json.dumps({"inputs": "a" * 2_100_000, "parameters": {"max_new_tokens": 1}})
     r = client.post("/generate", content=big, headers={"content-type": "application/json"})

@@ -51,7 +51,8 @@ def test_the_cache_aware_autoscaling_policy_is_the_default_and_serves_can_be_cho
     assert isinstance(policy.get_policy()(**policy.policy_kwargs), CacheAwarePolicy)  # what Serve's controller does
     s = Settings(model_id=model_dir("tiny"), autoscaling={"max_replicas": 3, "policy": "requests"})
     assert llm_deployment(s)._deployment_config.autoscaling_config.policy == AutoscalingPolicy()
-    for bad in ({"policy": "queue"}, {"recompute_share": 0}, {"target_kv_usage": 1.5}):
+    for bad in ({"policy": "queue"}, {"recompute_share": 0}, {"target_kv_usage": 1.5},
+                {"recompute_share": 0.2, "policy": "requests"}):  # a knob the chosen policy ignores
         with pytest.raises(ValueError, match=next(iter(bad))):
             Settings.from_sources(file={"autoscaling": bad}, env={})
 
