@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from bench import local_cluster
-from bench.http_load import wait_healthy
+from bench.http_load import one_request, wait_healthy
 from bench.workloads import gsp
 
 
@@ -53,26 +53,6 @@ def running_replicas(name: str) -> int:
     return app.deployments[f"{name}-llm"].replica_states.get("RUNNING", 0) if app else 0
 
 
-async def one(client: httpx.AsyncClient, ids: list[int], max_new: int) -> dict:
-    t0 = time.perf_counter()
-    ttft, usage = None, None
-    body = {"prompt": ids, "max_tokens": max_new, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return {"ok": False, "end": time.perf_counter()}
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line.endswith("[DONE]"):
-                continue
-            ev = json.loads(line[5:])
-            if ttft is None and ev.get("choices"):
-                ttft = time.perf_counter() - t0
-            usage = ev.get("usage") or usage
-    cached = usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"] if usage else 0.0
-    return {"ok": usage is not None, "end": time.perf_counter(), "ttft": ttft or 0.0, "cached": cached}
-
-
 async def drive(url: str, name: str, args, prompts: list[list[int]]) -> dict:
     rng = random.Random(1)
     done: list[dict] = []
@@ -82,7 +62,9 @@ async def drive(url: str, name: str, args, prompts: list[list[int]]) -> dict:
 
     async def client(c: httpx.AsyncClient):
         while time.perf_counter() < stop:
-            done.append(await one(c, rng.choice(prompts), args.max_tokens))
+            r = await one_request(c, rng.choice(prompts), args.max_tokens)
+            done.append({"ok": r.ok and r.cached_share is not None, "end": r.end, "ttft": r.ttft_s,
+                         "cached": r.cached_share})
 
     async def watch():
         while time.perf_counter() < stop:

@@ -1,4 +1,4 @@
-"""Closed-loop HTTP load for the end-to-end benchmarks: N clients stream ``/generate_stream`` and
+"""Closed-loop HTTP load for the end-to-end benchmarks: N clients stream ``/v1/completions`` and
 record time to first token and totals. Loopback only."""
 
 from __future__ import annotations
@@ -18,18 +18,22 @@ class Result:
     total_s: float
     tokens: int
     ok: bool
+    cached_share: float | None = None  # of the prompt, from the stream's closing usage (None: none came)
+    end: float = 0.0  # time.perf_counter() when it ended
 
 
-async def _one(client: httpx.AsyncClient, ids: list[int], max_new: int) -> Result:
+async def one_request(client: httpx.AsyncClient, ids: list[int], max_new: int) -> Result:
+    """One streamed completion: time to first token, tokens, and the prompt's cached share."""
     t0 = time.perf_counter()
-    ttft, n = None, 0
+    ttft, n, usage = None, 0, None
     # token-id prompts through the OpenAI API: no tokenizer round trip changes the workload
     body = {"prompt": ids, "max_tokens": max_new, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
-            return Result(0, time.perf_counter() - t0, 0, False)
+            end = time.perf_counter()
+            return Result(0, end - t0, 0, False, end=end)
         async for line in r.aiter_lines():
             if not line.startswith("data:") or line.endswith("[DONE]"):
                 continue
@@ -37,7 +41,10 @@ async def _one(client: httpx.AsyncClient, ids: list[int], max_new: int) -> Resul
             if ttft is None:
                 ttft = time.perf_counter() - t0
             n += 1 if ev.get("choices") and ev["choices"][0].get("text") is not None else 0
-    return Result(ttft or 0.0, time.perf_counter() - t0, n, True)
+            usage = ev.get("usage") or usage
+    end = time.perf_counter()
+    share = usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"] if usage else None
+    return Result(ttft or 0.0, end - t0, n, True, share, end)
 
 
 async def run_load(base_url: str, prompts: list[list[int]], max_new: int, concurrency: int) -> dict:
@@ -47,7 +54,7 @@ async def run_load(base_url: str, prompts: list[list[int]], max_new: int, concur
     async def worker(client):
         while queue:
             i, ids = queue.pop(0)
-            results[i] = await _one(client, ids, max_new)
+            results[i] = await one_request(client, ids, max_new)
 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
