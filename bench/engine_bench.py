@@ -1,6 +1,6 @@
 """Engine benchmark: prefix caching on vs off, against what a transformers user would do.
 
-    python -m bench.engine_bench [--quick] [--skip-hf] [--out docs]
+    python -m bench.engine_bench [--quick] [--skip-hf] [--device auto] [--out docs]
 
 Workloads ``gsp-small`` and ``no-share`` (the project's design notes) on the bench model, greedy, no EOS stop. Engine
 variants run closed-loop at concurrency 8 (as a serving benchmark's ``--max-concurrency 8``); the
@@ -51,6 +51,8 @@ def run_engine(loaded: LoadedModel, reqs: list[Request], caching: bool, concurre
     started: dict[str, tuple[int, float]] = {}
     ttfts: list[float] = []
     inflight = 0
+    prefill_s = decode_s = 0.0  # where the time goes: steps that computed prompt tokens, and the rest
+    decode_steps, slowest = 0, 0.0
     t0 = time.perf_counter()
     while pending or inflight:
         while pending and inflight < concurrency:
@@ -59,7 +61,16 @@ def run_engine(loaded: LoadedModel, reqs: list[Request], caching: bool, concurre
             started[rid] = (i, time.perf_counter())
             outputs[i] = []
             inflight += 1
-        for ev in eng.step():
+        t_step, computed = time.perf_counter(), eng.stats.prefill_tokens_computed
+        events = eng.step()
+        took = time.perf_counter() - t_step
+        slowest = max(slowest, took)
+        if eng.stats.prefill_tokens_computed != computed:
+            prefill_s += took
+        else:
+            decode_s += took
+            decode_steps += 1
+        for ev in events:
             i, t_start = started[ev.request_id]
             if ev.token_id is not None:
                 if not outputs[i]:
@@ -73,6 +84,8 @@ def run_engine(loaded: LoadedModel, reqs: list[Request], caching: bool, concurre
                   [outputs[i] for i in range(len(reqs))], ttfts, eng.stats.prefill_tokens_computed)
     s = eng.kv_stats()
     res["hit_rate"] = s["prefix_hit_tokens"] / max(1, s["prefix_queries_tokens"])
+    res["split"] = (f"{res['variant']}: {prefill_s:.2f} s in steps with prompt tokens, {decode_s:.2f} s in "
+                    f"{decode_steps} decode-only steps ({1000 * decode_s / max(1, decode_steps):.1f} ms each); slowest step {1000 * slowest:.0f} ms")
     return res
 
 
@@ -93,6 +106,10 @@ class _FirstToken:
         pass
 
 
+def _ids(model, prompt: list[int]) -> torch.Tensor:
+    return torch.tensor([prompt], device=model.device)
+
+
 def _gen_kwargs(n: int) -> dict:
     return dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
@@ -104,7 +121,7 @@ def run_hf_sequential(model, reqs: list[Request]) -> dict:
     for r in reqs:
         s = _FirstToken()
         t = time.perf_counter()
-        out = model.generate(torch.tensor([r.prompt]), streamer=s, **_gen_kwargs(r.max_new_tokens))
+        out = model.generate(_ids(model, r.prompt), streamer=s, **_gen_kwargs(r.max_new_tokens))
         ttfts.append(s.first - t)
         outputs.append(out[0, len(r.prompt):].tolist())
     return _result("HF generate, sequential", time.perf_counter() - t0, outputs, ttfts,
@@ -125,11 +142,11 @@ def run_hf_prompt_reuse(model, reqs: list[Request], system_len: int) -> dict:
         t = time.perf_counter()
         if r.group not in caches:
             c = DynamicCache(config=model.config)
-            model(input_ids=torch.tensor([r.prompt[:system_len]]), past_key_values=c, use_cache=True)
+            model(input_ids=_ids(model, r.prompt[:system_len]), past_key_values=c, use_cache=True)
             caches[r.group] = c
             prefill += system_len
         s = _FirstToken()
-        out = model.generate(torch.tensor([r.prompt]), past_key_values=copy.deepcopy(caches[r.group]),
+        out = model.generate(_ids(model, r.prompt), past_key_values=copy.deepcopy(caches[r.group]),
                              streamer=s, **_gen_kwargs(r.max_new_tokens))
         prefill += len(r.prompt) - system_len
         ttfts.append(s.first - t)
@@ -160,6 +177,28 @@ def run_hf_generate_batch(model, reqs: list[Request], sharing: bool) -> dict:
     return _result(name, total, outs, ttfts, None)
 
 
+def _common_prefix(outputs: list[list[int]], ref: list[list[int]]) -> float:
+    """Mean number of leading tokens each output shares with its reference."""
+    def same(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return sum(same(a, b) for a, b in zip(outputs, ref, strict=True)) / len(ref)
+
+
+def _hf_rows(hf, reqs: list[Request], system_len: int) -> list[dict]:
+    """The transformers variants; one that fails (an API this transformers lacks, a device it does not
+    support) is reported and left out, so the engine's rows still come back."""
+    runs = [lambda: run_hf_sequential(hf, reqs), lambda: run_hf_prompt_reuse(hf, reqs, system_len),
+            lambda: run_hf_generate_batch(hf, reqs, sharing=False),
+            lambda: run_hf_generate_batch(hf, reqs, sharing=True)]
+    rows = []
+    for run in runs:
+        try:
+            rows.append(run())
+        except Exception as e:  # noqa: BLE001 - a benchmark row, not a service
+            print(f"transformers variant failed: {type(e).__name__}: {e}")
+    return rows
+
+
 # ------------------------------------------------------------------------------ report
 def _table(rows: list[dict], base: dict) -> str:
     lines = ["| variant | total s | output tok/s | vs engine off | TTFT p50 s | TTFT p90 s | prefill tokens |",
@@ -171,7 +210,7 @@ def _table(rows: list[dict], base: dict) -> str:
     return "\n".join(lines)
 
 
-def _plot(results: dict[str, list[dict]], path: Path) -> None:
+def _plot(results: dict[str, list[dict]], path: Path, where: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,7 +226,7 @@ def _plot(results: dict[str, list[dict]], path: Path) -> None:
         ax.barh(names, vals, color=colors)
         ax.invert_yaxis()
         ax.set_xlabel("output tokens/s (higher is better)")
-        ax.set_title(f"{wl}: bench model, CPU, 2 threads")
+        ax.set_title(f"{wl}: bench model, {where}")
         for y, v in enumerate(vals):
             ax.text(v, y, f" {v:.0f}", va="center")
     fig.tight_layout()
@@ -200,6 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="4 groups x 4 prompts, 256-token system prompts")
     ap.add_argument("--skip-hf", action="store_true", help="engine variants only")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda; dtype follows it")
+    ap.add_argument("--system-len", type=int, default=1024, help="gsp-small's shared prefix (no-share's prompts follow)")
+    ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--out", default="docs", help="folder for the PNG")
     args = ap.parse_args(argv)
 
@@ -211,29 +253,34 @@ def main(argv: list[str] | None = None) -> dict:
         system_len, workloads = 256, {"gsp-small": gsp(4, 4, system_len=256),
                                       "no-share": no_share(16, prompt_len=256 + 64)}
     else:
-        system_len, workloads = 1024, {"gsp-small": gsp(), "no-share": no_share()}
+        system_len, n = args.system_len, args.output_len
+        tag = "" if (system_len, n) == (1024, 32) else f", {system_len}-token prefix, {n} out"
+        workloads = {f"gsp-small{tag}": gsp(system_len=system_len, output_len=n),
+                     f"no-share{tag}": no_share(prompt_len=system_len + 64, output_len=n)}
 
-    loaded = load_model(str(model_dir), device="auto")
+    loaded = load_model(str(model_dir), device=args.device)
+    where = (f"{torch.cuda.get_device_name(loaded.device)}, {str(loaded.dtype).removeprefix('torch.')}"
+             if loaded.device.type == "cuda" else f"CPU, {args.threads} threads")
+    print(f"bench model on {where}")
     hf = None
-    if not args.skip_hf:
+    if not args.skip_hf:  # transformers alone, on the engine's device and dtype
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=loaded.dtype)
+        hf = hf.to(loaded.device).eval()
     run_engine(loaded, gsp(1, 2, system_len=64, question_len=16, output_len=4), True)  # warm-up, untimed
     results: dict[str, list[dict]] = {}
     for wl, reqs in workloads.items():
         rows = [run_engine(loaded, reqs, True), run_engine(loaded, reqs, False)]
-        if hf is not None and wl == "gsp-small":
-            rows.append(run_hf_sequential(hf, reqs))
-            rows.append(run_hf_prompt_reuse(hf, reqs, system_len))
-            rows.append(run_hf_generate_batch(hf, reqs, sharing=False))
-            rows.append(run_hf_generate_batch(hf, reqs, sharing=True))
+        if hf is not None and wl.startswith("gsp"):
+            rows += _hf_rows(hf, reqs, system_len)
         results[wl] = rows
         print(f"\n### {wl} ({len(reqs)} requests)\n")
         print(_table(rows, rows[1]))
-    gsp_rows = results["gsp-small"]
+        print("\n" + "\n".join(f"- {r['split']}" for r in rows if "split" in r))
+    gsp_rows, noshare_rows = results.values()
     on, off = gsp_rows[0], gsp_rows[1]
-    ns_on, ns_off = results["no-share"][0], results["no-share"][1]
+    ns_on, ns_off = noshare_rows[0], noshare_rows[1]
     hf_rows = gsp_rows[2:]
     summary = {
         "cache_on_vs_off_throughput": on["tok_s"] / off["tok_s"],
@@ -245,13 +292,19 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if hf_rows:
         best = max(hf_rows, key=lambda r: r["tok_s"])
-        ref = hf_rows[0]["outputs"]  # sequential generate: the reference greedy outputs
+        ref = next((r for r in hf_rows if "sequential" in r["variant"]), hf_rows[0])["outputs"]  # the reference
         same = sum(a == b for a, b in zip(on["outputs"], ref, strict=True))
         summary.update({"vs_hf_best_throughput": on["tok_s"] / best["tok_s"], "hf_best_variant": best["variant"],
-                        "greedy_match_hf": same == len(ref), "greedy_match_hf_fraction": same / len(ref)})
+                        "greedy_match_hf": same == len(ref), "greedy_match_hf_fraction": same / len(ref),
+                        # tokens before the first difference: in bf16, rounding alone makes greedy paths part
+                        # (the same figure between transformers' own variants shows how much)
+                        "greedy_common_prefix_vs_hf": _common_prefix(on["outputs"], ref)})
+        for r in hf_rows:
+            if r["outputs"] is not ref:
+                print(f"greedy common prefix, {r['variant']} vs sequential: {_common_prefix(r['outputs'], ref):.1f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    _plot(results, out / "engine_bench.png")
+    _plot(results, out / "engine_bench.png", where)
     print(json.dumps(summary))
     return summary
 

@@ -17,11 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cache.kv_pool import KVPool
 
 ATTN_NAME = "radixserve_paged"
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa argument
+# Never cuDNN: it builds a graph for each new shape on first use (0.5-0.8 s each on an H200, measured by
+# bench/gpu_check.sh), and a serving batch brings new (query, context) lengths every few steps.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -85,10 +89,11 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                 gqa = {"enable_gqa": True}
             else:  # torch < 2.5
                 kp, vp = _expand_kv(kp, groups), _expand_kv(vp, groups)
-        if g.mask is None:
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, **gqa)
-        else:
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, scale=scaling, **gqa)
+        with sdpa_kernel(SDPA_BACKENDS):
+            if g.mask is None:
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, **gqa)
+            else:
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, scale=scaling, **gqa)
         outs.append(op[0].transpose(0, 1))  # [n, H, Dh]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     return out.unsqueeze(0), None
@@ -102,7 +107,8 @@ def _decode_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, s
     k, v = b.pool.read_heads(layer, b.decode_slots)  # [D, Hkv, L, Dh], contiguous
     hkv = k.shape[1]
     qg = q.transpose(0, 1).reshape(d, hkv, groups, dh)  # query heads grouped by their KV head
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [D, Hkv, G, L]
+    # scores in float32 (a bf16 matmul would round them before the softmax, as fused kernels do not)
+    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2))  # [D, Hkv, G, L]
     scores.mul_(dh ** -0.5 if scaling is None else scaling)
     scores.masked_fill_(~b.decode_mask, float("-inf"))  # mask [D, 1, 1, L]
     probs = torch.softmax(scores, dim=-1).to(v.dtype)

@@ -18,7 +18,8 @@ matches nowhere goes back to the replica its prefix last went to if that one is 
 another one elsewhere); a new prefix goes to a new or emptied replica first, else (up to
 ``small_fleet`` replicas) to the one that is home to the fewest prefixes, ties broken by the prefix's
 consistent-hash ring walk (larger fleets: the first replica on that walk under the load bounds). Work
-rates (decayed sums of routed work) balance the long run; outstanding work bounds bursts.
+rates (decayed sums of routed work) balance the long run; a replica that joins starts at the fleet's
+mean, so load moves to it as the rates decay. Outstanding work bounds bursts.
 """
 
 from __future__ import annotations
@@ -155,6 +156,12 @@ class PrefixPolicy:
                 fill = cap / max(self._prompt_blocks, 1.0)
                 view.home_base = max(0, round(min(self.homes(r) for r in self.replicas) - fill)
                                      - self._home_counts[replica_id])
+                # and at the fleet's mean work rate: at zero, every holder would be over the rate bound
+                # at once and the newcomer would take all traffic (recomputing each prefix while the
+                # warm caches idle) until its rate caught up; cold placement still fills it first
+                total = self._decayed(self._recent_total, self._rate_hl())
+                view.recent, view.recent_at = total / len(self.replicas), self._counter
+                self._recent_total = (total + view.recent, self._counter)
             self.replicas[replica_id] = view
             self._push_load(view)
             self._unfilled.add(replica_id)

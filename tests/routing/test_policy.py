@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
@@ -352,3 +354,23 @@ def test_prefix_too_popular_for_one_replica_is_copied_not_moved():
     new, _ = route(p, prompt(1, tail=5))
     assert new not in holders
     assert set(p.matches(hashes)) == holders | {new}  # a copy: the old holders keep theirs
+
+
+def test_warm_replica_keeps_its_prefixes_when_a_new_one_joins():
+    """A replica added to a warm fleet starts at the fleet's mean work rate, not zero: at zero, every
+    holder was over the rate bound at once, so all traffic went to the newcomer (prefilling each prefix
+    again while the warm cache idled) until its rate caught up. Now the load moves over as the rates
+    decay (a half-life is 250 routed requests per replica) and ends evenly split."""
+    p = fleet(1)
+    prompts = [prompt(g, n_blocks=4, tail=t) for t in range(1, 40) for g in range(4)]
+    for tokens in prompts:  # one replica serving 4 prefixes, one request at a time
+        p.on_completed(*route(p, tokens, out=16))
+    p.add_replica("new", capacity_blocks=256)
+    chosen = []
+    for tokens in itertools.islice(itertools.cycle(prompts), 1000):
+        r, w = route(p, tokens, out=16)
+        p.on_completed(r, w)
+        chosen.append(r)
+    assert chosen[:40].count("r0") == 40  # (was: all 40 to the newcomer)
+    assert 40 <= chosen[:200].count("new") <= 120  # a hot prefix is copied within the first half-life
+    assert 80 <= chosen[600:800].count("new") <= 120

@@ -1,0 +1,52 @@
+"""The paged attention function alone: which SDPA kernels prefills may use, and decode numerics."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+import engine.attention as attention
+from engine.sequence import SamplingParams
+
+
+def test_prefill_attention_never_runs_cudnn(make_engine, monkeypatch):
+    """cuDNN's SDPA builds a graph for every new shape on first use (0.5-0.8 s each on an H200), so
+    both prefill paths (plain causal, and cached context with a mask) must run with it switched off."""
+    seen: list[tuple[bool, bool]] = []  # (had a mask, cuDNN allowed) per call
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask") is not None, torch.backends.cuda.cudnn_sdp_enabled()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    eng = make_engine("tiny", max_prefill_chunk_tokens=32)
+    prefix = list(range(20, 84))
+    eng.generate([prefix + [5, 6, 7]], SamplingParams(max_new_tokens=2))
+    eng.generate([prefix + [8, 9]], SamplingParams(max_new_tokens=2))  # cached prefix: masked path
+    assert {masked for masked, _ in seen} == {True, False}
+    assert not any(allowed for _, allowed in seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the process-wide setting is left as it was
+
+
+def test_decode_scores_are_not_rounded_to_bf16_before_the_softmax():
+    """With a bf16 model, Q.K in bf16 rounds each score (spacing 0.25 near 50) before the softmax, which
+    fused kernels never do: greedy paths then parted from transformers' after ~4 tokens on an H200
+    (8 with float32 scores; transformers' own batched variants: 11-13)."""
+    g = torch.Generator().manual_seed(0)
+    d, hkv, groups, length, dh = 4, 2, 4, 96, 64
+    q = torch.randn(hkv * groups, d, dh, generator=g)
+    k = torch.randn(d, hkv, length, dh, generator=g)
+    v = torch.randn(d, hkv, length, dh, generator=g)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    scale = 1.0  # scores of std ~8 and peaks near 30: where bf16 spacing is 0.125-0.25
+    pool = SimpleNamespace(read_heads=lambda layer, slots: (k, v))
+    batch = SimpleNamespace(pool=pool, decode_slots=None, decode_mask=torch.ones(d, 1, 1, length, dtype=torch.bool))
+    out = attention._decode_attention(batch, 0, q, groups, scale).float()  # [D, H, Dh]
+
+    qg = q.float().transpose(0, 1).reshape(d, hkv, groups, dh)
+    probs = torch.softmax(qg @ k.float().transpose(-1, -2) * scale, dim=-1)
+    ref = (probs @ v.float()).reshape(d, hkv * groups, dh)
+    err = ((out - ref).norm() / ref.norm()).item()
+    assert err < 0.005, err  # bf16 probabilities and output only: 0.002 (bf16 scores: 0.014)
