@@ -97,7 +97,7 @@ class RadixCache:
         self.reuse_bonus = reuse_bonus
         self.wall_clock = clock
         # hashes of recently evicted blocks (bounded): a block computed again soon after eviction is
-        # in demand, so it comes back protected (the "ghost" list of ARC)
+        # in demand, so it comes back protected and leaves the list until evicted again (ARC's ghosts)
         self._ghost: OrderedDict[int, None] = OrderedDict()
         self._step = block_size * 4
         self._roots: dict[str | None, Node] = {}
@@ -265,7 +265,7 @@ class RadixCache:
             return
         n = 0
         for h in leaf.hashes:
-            if h not in self._ghost:
+            if self._ghost.pop(h, 0) is not None:  # back: out of the ghost list until evicted again
                 break
             n += 1
         self.counters.recomputed_blocks += n

@@ -123,6 +123,29 @@ def test_prefix_recomputed_soon_after_its_eviction_comes_back_protected():
     alloc.check_invariants([])
 
 
+def test_a_prefix_evicted_again_is_remembered_from_its_latest_eviction():
+    """The ghost list is ordered by eviction: a block that came back and was evicted again counts
+    from its latest eviction (it used to keep its first place and leave the list early)."""
+    cache = RadixCache(BS, reuse_bonus=2)  # the ghost list keeps 4 x 2 evicted hashes
+    alloc = BlockAllocator(6, BS, cache)
+    prompt = [5] * 8
+
+    def churn(first: int, n: int) -> None:  # n unique prompts of 2 blocks, each evicted at once
+        for q in range(first, first + n):
+            publish(cache, alloc, [q] * 8)
+            alloc.free(cache.evict(cache.evictable_blocks))
+
+    publish(cache, alloc, prompt)
+    alloc.free(cache.evict(cache.evictable_blocks))
+    churn(10, 2)  # ghost: the prompt's 2 blocks, then 4 others
+    publish(cache, alloc, prompt)  # back: 2 recomputed
+    alloc.free(cache.evict(cache.evictable_blocks))  # evicted again, now the newest in the ghost list
+    churn(20, 2)  # 4 more evictions push out the 4 oldest entries
+    publish(cache, alloc, prompt)
+    assert cache.counters.recomputed_blocks == 4  # still remembered (was 2: forgotten)
+    alloc.check_invariants([])
+
+
 def test_recomputed_blocks_count_only_what_returns_soon_after_its_eviction():
     cache = RadixCache(BS, reuse_bonus=2)  # the ghost list keeps 4 x 2 evicted hashes
     alloc = BlockAllocator(6, BS, cache)
