@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--out", default="docs", help="folder for the PNG")
     args = ap.parse_args(argv)
+    if args.quick and (args.system_len, args.output_len) != (1024, 32):
+        ap.error("--quick has its own lengths: drop --system-len/--output-len, or --quick")
 
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir or Path.home() / ".cache" / "radixserve" / "models" / "bench")

@@ -263,10 +263,11 @@ class RadixCache:
         as recomputed)."""
         if not self._ghost or leaf.reused:
             return
-        n = 0
+        ghost, n = self._ghost, 0
         for h in leaf.hashes:
-            if self._ghost.pop(h, 0) is not None:  # back: out of the ghost list until evicted again
+            if h not in ghost:
                 break
+            del ghost[h]  # back: out of the ghost list until evicted again
             n += 1
         self.counters.recomputed_blocks += n
         if n == len(leaf.blocks):
@@ -349,7 +350,9 @@ class RadixCache:
                 self._event("removed", removed)
             if self.reuse_bonus:
                 ghost = self._ghost
-                ghost.update(dict.fromkeys(removed))
+                for h in removed:  # newest end, also for a block that was still listed (a warm-up put
+                    ghost.pop(h, None)  # it back without a look-up, or it followed one that was not)
+                    ghost[h] = None
                 while len(ghost) > 4 * self.reuse_bonus:  # remembers a few pools of evictions
                     ghost.popitem(last=False)
             if cut:

@@ -72,8 +72,20 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     outs: list[torch.Tensor] = []
     if b.num_decodes:
         outs.append(_decode_attention(b, layer, q[:, : b.num_decodes], groups, scaling))
+    if b.prefills:
+        with sdpa_kernel(SDPA_BACKENDS):  # once per layer: it sets (and restores) process-wide flags
+            outs.extend(_prefill_attention(b, layer, query, key, value, groups, scaling))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    return out.unsqueeze(0), None
+
+
+def _prefill_attention(b: PagedBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       groups: int, scaling: float | None) -> list[torch.Tensor]:
+    """Each prefill chunk over its context (its own new K/V when it starts the sequence, else the
+    context read back from the pool): ``[n, H, Dh]`` per chunk."""
+    outs = []
     for g in b.prefills:
-        qp = q[:, g.q_start:g.q_start + g.q_len].unsqueeze(0)  # [1, H, n, Dh]
+        qp = query[:, :, g.q_start:g.q_start + g.q_len]  # [1, H, n, Dh]
         if g.ctx_slots is None:
             kp = key[:, :, g.q_start:g.q_start + g.q_len]
             vp = value[:, :, g.q_start:g.q_start + g.q_len]
@@ -89,14 +101,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                 gqa = {"enable_gqa": True}
             else:  # torch < 2.5
                 kp, vp = _expand_kv(kp, groups), _expand_kv(vp, groups)
-        with sdpa_kernel(SDPA_BACKENDS):
-            if g.mask is None:
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, **gqa)
-            else:
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, scale=scaling, **gqa)
+        if g.mask is None:
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, **gqa)
+        else:
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, scale=scaling, **gqa)
         outs.append(op[0].transpose(0, 1))  # [n, H, Dh]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-    return out.unsqueeze(0), None
+    return outs
 
 
 def _decode_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, scaling: float | None
@@ -107,7 +117,8 @@ def _decode_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, s
     k, v = b.pool.read_heads(layer, b.decode_slots)  # [D, Hkv, L, Dh], contiguous
     hkv = k.shape[1]
     qg = q.transpose(0, 1).reshape(d, hkv, groups, dh)  # query heads grouped by their KV head
-    # scores in float32 (a bf16 matmul would round them before the softmax, as fused kernels do not)
+    # scores in float32: a bf16 matmul would round them before the softmax, as fused kernels do not
+    # (costs a float32 copy of the gathered K for 16-bit models, twice the gather's own size)
     scores = torch.matmul(qg.float(), k.float().transpose(-1, -2))  # [D, Hkv, G, L]
     scores.mul_(dh ** -0.5 if scaling is None else scaling)
     scores.masked_fill_(~b.decode_mask, float("-inf"))  # mask [D, 1, 1, L]

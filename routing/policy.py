@@ -159,7 +159,7 @@ class PrefixPolicy:
                 # and at the fleet's mean work rate: at zero, every holder would be over the rate bound
                 # at once and the newcomer would take all traffic (recomputing each prefix while the
                 # warm caches idle) until its rate caught up; cold placement still fills it first
-                total = self._decayed(self._recent_total, self._rate_hl())
+                total = self._reanchor_rates()
                 view.recent, view.recent_at = total / len(self.replicas), self._counter
                 self._recent_total = (total + view.recent, self._counter)
             self.replicas[replica_id] = view
@@ -170,13 +170,12 @@ class PrefixPolicy:
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica at once (it died or drained): its index must not attract traffic."""
-        view = self.replicas.pop(replica_id, None)
-        if view is None:
+        if replica_id not in self.replicas:
             return
+        self._reanchor_rates()
+        view = self.replicas.pop(replica_id)
         self._total_outstanding -= view.outstanding
-        hl = self._rate_hl()
-        self._recent_total = (self._decayed(self._recent_total, hl) - self._decayed((view.recent, view.recent_at), hl),
-                              self._counter)
+        self._recent_total = (self._recent_total[0] - view.recent, self._counter)
         self._unfilled.discard(replica_id)
         self._ring = [x for x in self._ring if x[1] != replica_id]
         for h in view.index:
@@ -185,6 +184,16 @@ class PrefixPolicy:
                 s.discard(replica_id)
                 if not s:
                     del self.holders[h]
+
+    def _reanchor_rates(self) -> float:
+        """Bring every replica's work rate (and the fleet's sum) up to now; returns the sum. Rates decay
+        with a half-life that scales with the fleet, so at a fleet change they are settled with the old
+        one: the sum then stays the sum of the parts, whatever the new half-life."""
+        for view in self.replicas.values():
+            view.recent, view.recent_at = self._recent(view), self._counter
+        total = sum(view.recent for view in self.replicas.values())
+        self._recent_total = (total, self._counter)
+        return total
 
     def sync_replicas(self, replica_ids: Iterable[str]) -> None:
         live = set(replica_ids)

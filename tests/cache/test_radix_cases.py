@@ -123,26 +123,48 @@ def test_prefix_recomputed_soon_after_its_eviction_comes_back_protected():
     alloc.check_invariants([])
 
 
+def _evict_all(cache, alloc):
+    alloc.free(cache.evict(cache.evictable_blocks))
+
+
+def _churn(cache, alloc, first: int, n: int) -> None:
+    """``n`` unique prompts of 2 blocks, each evicted at once (4 x ``reuse_bonus`` fill the ghost list)."""
+    for q in range(first, first + n):
+        publish(cache, alloc, [q] * 8)
+        _evict_all(cache, alloc)
+
+
 def test_a_prefix_evicted_again_is_remembered_from_its_latest_eviction():
     """The ghost list is ordered by eviction: a block that came back and was evicted again counts
     from its latest eviction (it used to keep its first place and leave the list early)."""
     cache = RadixCache(BS, reuse_bonus=2)  # the ghost list keeps 4 x 2 evicted hashes
     alloc = BlockAllocator(6, BS, cache)
     prompt = [5] * 8
-
-    def churn(first: int, n: int) -> None:  # n unique prompts of 2 blocks, each evicted at once
-        for q in range(first, first + n):
-            publish(cache, alloc, [q] * 8)
-            alloc.free(cache.evict(cache.evictable_blocks))
-
     publish(cache, alloc, prompt)
-    alloc.free(cache.evict(cache.evictable_blocks))
-    churn(10, 2)  # ghost: the prompt's 2 blocks, then 4 others
+    _evict_all(cache, alloc)
+    _churn(cache, alloc, 10, 2)  # ghost: the prompt's 2 blocks, then 4 others
     publish(cache, alloc, prompt)  # back: 2 recomputed
-    alloc.free(cache.evict(cache.evictable_blocks))  # evicted again, now the newest in the ghost list
-    churn(20, 2)  # 4 more evictions push out the 4 oldest entries
+    _evict_all(cache, alloc)  # evicted again, now the newest in the ghost list
+    _churn(cache, alloc, 20, 2)  # 4 more evictions push out the 4 oldest entries
     publish(cache, alloc, prompt)
     assert cache.counters.recomputed_blocks == 4  # still remembered (was 2: forgotten)
+    alloc.check_invariants([])
+
+
+def test_a_warmed_up_prefix_evicted_again_is_remembered_from_that_eviction():
+    """A warm-up inserts without the look-up that takes a returning block off the ghost list; its
+    next eviction must still move it to the newest end."""
+    cache = RadixCache(BS, reuse_bonus=2)
+    alloc = BlockAllocator(6, BS, cache)
+    prompt = [5] * 8
+    publish(cache, alloc, prompt)
+    _evict_all(cache, alloc)
+    _churn(cache, alloc, 10, 2)
+    cache.insert(prompt, alloc.allocate(2), protect=True)  # warm-up: back in the cache
+    _evict_all(cache, alloc)
+    _churn(cache, alloc, 20, 2)
+    publish(cache, alloc, prompt)
+    assert cache.counters.recomputed_blocks == 2  # remembered from its second eviction (was 0)
     alloc.check_invariants([])
 
 

@@ -21,13 +21,14 @@ def test_prefill_attention_never_runs_cudnn(make_engine, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
     eng = make_engine("tiny", max_prefill_chunk_tokens=32)
     prefix = list(range(20, 84))
     eng.generate([prefix + [5, 6, 7]], SamplingParams(max_new_tokens=2))
     eng.generate([prefix + [8, 9]], SamplingParams(max_new_tokens=2))  # cached prefix: masked path
     assert {masked for masked, _ in seen} == {True, False}
     assert not any(allowed for _, allowed in seen)
-    assert torch.backends.cuda.cudnn_sdp_enabled()  # the process-wide setting is left as it was
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before  # the process-wide setting is left as it was
 
 
 def test_decode_scores_are_not_rounded_to_bf16_before_the_softmax():

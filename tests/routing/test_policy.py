@@ -245,8 +245,10 @@ def test_remembered_homes_are_bounded():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["route", "route", "learn", "remove", "add", "sync"]), st.integers(0, 15),
                           st.integers(0, 4)), min_size=1, max_size=120))
-def test_home_counts_match_the_bounded_map_through_fleet_changes(ops):
-    p = PrefixPolicy(PolicyConfig(block_size=BS, home_memory=4))
+def test_home_counts_and_work_rates_stay_consistent_through_fleet_changes(ops):
+    """The remembered homes match their counts, and the fleet's work rate stays the sum of the
+    replicas' rates (which decay with a half-life that scales with the fleet)."""
+    p = PrefixPolicy(PolicyConfig(block_size=BS, home_memory=4, rate_half_life=5.0))
     for i in range(4):
         p.add_replica(f"r{i}", capacity_blocks=64)
     for op, group, replica in ops:
@@ -264,6 +266,9 @@ def test_home_counts_match_the_bounded_map_through_fleet_changes(ops):
         assert len(p._home) <= 4
         homes = list(p._home.values())
         assert dict(p._home_counts) == {r: homes.count(r) for r in set(homes)}
+        parts = sum(p._recent(v) for v in p.replicas.values())
+        assert abs(p._decayed(p._recent_total, p._rate_hl()) - parts) <= 1e-6 * max(1.0, parts)
+        assert all(p._recent(v) >= 0 for v in p.replicas.values())
 
 
 def test_replica_added_to_a_running_fleet_does_not_take_every_new_prefix():
