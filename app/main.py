@@ -69,7 +69,8 @@ def build_app(settings: Settings):
     return Ingress.options(name=f"{settings.deployment_name}-ingress", num_replicas=settings.ingress_replicas,
                            max_ongoing_requests=settings.ingress_max_ongoing_requests,
                            # as the LLM replicas: a frozen ingress is every request's outage
-                           health_check_period_s=5, health_check_timeout_s=10).bind(llm, s)
+                           health_check_period_s=5, health_check_timeout_s=10).bind(
+        llm, s, scales_to_zero=settings.autoscaling is not None and settings.autoscaling.min_replicas == 0)
 
 
 def app_builder(args: dict[str, Any]):

@@ -287,10 +287,11 @@ def _usage(ev: dict) -> dict:
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, llm_handle, settings: dict[str, Any]):
+    def __init__(self, llm_handle, settings: dict[str, Any], scales_to_zero: bool = False):
         from transformers import AutoTokenizer
 
         self.settings = Settings(**settings)
+        self.scales_to_zero = scales_to_zero  # the LLM deployment autoscales with min_replicas 0
         self.llm = llm_handle
         self.model_name = self.settings.model_name()
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.resolved_model_id(), local_files_only=True)
@@ -309,7 +310,8 @@ class Ingress:
         self._stop = threading.Event()
         threading.Thread(target=self._heartbeat, name="ingress-heartbeat", daemon=True).start()
         self._last_health: tuple[float, int] = (float("-inf"), 0)  # (when, replicas) of the last good answer
-        self._zero_seen: tuple[float, bool] = (float("-inf"), False)  # (when, answer) of _scaled_to_zero
+        self._zero_seen: tuple[float, bool] = (float("-inf"), False)  # (when, answer) of _at_zero
+        self._zero_until = float("-inf")  # the last time at (or waking from) zero counts until then
         self._hub_view: tuple | None = None  # the hub's state at the last /metrics (restored if it restarts)
         self._text_cache: dict[int, str] = {}  # bounded by the vocabulary
         self._bytes_cache: dict[int, list[int]] = {}
@@ -547,31 +549,40 @@ class Ingress:
             at, live = self._last_health
             if time.monotonic() - at > HEALTHY_WITHIN_S:  # the last count is too old to vouch for
                 raise ApiError(503, f"cannot tell: {_error_text(e) or 'timed out'}", "unhealthy") from None
-        if not live and not await self._scaled_to_zero():
+        if not live and not await self._at_zero():
             raise ApiError(503, f"no replica's engine has reported in the last {HEALTHY_WITHIN_S:.0f} s "
                                 "(starting up, or failed and being replaced)", "unhealthy")
         return JSONResponse({"status": "ok", "replicas": live})
 
-    async def _scaled_to_zero(self) -> bool:
+    async def _at_zero(self) -> bool:
         """No replica because autoscaling (``min_replicas`` 0) took them all away is idle, not down: a
         request starts one, so a load balancer must keep sending them (a 503 would keep the service at
-        zero for good). Serve's controller knows which it is; its answer is kept for a few seconds."""
+        zero for good). So is the cold start such a request sets off, and the way back to zero: a load
+        balancer that took the service out while a request woke it would hold back the next ones for
+        the whole start-up. Serve's controller knows which it is; its answer is kept for a few seconds.
+        A replica that has just started reports within a second: until then (at most as long as a report
+        may take) the wake-up it ended still counts."""
         at, answer = self._zero_seen
-        if time.monotonic() - at < ZERO_CHECK_S:
-            return answer
-        try:
-            answer = await asyncio.wait_for(asyncio.to_thread(self._llm_idle_at_zero), HEALTH_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - cannot tell: report what is known, no live replica
-            answer = False
-        self._zero_seen = (time.monotonic(), answer)
-        return answer
+        if time.monotonic() - at >= ZERO_CHECK_S:
+            try:
+                answer = await asyncio.wait_for(asyncio.to_thread(self._llm_at_zero), HEALTH_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - cannot tell: report what is known, no live replica
+                answer = False
+            self._zero_seen = (time.monotonic(), answer)
+            if answer:
+                self._zero_until = time.monotonic() + HEALTHY_WITHIN_S
+        return answer or time.monotonic() < self._zero_until
 
-    def _llm_idle_at_zero(self) -> bool:
+    def _llm_at_zero(self) -> bool:
         app = serve.get_replica_context().app_name
         dep = serve.status().applications[app].deployments[f"{self.settings.deployment_name}-llm"]
         # HEALTHY (or scaling) with no replica at all: the target is zero; a failed or updating
         # deployment with none is down or starting
-        return not dep.replica_states and str(getattr(dep.status, "value", dep.status)) in ZERO_OK_STATUSES
+        if str(getattr(dep.status, "value", dep.status)) not in ZERO_OK_STATUSES:
+            return False
+        states = dep.replica_states
+        # min_replicas 0 and none running: one starting (a request woke the deployment) or stopping
+        return not states or (self.scales_to_zero and not states.get("RUNNING"))
 
     # ------------------------------------------------------------------ OpenAI
     def _model_card(self) -> dict[str, Any]:

@@ -4,7 +4,9 @@ requests that were running on it finish (nothing is cut or lost)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
+import time
 
 import httpx
 import pytest
@@ -113,7 +115,8 @@ def test_autoscaling_adds_a_warm_replica_and_removes_one_without_losing_requests
 
 def test_scaled_to_zero_the_service_stays_healthy_and_the_next_request_starts_a_replica(serve_app, model_dir):
     """min_replicas 0: with no replica left, /health still answers 200 (a load balancer that took a 503
-    would stop sending the request that brings a replica back), and that request is answered."""
+    would stop sending the request that brings a replica back), also while that request's replica
+    starts (it answered 503 for the whole start-up), and that request is answered."""
     from ray import serve
 
     from app.config import Settings
@@ -133,8 +136,19 @@ def test_scaled_to_zero_the_service_stays_healthy_and_the_next_request_starts_a_
                 "never scaled to zero"
             h = c.get("/health")
             assert h.status_code == 200 and h.json() == {"status": "ok", "replicas": 0}, h.text
-            r = c.post("/generate", json=body)  # waits while Serve starts a replica
+            with concurrent.futures.ThreadPoolExecutor(1) as pool, httpx.Client(base_url=c.base_url, timeout=10) as hc:
+                woke = pool.submit(c.post, "/generate", json=body)  # waits while Serve starts a replica
+                health, seen_starting = [], False
+                while not woke.done():
+                    seen_starting = seen_starting or bool(status().get("STARTING"))
+                    health.append((hc.get("/health").status_code, dict(status())))
+                    time.sleep(0.3)
+                r = woke.result()
+                for _ in range(8):  # and until the new replica's first report (within a second)
+                    health.append((hc.get("/health").status_code, dict(status())))
+                    time.sleep(0.3)
             assert r.status_code == 200, r.text
+            assert seen_starting and {code for code, _ in health} == {200}, [h for h in health if h[0] != 200]
             assert status().get("RUNNING") == 1
     finally:
         serve.delete("ztest")
