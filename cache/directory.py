@@ -2,7 +2,10 @@
 
 Replicas record the prefixes their requests shared (the matched part of a prompt); a replica that
 starts reads the top-K and prefills them before taking traffic; a router that restarts reads who
-holds what. Keys live under ``radixserve:{deployment}:{model}:`` and are:
+holds what. Keys live under ``radixserve:{<deployment>:<model>}:``, braces included: the part in braces
+is a Redis Cluster hash tag, so one deployment's keys share a slot (its Lua script and pipelines touch
+several at once). A URL that points at a node of a Redis Cluster works too: the first ``MOVED`` answer
+switches to a cluster client. The keys are:
 
 - ``hot``: sorted set, prefix hash -> decayed hit count. Decay without rewriting: each hit adds
   ``2 ** ((now - epoch) / half_life)``, so older hits weigh exponentially less; scores are rescaled
@@ -59,14 +62,16 @@ class HotPrefixDirectory:
     def __init__(self, url: str, deployment: str = "radixserve", model: str = "", block_size: int = 16,
                  ttl_s: float = 3600.0, half_life_s: float = 600.0, socket_timeout_s: float = 0.5,
                  max_prefix_tokens: int = 32768, max_hot: int = 10_000):
-        self.ns = f"radixserve:{deployment}:{model}:"
-        self.model = model
+        self.ns = f"radixserve:{{{deployment}:{model}}}:"
+        self.deployment, self.model = deployment, model
         self.block_size = block_size
         self.ttl_s = ttl_s
         self.half_life_s = half_life_s
         self.max_prefix_tokens = max_prefix_tokens
         self.max_hot = max_hot  # the ranking keeps this many prefixes: the coldest beyond it are dropped
-        self._r = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
+        self._url, self._timeouts = url, {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s}
+        self._r = redis.Redis.from_url(url, **self._timeouts)
+        self.cluster = False
         self.errors = 0
         self.skipped = 0
         self._down_until = 0.0
@@ -86,7 +91,13 @@ class HotPrefixDirectory:
         if not self.available:
             return default
         try:
-            out = fn(self._r)
+            try:
+                out = fn(self._r)
+            except redis.exceptions.MovedError:  # a node of a Redis Cluster, not the one with our slot
+                if self.cluster:
+                    raise
+                self._to_cluster()
+                out = fn(self._r)
         except (redis.RedisError, OSError) as e:
             with self._lock:
                 self.errors += 1
@@ -102,6 +113,14 @@ class HotPrefixDirectory:
             self._backoff, self._warned = 0.5, False
         return out
 
+    def _to_cluster(self) -> None:
+        from redis.cluster import RedisCluster
+
+        log.info("hot-prefix directory: %s is a Redis Cluster node; using a cluster client", self._url)
+        self._r = RedisCluster.from_url(self._url, **self._timeouts)
+        self._increment_script = self._r.register_script(_INCREMENT_LUA)
+        self.cluster = True
+
     def ping(self) -> bool:
         return bool(self._call(lambda r: r.ping(), False))
 
@@ -113,6 +132,8 @@ class HotPrefixDirectory:
                 exp = self._increment_script(keys=[self.ns + "epoch", self.ns + "hot"],
                                              args=[repr(now), repr(self.half_life_s), repr(_MAX_EXP)], client=r)
                 return 2.0 ** float(exp)
+            except redis.exceptions.AskError:  # a cluster redirection (MOVED too): not a refusal
+                raise
             except redis.ResponseError as e:  # NOPERM (an ACL without @scripting) or EVAL disabled
                 log.warning("hot-prefix directory: Lua scripts refused (%s); rescaling without them", e)
                 self._scripting = False

@@ -177,7 +177,7 @@ def test_a_redis_user_without_scripting_still_records(redis_server, d):
     d._r.execute_command("ACL", "SETUSER", "noscript", "on", ">pw", "~*", "+@all", "-@scripting")
     try:
         limited = HotPrefixDirectory(f"redis://noscript:pw@127.0.0.1:{redis_server.port}/0",
-                                     deployment=d.ns.split(":")[1], model="m", block_size=BS)
+                                     deployment=d.deployment, model="m", block_size=BS)
         now = time.time()
         old = limited.record("r1", toks(40), now=now)
         assert old is not None and not limited._scripting and limited.errors == 0
