@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import local_cluster
+from bench import local_cluster, plots
 from bench.http_load import one_request, wait_healthy
 from bench.workloads import gsp
 
@@ -127,12 +127,7 @@ def main(argv=None) -> dict:
 
 
 def plot(rows: dict, path: Path, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
+    fig, (top, bottom) = plots.subplots(2, 1, figsize=(8, 5.5), sharex=True)
     colors = {"cache": "tab:green", "requests": "tab:gray"}
     for policy, r in rows.items():
         t, n = zip(*r["timeline"], strict=True)
@@ -148,10 +143,8 @@ def plot(rows: dict, path: Path, args) -> None:
     bottom.set_ylabel("cached share of prompt\n(moving mean, 20 requests)")
     bottom.set_xlabel("seconds of load")
     bottom.set_ylim(0, 1)
-    fig.suptitle(f"Autoscaling 1-{args.max_replicas} replicas, {args.groups} system prompts, {args.concurrency} clients")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    plots.save(fig, path, f"Autoscaling 1-{args.max_replicas} replicas, {args.groups} system prompts, "
+                          f"{args.concurrency} clients")
 
 
 if __name__ == "__main__":

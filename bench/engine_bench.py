@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench import plots
 from bench.workloads import Request, gsp, no_share
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -211,12 +212,7 @@ def _table(rows: list[dict], base: dict) -> str:
 
 
 def _plot(results: dict[str, list[dict]], path: Path, where: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2))
+    fig, axes = plots.subplots(1, len(results), figsize=(6 * len(results), 4.2))
     axes = [axes] if len(results) == 1 else axes
     for ax, (wl, rows) in zip(axes, results.items(), strict=True):
         names = [r["variant"].replace(", ", "\n") for r in rows]
@@ -229,8 +225,7 @@ def _plot(results: dict[str, list[dict]], path: Path, where: str) -> None:
         ax.set_title(f"{wl}: bench model, {where}")
         for y, v in enumerate(vals):
             ax.text(v, y, f" {v:.0f}", va="center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plots.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -304,9 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
         for r in hf_rows:
             if r["outputs"] is not ref:
                 print(f"greedy common prefix, {r['variant']} vs sequential: {_common_prefix(r['outputs'], ref):.1f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    _plot(results, out / "engine_bench.png", where)
+    _plot(results, Path(args.out) / "engine_bench.png", where)  # plots.save makes the folder
     print(json.dumps(summary))
     return summary
 

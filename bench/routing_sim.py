@@ -41,6 +41,7 @@ from pathlib import Path
 
 import xxhash
 
+from bench import plots
 from cache.allocator import BlockAllocator
 from cache.hashing import chain_hashes, pack_tokens, root_hash
 from cache.radix import RadixCache
@@ -479,12 +480,7 @@ def main(argv=None) -> dict:
 
 
 def _plot(rows: list[dict], oracle: float, name: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plots.subplots(1, 2, figsize=(11, 4))
     names = [r["policy"] for r in rows]
     a.bar(names, [r["hit_rate"] for r in rows], color=["tab:green" if n == "ours" else "tab:gray" for n in names])
     a.axhline(oracle, ls="--", color="k", label=f"oracle {oracle:.2f}")
@@ -496,10 +492,7 @@ def _plot(rows: list[dict], oracle: float, name: str, path: Path) -> None:
     b.legend()
     for ax in (a, b):
         ax.tick_params(axis="x", rotation=30)
-    fig.suptitle(f"routing simulator: {name}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    plots.save(fig, path, f"routing simulator: {name}")
 
 
 if __name__ == "__main__":
