@@ -7,7 +7,7 @@ that the ingress maps onto the same API's error format.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -41,8 +41,9 @@ def _check_text(value: Any, path: str = "") -> None:
 
 class _Strict(BaseModel):
     # strict: "5" is not a number and true is not a count (clients that send them have a bug);
-    # unknown fields are ignored, as OpenAI's and TGI's servers do
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # unknown fields are ignored, as TGI's and vLLM's servers do (OpenAI's clients send fields such as
+    # "user" or "store" that change nothing here), except the ones in REFUSED below
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -54,6 +55,48 @@ class _Strict(BaseModel):
 def _unsupported(name: str, value: Any, allowed: tuple = (None,)) -> None:
     if value not in allowed and value != [] and value != {}:
         raise ValueError(f"{name} is not supported by this server")
+
+
+# Fields of OpenAI's API and of vLLM's extensions that would change the answer if honoured: refused by
+# name rather than ignored (a client moving over from vLLM must not get unconstrained JSON silently).
+# Each passes with the values that mean "not used" (what clients send for an unset option).
+_OFF = (None, False, [], {}, "")
+REFUSED: dict[str, tuple[str, tuple]] = {
+    **{f"guided_{k}": ("guided decoding", _OFF) for k in ("json", "regex", "choice", "grammar")},
+    "guided_whitespace_pattern": ("guided decoding", _OFF),
+    "guided_decoding_backend": ("guided decoding", (*_OFF, "auto")),
+    "structured_outputs": ("structured outputs", _OFF),
+    "prompt_logprobs": ("prompt log-probabilities", (None,)),  # 0 asks for the prompt tokens' own
+    "use_beam_search": ("beam search", _OFF),
+    "length_penalty": ("beam search", (None, 1, 1.0)),
+    "min_p": ("min_p", (None, 0, 0.0)),
+    "allowed_token_ids": ("allowed_token_ids", _OFF),
+    "bad_words": ("bad_words", _OFF),
+    "logits_processors": ("logits processors", _OFF),
+    "spaces_between_special_tokens": ("false", (None, True)),
+    "chat_template": ("a chat template per request", _OFF),
+    "chat_template_kwargs": ("chat template arguments", _OFF),
+    "documents": ("chat documents", _OFF),
+    "mm_processor_kwargs": ("multimodal inputs", _OFF),
+    "audio": ("audio output", _OFF),
+    "prediction": ("predicted outputs", _OFF),
+    "web_search_options": ("web search", _OFF),
+    "return_tokens_as_token_ids": ("return_tokens_as_token_ids", _OFF),
+    "truncate_prompt_tokens": ("truncate_prompt_tokens (TGI's truncate does it)", _OFF),
+    "priority": ("request priorities", (None, 0)),
+    "lora_request": ("LoRA adapters", _OFF),
+}
+
+
+def _refuse_named(data: Any, also: dict[str, tuple[str, tuple]] | None = None) -> None:
+    if not isinstance(data, dict):
+        return
+    for name, (what, unused) in {**REFUSED, **(also or {})}.items():
+        if name in data and not any(type(data[name]) is type(u) and data[name] == u or data[name] is u
+                                    for u in unused):  # type too: 0 is not False
+            raise ValueError(f"{name}: {what} is not supported by this server")
+    if data.get("modalities") not in (None, ["text"]):
+        raise ValueError("modalities: only [\"text\"] is supported by this server")
 
 
 # ----------------------------------------------------------------------------- TGI
@@ -115,13 +158,18 @@ class StreamOptions(_Strict):
 
 # OpenAI's spec makes these nullable and its client sends null for a None argument: null means the default
 NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty",
-                             "logprobs", "echo", "ignore_eos"})
+                             "logprobs", "echo", "ignore_eos", "min_tokens", "include_stop_str_in_output",
+                             "skip_special_tokens", "add_generation_prompt", "continue_final_message",
+                             "add_special_tokens"})
 
 
 class _OpenAICommon(_Strict):
+    _also_refused: ClassVar[dict[str, tuple[str, tuple]]] = {}  # per API
+
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_defaults(cls, data: Any) -> Any:
+        _refuse_named(data, cls._also_refused)
         if isinstance(data, dict):
             data = {k: v for k, v in data.items() if not (v is None and k in NULL_IS_DEFAULT)}
         return data
@@ -144,6 +192,11 @@ class _OpenAICommon(_Strict):
     user: str | None = None
     cache_salt: str | None = None  # tenant isolation of the prefix cache (as vLLM's field)
     ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens even past EOS
+    # extensions, as vLLM's
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # accepted only with the values that mean "not used": anything else is refused, not ignored
     best_of: int | None = None
     tools: list[Any] | None = None
@@ -159,6 +212,11 @@ class _OpenAICommon(_Strict):
         _unsupported("tool_choice", self.tool_choice, (None, "none", "auto"))
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ValueError("response_format other than {\"type\": \"text\"} is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        asked = self.requested_max_tokens()
+        if asked is not None and self.min_tokens > asked:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is more than max_tokens ({asked})")
         return self
 
     @field_validator("logit_bias")
@@ -192,7 +250,10 @@ class _OpenAICommon(_Strict):
                     frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                     logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
                     stop=self.stop_list(), logprobs=logprobs, top_logprobs=top_logprobs,
-                    cache_salt=self.cache_salt, ignore_eos=self.ignore_eos)
+                    cache_salt=self.cache_salt, ignore_eos=self.ignore_eos,
+                    stop_token_ids=list(self.stop_token_ids or ()), min_tokens=self.min_tokens,
+                    include_stop_str_in_output=self.include_stop_str_in_output,
+                    skip_special_tokens=self.skip_special_tokens)
 
 
 class CompletionRequest(_OpenAICommon):
@@ -201,6 +262,7 @@ class CompletionRequest(_OpenAICommon):
     logprobs: int | None = Field(None, ge=0, le=5)  # with this many alternatives per token
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # extension (vLLM's): false leaves out the BOS a text prompt gets
 
     @model_validator(mode="after")
     def _no_suffix(self):
@@ -242,14 +304,28 @@ class ChatMessage(_Strict):
 
 
 class ChatRequest(_OpenAICommon):
+    # vLLM's chat extras: the template adds the special tokens (true would add a second BOS); echo
+    # would prepend the last message
+    _also_refused: ClassVar[dict[str, tuple[str, tuple]]] = {
+        "add_special_tokens": ("true in chat (the chat template adds the special tokens)", (None, False)),
+        "echo": ("echo in chat", (None, False))}
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # extensions, as vLLM's: end the prompt with the assistant's turn opening (default), or carry on
+    # the last (assistant) message instead of starting a new one
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message needs add_generation_prompt: false")
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message needs the last message to be the assistant's")
         return self
 
 

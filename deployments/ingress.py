@@ -13,6 +13,7 @@ import concurrent.futures
 import functools
 import json
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -69,7 +70,7 @@ def token_bytes(piece: str | None, text: str, byte_level: bool) -> list[int]:
     """A token's own bytes (OpenAI's ``bytes``) from its vocabulary entry ``piece`` and decoded
     ``text``: one token may hold part of a UTF-8 character, which its text shows as U+FFFD. Byte-level
     BPE spells bytes as characters (GPT-2's table), SentencePiece's byte fallback as ``<0xHH>``;
-    otherwise the text's UTF-8. Tokens the text skips (special ones) have none."""
+    otherwise the text's UTF-8 (special tokens: their own text, "</s>"). A token without text has none."""
     if not isinstance(piece, str) or not text:
         return []
     if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
@@ -170,12 +171,44 @@ class _TooLarge(Exception):
     pass
 
 
+class JsonOnly:
+    """ASGI middleware: a POST whose Content-Type says it is not JSON gets 415 (FastAPI would answer
+    that the body "should be a valid dictionary": ``curl -d`` without a header sends a form type). A
+    missing Content-Type is read as JSON."""
+
+    def __init__(self, asgi_app):
+        self.app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") in JSON_POST_PATHS:
+            headers = scope.get("headers") or []
+            ctype = dict(headers).get(b"content-type")
+            if ctype is None:  # FastAPI would not parse it at all
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+            else:
+                kind = ctype.split(b";", 1)[0].strip().lower()
+                if kind != b"application/json" and not kind.endswith(b"+json"):
+                    err = ApiError(415, "the request body must be JSON, sent with Content-Type: application/json "
+                                        f"(got {ctype.decode('latin-1')!r})", "validation",
+                                   code="unsupported_media_type")
+                    return await _error_response(Request(scope), err)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+# The routes that take a JSON body by POST (below, in Ingress); other paths answer 404 or 405 whatever
+# the body's type. (Serve wraps the class's routes in its own router, so app.routes does not list them.)
+JSON_POST_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",
+                             "/warmup"})
+
+
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than the server's payload limit of {limit} bytes",
                     "validation", code="payload_too_large")
 
 
-# Starlette runs the last one added first: the size check, then the drain check and in-flight count.
+# Starlette runs the last one added first: the size check, the drain check and in-flight count, then
+# the content type.
+app.add_middleware(JsonOnly)
 app.add_middleware(InFlight)
 app.add_middleware(PayloadLimit)
 
@@ -205,11 +238,24 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "validation")
     message = {404: f"no such endpoint: {request.method} {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-    if exc.status_code == 400 and "parsing the body" in str(exc.detail):
-        message = "the request body could not be read (it must be UTF-8 encoded JSON)"
-    response = _error_response(request, ApiError(exc.status_code, message, kind, code=kind))
+    status = exc.status_code
+    if status == 400 and "parsing the body" in str(exc.detail):
+        message, status = _unparsable(exc.__cause__), 422  # as every other invalid body (OpenAI routes: 400)
+    response = _error_response(request, ApiError(status, message, kind, code=kind))
     response.headers.update(exc.headers or {})  # a 405's Allow: the methods the path takes
     return response
+
+
+def _unparsable(cause: BaseException | None) -> str:
+    """Why the JSON parser gave up on a body (FastAPI reports only that it did)."""
+    why = "it must be UTF-8 encoded JSON"
+    if isinstance(cause, UnicodeDecodeError):
+        why = "it is not UTF-8 encoded"
+    elif isinstance(cause, RecursionError):
+        why = "it is nested too deeply"
+    elif isinstance(cause, ValueError) and "digits" in str(cause):
+        why = "a number in it has too many digits"
+    return f"the request body could not be parsed as JSON: {why}"
 
 
 def _loc(loc: tuple) -> list[str]:
@@ -244,7 +290,7 @@ async def _validation_error(request: Request, exc: RequestValidationError):
 
 
 def _sse(obj: Any) -> str:
-    return f"data:{json.dumps(obj, separators=(',', ':'))}\n\n"
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"  # "data: " as OpenAI, vLLM and TGI frame it
 
 
 # Helpers sit above the class: serve.ingress captures the module's globals when it wraps it.
@@ -265,6 +311,14 @@ def _distinct_tokens(prefixes: list[list[int]], block_size: int) -> int:
     for p in prefixes:
         blocks.update(block_hashes(p, block_size, "warmup"))
     return len(blocks) * block_size + sum(len(p) % block_size for p in prefixes)
+
+
+def _seeded(params: dict[str, Any]) -> dict[str, Any]:
+    """A sampled TGI request without a seed gets one drawn here, so its details can report the seed that
+    reproduces it (as TGI's do); greedy ones report none."""
+    if params["temperature"] > 0 and params["seed"] is None:
+        params["seed"] = secrets.randbits(63)
+    return params
 
 
 def _oai_finish(reason: str | None) -> str:
@@ -366,17 +420,18 @@ class Ingress:
             raise ApiError(422, f"the prompt has more tokens than max_input_tokens ({limit}): "
                                 f"{chars} characters", param=param)
 
-    async def _tokenize(self, text: str) -> list[int]:
-        return await self._off_loop(lambda: list(self.tokenizer(text)["input_ids"]))
+    async def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._off_loop(lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]))
 
     def _detok(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _token_text(self, tid: int) -> str:
-        """One token's text, cached: log-probs ask for it up to 21 times per generated token."""
+        """One token's text, cached: log-probs ask for it up to 21 times per generated token. A special
+        token shows its own text ("</s>"), as in TGI's details."""
         got = self._text_cache.get(tid)
         if got is None:
-            got = self._text_cache[tid] = self._detok([tid])
+            got = self._text_cache[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
         return got
 
     def _token_bytes(self, tid: int) -> list[int]:
@@ -467,7 +522,7 @@ class Ingress:
     async def _tgi_answer(self, req: TGIRequest) -> tuple[dict[str, Any], dict[str, str]]:
         """``/generate``'s answer body and headers (``POST /`` wraps the same body in a list)."""
         ids = await self._tgi_ids(req)
-        params = req.sampling(DEFAULT_MAX_NEW_TOKENS)
+        params = _seeded(req.sampling(DEFAULT_MAX_NEW_TOKENS))
         events = await self._collect(ids, params)
         text = "".join(ev["text"] for ev in events)
         out: dict[str, Any] = {"generated_text": (req.inputs + text) if req.parameters.return_full_text else text}
@@ -475,7 +530,7 @@ class Ingress:
             toks = [ev for ev in events if ev.get("token_id") is not None]
             out["details"] = {
                 "finish_reason": TGI_FINISH.get(events[-1]["finish_reason"], "length"),
-                "generated_tokens": len(toks), "seed": req.parameters.seed, "prefill": [],
+                "generated_tokens": len(toks), "seed": params["seed"], "prefill": [],
                 "cached_tokens": events[-1]["num_cached_tokens"],
                 "tokens": [{"id": ev["token_id"], "text": self._token_text(ev["token_id"]), "logprob": ev["logprob"],
                             "special": ev["token_id"] in self._special} for ev in toks]}
@@ -500,7 +555,8 @@ class Ingress:
     @app.post("/generate_stream")
     async def generate_stream(self, req: TGIRequest):
         ids = await self._tgi_ids(req)
-        first, rest = await self._stream(ids, req.sampling(DEFAULT_MAX_NEW_TOKENS))
+        params = _seeded(req.sampling(DEFAULT_MAX_NEW_TOKENS))
+        first, rest = await self._stream(ids, params)
 
         async def body():
             text, n = "", 0
@@ -520,8 +576,10 @@ class Ingress:
                 n += 1
                 if ev["finished"]:
                     msg["generated_text"] = (req.inputs + text) if req.parameters.return_full_text else text
-                    msg["details"] = {"finish_reason": TGI_FINISH.get(ev["finish_reason"], "length"),
-                                      "generated_tokens": ev["num_output_tokens"], "seed": req.parameters.seed}
+                    if req.parameters.details:  # TGI sends them only when asked
+                        msg["details"] = {"finish_reason": TGI_FINISH.get(ev["finish_reason"], "length"),
+                                          "generated_tokens": ev["num_output_tokens"], "seed": params["seed"],
+                                          "input_length": ev["num_prompt_tokens"]}
                 yield _sse(msg)
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=_replica_header([first]))
@@ -604,7 +662,7 @@ class Ingress:
         if asked:
             return asked
         room = (await self.info_cached())["max_total_tokens"] - len(ids)
-        return max(1, min(default, room))
+        return max(1, min(max(default, req.min_tokens), room))  # (a min_tokens past the room: the engine says so)
 
     def _oai_logprobs(self, events: list[dict], chat: bool, top: int) -> dict | None:
         """OpenAI ``logprobs`` of these token events (chat: ``content`` entries; completions: lists)."""
@@ -626,7 +684,7 @@ class Ingress:
         self._check_model(req.model)
         if isinstance(req.prompt, str):
             await self._refuse_overlong(len(req.prompt), "prompt")
-        ids = req.prompt if isinstance(req.prompt, list) else await self._tokenize(req.prompt)
+        ids = req.prompt if isinstance(req.prompt, list) else await self._tokenize(req.prompt, req.add_special_tokens)
         top = req.logprobs or 0
         params = req.sampling(await self._max_tokens(req, ids, 16), logprobs=req.logprobs is not None, top_logprobs=top)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -652,7 +710,13 @@ class Ingress:
             await self._refuse_overlong(sum(len(m["content"]) for m in msgs), "messages")
         except ValueError as e:
             raise ApiError(422, str(e), param="messages") from None
-        enc = await self._off_loop(self.tokenizer.apply_chat_template, msgs, add_generation_prompt=True, tokenize=True)
+        try:
+            enc = await self._off_loop(self.tokenizer.apply_chat_template, msgs, tokenize=True,
+                                       add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message)
+        except Exception as e:  # noqa: BLE001 - the template refused these messages (raise_exception, ...)
+            raise ApiError(422, f"the model's chat template cannot render these messages: {_error_text(e)}",
+                           param="messages") from None
         ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
         top = req.top_logprobs or 0
         params = req.sampling(await self._max_tokens(req, ids, DEFAULT_MAX_NEW_TOKENS), logprobs=req.logprobs,

@@ -173,7 +173,8 @@ class LLMServer:
             while src:
                 self._hists[key].observe(src.popleft())
         return {**s, "blocks_used": s["blocks_total"] - s["blocks_free"],
-                "requests_finished": st.requests_finished, "prompt_tokens": st.prompt_tokens,
+                "requests_finished": st.requests_finished, "requests_aborted": st.requests_aborted,
+                "prompt_tokens": st.prompt_tokens,
                 "generated_tokens": st.generated_tokens, "prefill_tokens_computed": st.prefill_tokens_computed,
                 "directory_errors": self.directory.errors if self.directory else 0,
                 "warmup_prefixes": self.warmup_report["prefixes"], "warmup_tokens": self.warmup_report["tokens"],

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 COUNTERS = {
     "radixserve_requests_total": ("requests_finished", "Requests finished."),
+    "radixserve_requests_aborted_total": ("requests_aborted",
+                                          "Requests cancelled before they finished (client gone, shutdown)."),
     "radixserve_prompt_tokens_total": ("prompt_tokens", "Prompt tokens received."),
     "radixserve_generation_tokens_total": ("generated_tokens", "Tokens generated."),
     "radixserve_prefill_tokens_computed_total": ("prefill_tokens_computed",

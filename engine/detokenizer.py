@@ -10,31 +10,45 @@ from __future__ import annotations
 from engine.sequence import Sequence
 
 
-def _decode(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+def _decode(tokenizer, ids: list[int], skip_special: bool = True) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
 
 
 def update_text(tokenizer, seq: Sequence) -> None:
     """Extend ``seq.text`` with what the newest output token completes."""
-    ids = seq.output_ids
-    prefix_text = _decode(tokenizer, ids[seq.prefix_offset:seq.read_offset])
-    new_text = _decode(tokenizer, ids[seq.prefix_offset:])
-    if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+    _extend(tokenizer, seq, len(seq.output_ids), final=False)
+
+
+def flush_text(tokenizer, seq: Sequence, upto: int) -> None:
+    """At the end of a request: render ``output_ids[:upto]`` completely. Bytes held back for a
+    character that never completed become U+FFFD, as a plain ``decode`` of the tokens gives them."""
+    _extend(tokenizer, seq, upto, final=True)
+
+
+def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> None:
+    if upto <= seq.read_offset:
+        return
+    ids, skip = seq.output_ids, seq.params.skip_special_tokens
+    prefix_text = _decode(tokenizer, ids[seq.prefix_offset:seq.read_offset], skip)
+    new_text = _decode(tokenizer, ids[seq.prefix_offset:upto], skip)
+    if final or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")):
         seq.text += new_text[len(prefix_text):]
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        seq.prefix_offset, seq.read_offset = seq.read_offset, upto
 
 
-def find_stop(seq: Sequence) -> bool:
-    """Cut ``seq.text`` at the first stop string; True when one was found."""
+def find_stop(seq: Sequence, after: int) -> bool:
+    """Cut ``seq.text`` at the first stop string that ends past ``after`` (the text's length before the
+    newest token: an older one was seen then, or came before ``min_tokens`` and does not count); True
+    when one was found. While running, ``take_delta`` holds back enough that such a stop string was
+    never sent."""
     stops = seq.params.stop
     if not stops:
         return False
-    longest = max(map(len, stops))
-    start = max(0, seq.sent_text_len - longest + 1)
-    hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
+    hits = [(i, i + len(s)) for i, s in ((seq.text.find(s, max(0, after - len(s) + 1)), s) for s in stops) if i >= 0]
     if not hits:
         return False
-    seq.text = seq.text[: min(hits)]
+    at, end = min(hits)
+    seq.text = seq.text[: end if seq.params.include_stop_str_in_output else at]
     return True
 
 

@@ -15,7 +15,7 @@ from cache.kv_pool import KVPool, KVShape, bytes_per_token, num_blocks_for
 from engine import attention
 from engine.config import ConfigError, EngineConfig, request_limits
 from engine.cpu_linear import use_skinny_linear
-from engine.detokenizer import find_stop, take_delta, update_text
+from engine.detokenizer import find_stop, flush_text, take_delta, update_text
 from engine.kv_manager import KVManager
 from engine.model_loader import LoadedModel, load_model, model_context
 from engine.model_runner import ModelRunner
@@ -35,6 +35,7 @@ class EngineStats:
     """Counters and recent samples for metrics (read by the serving layer)."""
 
     requests_finished: int = 0
+    requests_aborted: int = 0  # cancelled before they finished (client gone, shutdown)
     warmups_finished: int = 0  # prefill-only requests (warm-up), kept out of the request counters
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -112,6 +113,9 @@ class LLMEngine:
         bad_bias = next((t for t in params.logit_bias if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad_bias is not None:
             raise RequestError(f"logit_bias token id {bad_bias!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+        bad_stop = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad_stop is not None:
+            raise RequestError(f"stop token id {bad_stop} is outside the vocabulary (0..{self.vocab_size - 1})")
         n = len(prompt_ids)
         if n == 0:
             raise RequestError("the prompt is empty")
@@ -145,6 +149,8 @@ class LLMEngine:
             seq.arrival = arrival
         if not params.greedy:
             seq.generator = make_generator(params.seed)
+        if params.min_tokens:
+            seq.ends = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)))
         self.requests[rid] = seq
         self.stats.prompt_tokens += len(ids)
         if not ids:  # warm-up shorter than a block: nothing to cache
@@ -162,6 +168,8 @@ class LLMEngine:
             return False
         self.scheduler.remove(seq)
         seq.finish_reason = "abort"
+        if not seq.prefill_only:
+            self.stats.requests_aborted += 1
         return True
 
     def has_work(self) -> bool:
@@ -217,12 +225,23 @@ class LLMEngine:
             reason = "eos"
         elif tok in p.stop_token_ids:
             reason = "stop"
-        if reason is None or p.stop:
+        before = len(seq.text)
+        by_string = False
+        if reason is None:  # the token that ends a request (EOS, a stop token) is not text
             update_text(self.tokenizer, seq)
-        if reason is None and find_stop(seq):
-            reason = "stop"
+            # stop strings count from min_tokens on (as in vLLM), and only ones this token completes
+            if len(seq.output_ids) >= p.min_tokens and find_stop(seq, before):
+                reason, by_string = "stop", True
         if reason is None and len(seq.output_ids) >= p.max_new_tokens:
             reason = "length"
+        if reason is not None and not by_string:
+            # the end: bytes held back for a character that never completed are text too, and so is
+            # the ending token when the client asked for it (include_stop_str_in_output, as vLLM)
+            before = len(seq.text)
+            keep_end = reason == "length" or p.include_stop_str_in_output
+            flush_text(self.tokenizer, seq, len(seq.output_ids) - (not keep_end))
+            if find_stop(seq, before):
+                reason = "stop"
         if reason is None:
             self.kv.trim_window(seq)
             return TokenEvent(seq.request_id, tok, take_delta(seq, final=False), s.logprob, False,

@@ -34,7 +34,13 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+    if len(seq.output_ids) < p.min_tokens and seq.ends:  # too early to end: the ending tokens cannot win
+        row[torch.tensor(seq.ends, dtype=torch.long, device=row.device)] = float("-inf")
     return row
+
+
+def _adjusts(seq: Sequence) -> bool:
+    return seq.params.adjusts_logits or len(seq.output_ids) < seq.params.min_tokens
 
 
 def _filter(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -74,12 +80,12 @@ def _draw(dist: torch.Tensor, seq: Sequence) -> int:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
     """One token per row of ``logits`` ``[N, V]`` (float32) for ``seqs``."""
-    if all(s.params.greedy and not s.params.adjusts_logits and not s.params.logprobs for s in seqs):
+    if all(s.params.greedy and not _adjusts(s) and not s.params.logprobs for s in seqs):
         return [Sampled(t) for t in _argmax(logits).tolist()]
     out: list[Sampled] = []
     for row, seq in zip(logits, seqs, strict=True):
         p = seq.params
-        if p.adjusts_logits:
+        if _adjusts(seq):
             row = _adjust(row, seq)
         if p.greedy:
             dist = row

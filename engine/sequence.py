@@ -28,9 +28,12 @@ class SamplingParams:
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # end the request (not part of its text)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many tokens (vLLM's field)
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    skip_special_tokens: bool = True  # leave special tokens out of the text
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives reported per generated token (needs logprobs)
     # OpenAI's penalties on tokens generated so far: logit -= frequency x count + presence x (count > 0)
@@ -70,6 +73,11 @@ class SamplingParams:
             raise SamplingError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if any(not s for s in self.stop):
             raise SamplingError("stop strings must not be empty")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise SamplingError(f"min_tokens must be in [0, max_new_tokens ({self.max_new_tokens})], "
+                                f"got {self.min_tokens!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise SamplingError("stop_token_ids must be token ids (integers >= 0)")
         return self
 
 
@@ -121,6 +129,7 @@ class Sequence:
     last_token_time: float | None = None
     finish_reason: str | None = None
     generator: object | None = None  # torch.Generator for seeded sampling
+    ends: tuple[int, ...] = ()  # token ids that would end it (EOS, stop tokens): banned before min_tokens
     prefill_only: bool = False  # warm-up: compute the prompt's KV, generate nothing
     # incremental detokenization
     prefix_offset: int = 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -15,6 +17,18 @@ PROMPT = list(range(40, 110))
 
 def run(eng, prompt, **kw):
     return eng.generate([prompt], SamplingParams(**kw))[0]
+
+
+def _stream(eng, prompt, params):
+    """Run one request to its end; returns (streamed text, last event)."""
+    rid = eng.add_request(prompt, params)
+    text, last = "", None
+    while eng.has_work():
+        for ev in eng.step():
+            if ev.request_id == rid:
+                text += ev.text
+                last = ev
+    return text, last
 
 
 def test_seeded_sampling_is_reproducible(make_engine):
@@ -42,13 +56,7 @@ def test_stop_strings_cut_exactly_and_stream_consistently(make_engine):
     text = eng.tokenizer.decode(full.output_ids, skip_special_tokens=True)
     assert len(text) > 10
     stop = text[6:9]
-    rid = eng.add_request(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True, stop=[stop]))
-    streamed, last = "", None
-    while eng.has_work():
-        for ev in eng.step():
-            if ev.request_id == rid:
-                streamed += ev.text
-                last = ev
+    streamed, last = _stream(eng, PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True, stop=[stop]))
     assert last.finish_reason == "stop"
     assert streamed == text[: text.find(stop)]
 
@@ -228,3 +236,121 @@ def test_ttft_counts_from_the_arrival_the_caller_saw(make_engine):
     while eng.has_work():
         eng.step()
     assert 5.0 <= eng.stats.ttft_s[-1] < 60
+
+
+def test_a_text_cut_mid_character_ends_as_its_tokens_decode(make_engine):
+    # the tiny model's tokenizer is byte-level: id 0xE4 is a UTF-8 lead byte that never completes here.
+    # The held-back bytes used to be dropped at a length (or EOS) end: "" instead of "\ufffd\ufffd\ufffd"
+    eng = make_engine("tiny")
+    text, last = _stream(eng, PROMPT, SamplingParams(max_new_tokens=3, ignore_eos=True, logit_bias={0xE4: 100.0}))
+    assert last.finish_reason == "length"
+    assert text == eng.tokenizer.decode([0xE4] * 3) == "\ufffd" * 3
+
+
+def test_flush_at_eos_renders_held_bytes_but_not_the_ending_token(loaded):
+    from engine.detokenizer import flush_text, update_text
+    from engine.sequence import Sequence
+
+    tok = loaded("tiny").tokenizer
+    seq = Sequence("r", [1], SamplingParams(skip_special_tokens=False))
+    for t in (71, 0xE8, 0xDF, tok.eos_token_id):
+        seq.output_ids.append(t)
+        if t != tok.eos_token_id:  # the engine renders the ending token only to look for stop strings
+            update_text(tok, seq)
+    assert seq.text == "G"
+    flush_text(tok, seq, len(seq.output_ids) - 1)
+    assert seq.text == tok.decode([71, 0xE8, 0xDF]) == "G\ufffd\ufffd"
+    # a character that completes is rendered whole, once, and nothing is held back after it
+    seq = Sequence("r", [1], SamplingParams())
+    for t in "中".encode():
+        seq.output_ids.append(t)
+        update_text(tok, seq)
+    flush_text(tok, seq, len(seq.output_ids))
+    assert seq.text == "中"
+
+
+def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(make_engine):
+    eng = make_engine("tiny")
+    eos = eng.tokenizer.eos_token_id
+    assert run(eng, PROMPT, max_new_tokens=10, logit_bias={eos: 100.0}).output_ids == [eos]
+    seq = run(eng, PROMPT, max_new_tokens=10, logit_bias={eos: 100.0}, min_tokens=4)
+    assert len(seq.output_ids) == 5 and seq.output_ids[-1] == eos and eos not in seq.output_ids[:4]
+    assert seq.finish_reason == "eos"
+    # a stop token id: banned until then too, and it ends the request once allowed
+    seq = run(eng, PROMPT, max_new_tokens=10, ignore_eos=True, logit_bias={65: 100.0}, stop_token_ids=[65],
+              min_tokens=3)
+    assert seq.output_ids[-1] == 65 and len(seq.output_ids) == 4 and seq.finish_reason == "stop"
+    # a stop string is not looked for before min_tokens ("A" is token 65: every token is one)
+    text, last = _stream(eng, PROMPT, SamplingParams(max_new_tokens=10, ignore_eos=True, logit_bias={65: 100.0},
+                                                     stop=["A"], min_tokens=3))
+    assert last.finish_reason == "stop" and text == "AA"  # found in the third token's text, cut before it
+    with pytest.raises(RequestError, match="min_tokens"):
+        eng.add_request(PROMPT, SamplingParams(max_new_tokens=3, min_tokens=4))
+
+
+def _feed(eng, tokens, **kw):
+    """Hand ``tokens`` to the engine as if sampled (no model): the text and stop logic alone. Returns
+    (streamed text, finish reason)."""
+    from engine.sampler import Sampled
+
+    rid = eng.add_request(PROMPT, SamplingParams(**{"max_new_tokens": len(tokens), **kw}))
+    seq, text = eng.requests[rid], ""
+    for t in tokens:
+        ev = eng._append_token(seq, Sampled(t), time.monotonic())
+        text += ev.text
+        if ev.finished:
+            return text, ev.finish_reason
+    eng.abort(rid)
+    return text, None
+
+
+def test_stop_strings_count_only_once_min_tokens_is_reached(make_engine):
+    eng = make_engine("tiny")
+    # "AB" is complete at the third token, before min_tokens: it does not count then, nor later (vLLM's
+    # rule); the whole text comes out (it used to end as "xA", with part of the stop string sent)
+    assert _feed(eng, list(b"xABCDEFG"), stop=["AB"], min_tokens=4) == ("xABCDEFG", "length")
+    # one that the min_tokens-th token completes does, though it began before
+    assert _feed(eng, list(b"xyzABCDE"), stop=["AB"], min_tokens=5) == ("xyz", "stop")
+    assert _feed(eng, list(b"xyzABCDE"), stop=["AB"], min_tokens=5, include_stop_str_in_output=True) == (
+        "xyzAB", "stop")
+
+
+def test_the_token_that_ends_a_request_is_not_text_unless_asked(make_engine):
+    eng = make_engine("tiny")
+    eos = eng.tokenizer.eos_token_id
+    # a stop token id ends it without its text, with or without stop strings beside it
+    for stop in ([], ["zz"]):
+        assert _feed(eng, list(b"hello"), stop_token_ids=[ord("l")], stop=stop) == ("he", "stop")
+        assert _feed(eng, list(b"hello"), stop_token_ids=[ord("l")], stop=stop,
+                     include_stop_str_in_output=True) == ("hel", "stop")
+        # EOS: no text, not even with skip_special_tokens false, unless include_stop_str_in_output
+        assert _feed(eng, [*b"hi", eos, 65], stop=stop, skip_special_tokens=False) == ("hi", "eos")
+        assert _feed(eng, [*b"hi", eos, 65], stop=stop, skip_special_tokens=False,
+                     include_stop_str_in_output=True) == ("hi<|eos|>", "eos")
+    # bytes flushed at the end are searched for stop strings too
+    assert _feed(eng, [ord("a"), 0xE4, eos], stop=["\ufffd"]) == ("a", "stop")
+    assert _feed(eng, [ord("a"), 0xE4, 0xE4], stop=["\ufffd\ufffd"]) == ("a", "stop")
+
+
+def test_include_stop_str_in_output_and_special_tokens_in_text(make_engine):
+    eng = make_engine("tiny")
+    full = run(eng, PROMPT, max_new_tokens=40, ignore_eos=True)
+    text = eng.tokenizer.decode(full.output_ids, skip_special_tokens=True)
+    stop = text[6:9]
+    got, last = _stream(eng, PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True, stop=[stop],
+                                                    include_stop_str_in_output=True))
+    assert last.finish_reason == "stop" and got == text[: text.find(stop) + len(stop)]
+    eos = eng.tokenizer.eos_token_id
+    kw = dict(max_new_tokens=2, ignore_eos=True, logit_bias={eos: 100.0})
+    assert _stream(eng, PROMPT, SamplingParams(**kw))[0] == ""
+    assert _stream(eng, PROMPT, SamplingParams(**kw, skip_special_tokens=False))[0] == "<|eos|><|eos|>"
+    with pytest.raises(RequestError, match="stop token id"):
+        eng.add_request(PROMPT, SamplingParams(max_new_tokens=3, stop_token_ids=[10**6]))
+
+
+def test_aborted_requests_are_counted(make_engine):
+    eng = make_engine("tiny")
+    rid = eng.add_request(PROMPT, SamplingParams(max_new_tokens=50, ignore_eos=True))
+    eng.step()
+    assert eng.abort(rid) and not eng.abort(rid)
+    assert eng.stats.requests_aborted == 1 and eng.stats.requests_finished == 0

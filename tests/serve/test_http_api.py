@@ -138,6 +138,26 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "one prompt"),
     ("/v1/completions", {"model": "other", "prompt": "hi"}, 404, "other"),
+    # vLLM's and OpenAI's fields that would change the answer: refused by name, not ignored
+    ("/v1/chat/completions", {"model": "tiny", "guided_json": {"type": "object"},
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "guided_json"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "structured_outputs": {"regex": "a+"}}, 400,
+     "structured_outputs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "prompt_logprobs": 0}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "min_p": 0.1}, 400, "min_p"),
+    ("/v1/chat/completions", {"model": "tiny", "add_special_tokens": True,
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "add_special_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "modalities": ["text", "audio"], "audio": {"voice": "x"},
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "audio"),
+    ("/v1/chat/completions", {"model": "tiny", "chat_template": "{{ x }}",
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "chat_template"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": [999999]}, 400, "stop token id"),
+    ("/v1/chat/completions", {"model": "tiny", "continue_final_message": True, "add_generation_prompt": False,
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "assistant"),
 ])
 def test_bad_input_gets_4xx_in_the_apis_format(client, path, body, status, needle):
     r = client.post(path, json=body)
@@ -156,6 +176,95 @@ def test_malformed_json_is_a_4xx(client):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = client.post("/generate", content=b"[1,2", headers={"content-type": "application/json"})
     assert r.status_code == 422
+    # bodies the JSON parser gives up on say why (they used to be called "not UTF-8"); TGI's routes
+    # answer 422 like every other invalid body
+    json_hdr = {"content-type": "application/json"}
+    for body, why in ((b'{"inputs": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+                      (b'{"inputs": "hi", "parameters": {"max_new_tokens": ' + b"9" * 5000 + b"}}", "too many digits"),
+                      (b'{"inputs": "\xff"}', "not UTF-8")):
+        r = client.post("/generate", content=body, headers=json_hdr)
+        assert r.status_code == 422 and why in r.json()["error"], r.text
+    # a body sent as a form (curl -d without a header) or as text: 415, saying what to send
+    for ctype in ("application/x-www-form-urlencoded", "text/plain"):
+        r = client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "hi"}', headers={"content-type": ctype})
+        assert r.status_code == 415 and "application/json" in r.json()["error"]["message"], r.text
+        r = client.post("/generate", content=b'{"inputs": "hi"}', headers={"content-type": ctype})
+        assert r.status_code == 415 and r.json()["error_type"] == "validation"
+    from deployments.ingress import JSON_POST_PATHS
+
+    for path in JSON_POST_PATHS:  # every route that takes a body, and only those
+        assert client.post(path, content=b"{}", headers={"content-type": "text/plain"}).status_code == 415, path
+    assert client.post("/nope", content=b"{}", headers={"content-type": "text/plain"}).status_code == 404
+    assert client.post("/info", content=b"{}", headers={"content-type": "text/plain"}).status_code == 405
+    for ctype in ("application/json; charset=utf-8", "application/vnd.api+json"):  # JSON by other names
+        r = client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "hi", "max_tokens": 1}',
+                        headers={"content-type": ctype})
+        assert r.status_code == 200, (ctype, r.text)
+    r = client.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}')
+    assert r.status_code == 200, r.text  # no content type: read as JSON
+    r = client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "hi", "temperature": NaN}',
+                    headers=json_hdr)
+    assert r.status_code == 400 and "finite" in r.json()["error"]["message"], r.text  # not "less than 2"
+    r = client.post("/generate", content=b'{"inputs": "hi", "parameters": {"max_new_tokens": 1}}')  # no type: JSON
+    assert r.status_code == 200, r.text
+
+
+def test_sse_framing_tgi_stream_details_and_seeds(client):
+    with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3,
+                                                        "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines and all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}
+    with client.stream("POST", "/generate_stream", json=body) as r:
+        events = sse_events(r)
+    assert events[-1]["generated_text"] is not None and events[-1]["details"] is None  # not asked for
+    body["parameters"]["details"] = True
+    with client.stream("POST", "/generate_stream", json=body) as r:
+        details = sse_events(r)[-1]["details"]
+    assert details["seed"] is None and details["input_length"] > 0  # greedy: no seed
+    # sampled without a seed: the one drawn is reported, and it reproduces the answer
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 8, "do_sample": True, "details": True}}
+    first = client.post("/generate", json=body).json()
+    seed = first["details"]["seed"]
+    assert isinstance(seed, int)
+    again = client.post("/generate", json={**body, "parameters": {**body["parameters"], "seed": seed}}).json()
+    assert again["generated_text"] == first["generated_text"] and again["details"]["seed"] == seed
+
+
+def test_vllm_extensions_and_text_that_ends_mid_character(client):
+    # the tiny tokenizer is byte-level: 0xE4 starts a 3-byte character that never completes here
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True, "logit_bias": {"228": 100},
+            "logprobs": 0}
+    out = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert out["text"] == "\ufffd" * 3 and out["finish_reason"] == "length"
+    # min_tokens holds back EOS; EOS's own text shows in the TGI details, not in the answer's text
+    eos = 257
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "logit_bias": {str(eos): 100}, "min_tokens": 2}
+    r = client.post("/v1/completions", json=body).json()
+    assert r["usage"]["completion_tokens"] == 3 and r["choices"][0]["finish_reason"] == "stop"
+    # without max_tokens, a min_tokens past the default (16) raises it rather than being refused
+    r = client.post("/v1/completions", json={**body, "max_tokens": None, "min_tokens": 20})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20, r.text
+    tgi = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 1, "details": True,
+                                                                          "temperature": 1e-6}}).json()
+    assert all(t["text"] for t in tgi["details"]["tokens"] if t["special"])
+    # stop_token_ids end the answer without adding their text; skip_special_tokens: false shows them
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "logit_bias": {"65": 100}}
+    assert client.post("/v1/completions", json={**body, "stop_token_ids": [65]}).json()["choices"][0]["text"] == ""
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == "A" * 5
+    body = {**body, "logit_bias": {str(eos): 100}, "max_tokens": 2}
+    assert client.post("/v1/completions", json={**body, "skip_special_tokens": False}
+                       ).json()["choices"][0]["text"] == "<|eos|>" * 2
+    r = client.post("/v1/completions", json={**body, "logit_bias": {"65": 100}, "stop": "AA",
+                                             "include_stop_str_in_output": True, "max_tokens": 5})
+    assert r.json()["choices"][0]["text"] == "AA"
+    # chat: carry on the assistant's last message instead of opening a new turn
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello th"}]
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 1,
+                                                  "add_generation_prompt": False, "continue_final_message": True})
+    cont = r.json()["usage"]["prompt_tokens"]
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > cont  # closed the turn, opened another
 
 
 @pytest.mark.parametrize("path,body", [
@@ -243,9 +352,11 @@ def test_chat_logprob_bytes_rebuild_the_text(client):
             "temperature": 0, "logprobs": True, "ignore_eos": True}
     out = client.post("/v1/chat/completions", json=body).json()
     content = out["choices"][0]["logprobs"]["content"]
-    raw = b"".join(bytes(c["bytes"]) for c in content)
-    # (the text holds back a character still incomplete when generation stops)
-    assert raw.decode("utf-8", errors="replace").rstrip("\ufffd") == out["choices"][0]["message"]["content"]
+    special = {"<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"}  # the tiny tokenizer's
+    assert any(c["token"] in special for c in content)  # shown by their text, as vLLM does
+    raw = b"".join(bytes(c["bytes"]) for c in content if c["token"] not in special)  # the text skips them
+    # a character still incomplete when generation stops ends the text as U+FFFD, as the bytes decode
+    assert raw.decode("utf-8", errors="replace") == out["choices"][0]["message"]["content"]
 
 
 def test_token_bytes_per_tokenizer_kind():
@@ -305,19 +416,23 @@ def test_warmup_reports_what_the_cache_holds_and_refuses_more_than_a_pool(client
 
 
 def test_disconnect_mid_stream_frees_blocks(serve_app, client):
-    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 1500}}
-    with httpx.Client(base_url=serve_app, timeout=30) as c, c.stream("POST", "/generate_stream", json=body) as r:
+    aborted = metrics(client).get(("radixserve_requests_aborted_total", "all"), 0.0)
+    # ignore_eos: a request that met EOS before the client left would end normally, not as an abort
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=serve_app, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
         for n, _ in enumerate(r.iter_lines()):
             if n >= 6:
                 break  # leave mid-stream
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = metrics(client)
-        if m[("radixserve_cache_blocks_in_use", "all")] == 0 and m[("radixserve_running_requests", "all")] == 0:
+        if (m[("radixserve_cache_blocks_in_use", "all")] == 0 and m[("radixserve_running_requests", "all")] == 0
+                and m[("radixserve_requests_aborted_total", "all")] > aborted):
             break
         time.sleep(0.5)
     assert m[("radixserve_cache_blocks_in_use", "all")] == 0
     assert m[("radixserve_running_requests", "all")] == 0
+    assert m[("radixserve_requests_aborted_total", "all")] == aborted + 1  # counted, as an abort
 
 
 def test_more_concurrent_streams_than_serve_default_are_all_served_at_once(serve_app):
