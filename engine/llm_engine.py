@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache.kv_pool import KVPool, KVShape, bytes_per_token, num_blocks_for
+from cache.radix import HotWalk
 from engine import attention
 from engine.config import ConfigError, EngineConfig, request_limits
 from engine.cpu_linear import use_skinny_linear
@@ -24,6 +25,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import SamplingError, SamplingParams, Sequence, Status, TokenEvent
 
 log = logging.getLogger(__name__)
+HOT_WALK_NODES_PER_STEP = 2048  # about a millisecond of Python per engine step
 
 
 class RequestError(ValueError):
@@ -87,6 +89,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self.capture_logits: dict[str, list[torch.Tensor]] | None = None  # tests: raw logits per step
         self._pending_finished: list[Sequence] = []  # finished before reaching the scheduler
+        self._hot: int | None = None  # working set (blocks) at the last complete count
+        self._hot_walk: HotWalk | None = None  # the count in progress, a slice per step while serving
         log.info("engine ready: %s on %s/%s, %d blocks x %d tokens (%.1f MiB KV, %s), backend %s",
                  m.model_id, m.device, m.dtype, num_blocks, config.block_size, self.pool.nbytes / 2**20,
                  self.pool.storage_dtype if self.pool.fp8_dtype is None else self.pool.fp8_dtype,
@@ -186,6 +190,8 @@ class LLMEngine:
         if not plan.chunks:
             return events
         self.stats.steps += 1
+        if self._hot_walk is not None and self._hot_walk.advance(HOT_WALK_NODES_PER_STEP):
+            self._hot, self._hot_walk = self._hot_walk.blocks, None
         sample_mask = [c.seq.num_computed + c.num_tokens == c.seq.num_tokens and not c.seq.prefill_only
                        for c in plan.chunks]
         logits = self.runner.forward(plan.chunks, sample_mask)
@@ -285,9 +291,17 @@ class LLMEngine:
         self.kv.check(live)
 
     def hot_blocks(self, window_s: float) -> int:
-        """Cached blocks that served a hit in the last ``window_s`` seconds (the working set)."""
+        """Cached blocks that served a hit in the last ``window_s`` seconds (the working set). Idle (or
+        the first time), counted now; while serving, the last complete count, and a new one starts that
+        the next steps carry on a slice at a time (a whole walk would stall the running requests)."""
         c = self.kv.cache
-        return 0 if c is None else c.hot_blocks(c.wall_clock() - window_s)
+        if c is None:
+            return 0
+        if self._hot is None or not self.scheduler.has_work():
+            self._hot, self._hot_walk = c.hot_blocks(c.wall_clock() - window_s), None
+        elif self._hot_walk is None:
+            self._hot_walk = c.hot_walk(c.wall_clock() - window_s)
+        return self._hot
 
     def kv_stats(self) -> dict:
         a = self.kv.allocator

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cache.allocator import BlockAllocator, OutOfBlocks
 from cache.hashing import block_hashes
@@ -212,6 +214,36 @@ def test_hot_blocks_are_those_hit_within_the_window():
     now[0] = 140.0
     cache.match(a + [7], hit=False)  # a look (a warm-up's check) is not
     assert cache.hot_blocks(since=135.0) == 0
+    cache.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, 2), min_size=4, max_size=24), min_size=1, max_size=12),
+       hits=st.lists(st.integers(0, 11), max_size=8), slice_=st.integers(1, 5),
+       evictions=st.lists(st.integers(0, 3), max_size=6))
+def test_a_sliced_hot_walk_counts_what_a_whole_one_does(prompts, hits, slice_, evictions):
+    now = [0.0]
+    cache = RadixCache(BS, clock=lambda: now[0])
+    alloc = BlockAllocator(64, BS, cache)
+    for p in prompts:
+        if alloc.num_free * BS >= len(p):
+            publish(cache, alloc, p)
+    now[0] = 10.0
+    for i in hits:
+        cache.match(prompts[i % len(prompts)] + [9])
+    whole = cache.hot_blocks(since=5.0)
+    walk = cache.hot_walk(since=5.0)
+    while not walk.advance(slice_):
+        pass
+    assert walk.done and walk.blocks == whole
+    # evictions between slices: nodes gone before their turn are skipped, none is counted twice
+    walk = cache.hot_walk(since=5.0)
+    for k in evictions:
+        if walk.advance(slice_):
+            break
+        alloc.free(cache.evict(k))
+    walk.advance(None)
+    assert cache.hot_blocks(since=5.0) <= walk.blocks <= whole
     cache.check()
 
 

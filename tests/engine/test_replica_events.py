@@ -92,3 +92,29 @@ def test_autoscaling_stats_report_prefixes_computed_again_and_the_working_set(ma
         assert s["hot_blocks"] == 5.0 and s["recompute_tps"] == 0.0, s
     finally:
         r.aengine.shutdown()
+
+
+def test_the_working_set_is_counted_a_slice_per_step_while_serving(make_engine, monkeypatch):
+    """A whole-tree walk would hold the engine thread (~40 ms per 100k nodes) at every autoscaling poll:
+    while requests run, the engine reports its last complete count and walks a slice per step."""
+    import engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "HOT_WALK_NODES_PER_STEP", 1)
+    eng = make_engine("tiny")
+    a, b = list(range(40, 120)), list(range(140, 220))  # 5 blocks each
+    eng.generate([a, b], SamplingParams(max_new_tokens=1))
+    eng.generate([a + [7]], SamplingParams(max_new_tokens=1))  # a's 5 blocks are hit
+    assert eng.hot_blocks(60.0) == 5  # idle: counted at once
+    eng.generate([b + [7]], SamplingParams(max_new_tokens=1))
+    rid = eng.add_request(list(range(240, 260)), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    eng.step()
+    assert eng.hot_blocks(60.0) == 5  # busy: the last count, and a new walk starts
+    seen = []
+    while eng.has_work():
+        eng.step()
+        seen.append(eng._hot)
+        if eng._hot_walk is None:
+            break
+    assert seen[-1] == 10 and seen.count(5) >= 2  # one node per step: the new count came steps later
+    assert eng.hot_blocks(60.0) == 10
+    eng.abort(rid)
