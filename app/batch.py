@@ -166,13 +166,22 @@ def _error_message(r: httpx.Response) -> str:
         err = body.get("error", body)
         msg = err.get("message", err) if isinstance(err, dict) else err
     except (ValueError, AttributeError):
-        msg = r.text[:500]
+        # not an API's JSON answer (an HTML page: a wrong --url, a proxy): its first line, not the page
+        first = next((ln.strip() for ln in r.text.splitlines() if ln.strip()), "")
+        msg = f"not an OpenAI-style API answer ({r.headers.get('content-type', 'no content type')}): {first[:120]}"
     return f"HTTP {r.status_code}: {msg}"
 
 
+class ServiceGone(Exception):
+    """A request found the service unreachable or unavailable through all its retries."""
+
+
 async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: int) -> dict:
+    """The line's answer or error record; ``ServiceGone`` when every try found the service unreachable
+    or unavailable (the line was not answered: a rerun sends it again)."""
     body = {**defaults, **line.body, "stream": False}
     path = "/v1/chat/completions" if line.chat else "/v1/completions"
+    gone = True
     for attempt in range(retries + 1):
         try:
             r = await client.post(path, json=body)
@@ -193,9 +202,12 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
                 return rec
             problem = _error_message(r)
             if r.status_code not in RETRY_STATUS:
+                gone = False
                 break  # the request itself is wrong: trying again gives the same answer
         if attempt < retries:
             await asyncio.sleep(RETRY_WAITS_S[min(attempt, len(RETRY_WAITS_S) - 1)])
+    if gone:
+        raise ServiceGone(problem)
     return {**line.ref, "error": problem}
 
 
@@ -207,12 +219,17 @@ async def run(args: argparse.Namespace, totals: dict) -> None:
     plan = read_lines(Path(args.input), done)
     todo = plan.todo if args.keep_order else prefix_order(plan.todo)
     totals.update({"to_send": len(todo), "ok": 0, "failed": len(plan.errors), "skipped": plan.skipped,
-                   "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "_t0": time.perf_counter()})
-    with output.open("a", encoding="utf-8") as out:
-        for rec in plan.errors:
-            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        if todo:  # a finished job's rerun needs no service
-            await _send(args, todo, out, totals)
+                   "not_sent": 0, "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
+                   "_t0": time.perf_counter()})
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout_s, limits=limits) as client:
+        # a finished job's rerun needs no service; any other finds it before the output is touched
+        model = await _model(client, args.wait_s) if todo else ""
+        with output.open("a", encoding="utf-8") as out:
+            for rec in plan.errors:
+                out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            if todo:
+                await _send(client, model, args, todo, out, totals)
 
 
 def summary(totals: dict) -> dict:
@@ -224,29 +241,36 @@ def summary(totals: dict) -> dict:
     return out
 
 
-async def _send(args: argparse.Namespace, todo: list[Line], out, totals: dict) -> None:
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-    async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout_s, limits=limits) as client:
-        model = await _model(client, args.wait_s)
-        defaults = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature}
-        bar = tqdm(total=len(todo), unit="req", mininterval=2.0, file=sys.stderr)
-        queue = iter(todo)  # workers take the next line in order (no task per line)
+async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace, todo: list[Line], out,
+                totals: dict) -> None:
+    """Send ``todo`` with ``args.concurrency`` workers. When a line finds the service gone through all its
+    retries (about a minute), no new line is sent: the others would each wait as long for nothing."""
+    defaults = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature}
+    bar = tqdm(total=len(todo), unit="req", mininterval=2.0, file=sys.stderr)
+    queue = iter(todo)  # workers take the next line in order (no task per line)
 
-        async def worker() -> None:
-            for line in queue:
-                try:
-                    rec = await _one(client, line, defaults, args.retries)
-                except Exception as e:  # noqa: BLE001 - one odd line must not end the job
-                    rec = {**line.ref, "error": f"{type(e).__name__}: {e}"}
-                out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                out.flush()
-                bar.update(1)
-                _count(totals, rec)
+    async def worker() -> None:
+        for line in queue:
+            if "_gone" in totals:
+                return
+            try:
+                rec = await _one(client, line, defaults, args.retries)
+            except ServiceGone as e:
+                totals.setdefault("_gone", str(e))  # this line is not written: a rerun sends it
+                continue
+            except Exception as e:  # noqa: BLE001 - one odd line must not end the job
+                rec = {**line.ref, "error": f"{type(e).__name__}: {e}"}
+            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            out.flush()
+            bar.update(1)
+            _count(totals, rec)
+            totals["_written"] = totals.get("_written", 0) + 1
 
-        try:
-            await asyncio.gather(*(worker() for _ in range(min(args.concurrency, len(todo)))))
-        finally:
-            bar.close()
+    try:
+        await asyncio.gather(*(worker() for _ in range(min(args.concurrency, len(todo)))))
+    finally:
+        bar.close()
+        totals["not_sent"] = totals["to_send"] - totals.get("_written", 0)
 
 
 def _count(totals: dict, rec: dict) -> None:
@@ -301,9 +325,14 @@ def main(args: argparse.Namespace) -> int:
         print("radixserve batch: --concurrency and --max-tokens must be at least 1, --retries at least 0",
               file=sys.stderr)
         return 2
+    if not 0 <= args.temperature <= 2 or not args.request_timeout_s > 0 or not args.wait_s >= 0:
+        print("radixserve batch: --temperature must be in [0, 2], --request-timeout-s positive, --wait-s at "
+              "least 0", file=sys.stderr)
+        return 2
     src, dst = Path(args.input), Path(args.output)
     problem = (f"{src} is a folder, not a file" if src.is_dir() else None if src.is_file() else f"no input file {src}")
     problem = problem or (f"--output {dst} is a folder; name a file" if dst.is_dir() else None)
+    problem = problem or (None if dst.parent.is_dir() else f"--output: no folder {dst.parent}")
     if problem is None and dst.exists() and dst.resolve() == src.resolve():
         problem = "--output is the input file; pass another path"
     if problem:
@@ -330,6 +359,10 @@ def main(args: argparse.Namespace) -> int:
         if before is not None:
             signal.signal(signal.SIGTERM, before)
     print(json.dumps(summary(totals)))
+    if "_gone" in totals:
+        print(f"radixserve batch: the service stopped answering ({totals['_gone']}); {totals['not_sent']} "
+              f"line(s) were not sent: run the same command again to go on", file=sys.stderr)
+        return 1
     if totals["failed"]:
         print(f"radixserve batch: {totals['failed']} line(s) failed (see `error` in {dst}); "
               "run the same command again to retry them", file=sys.stderr)
@@ -348,7 +381,6 @@ def _interrupt(*_) -> None:
 @contextlib.contextmanager
 def _only_writer(output: Path):
     """One run per output file at a time: a second would rewrite it under the first (resume)."""
-    output.parent.mkdir(parents=True, exist_ok=True)
     lock = output.with_name(output.name + ".lock")
     with lock.open("w") as f:
         try:

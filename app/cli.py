@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -20,6 +21,8 @@ SERVE_FLAGS_SKIP = {"autoscaling"}
 
 def _flag_type(annotation) -> tuple[type | None, list[str] | None]:
     """(argparse type, choices) for a settings field annotation."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, list(typing.get_args(annotation))
     args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
     base = args[0]
     if typing.get_origin(base) is typing.Literal:
@@ -34,7 +37,9 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + name.replace("_", "-")
         typ, choices = _flag_type(field.annotation)
-        help_ = field.description or f"default: {field.default!r}"
+        help_ = field.description or ""
+        if "default" not in help_:  # the setting's own default (the flag's is None: unset)
+            help_ = f"{help_}{'; ' if help_ else ''}default: {field.default}"
         if typ is bool:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
@@ -55,7 +60,11 @@ def _init_model(args: argparse.Namespace) -> int:
     if target.is_dir() and any(target.iterdir()) and not args.force:
         print(f"radixserve: {target} is not empty; pass --force to write the model over it", file=sys.stderr)
         return 2
-    path = write_model(target, args.preset, seed=args.seed)
+    try:
+        path = write_model(target, args.preset, seed=args.seed)
+    except OSError as e:
+        print(f"radixserve: cannot write {e.filename or target}: {e.strerror or e}", file=sys.stderr)
+        return 2
     print(f"wrote the {args.preset} model to {path}")
     return 0
 
@@ -73,8 +82,13 @@ def preflight(settings: Settings, local_ray: bool) -> str | None:
             return None
         _, config, _ = check_model_folder(settings.resolved_model_id())
         request_limits(settings.max_input_tokens, settings.max_total_tokens, model_context(config))
+        problem = _device_problem(settings)
+        if problem:
+            return problem
     except (ModelLoadError, ConfigError) as e:
         return str(e)
+    except OSError as e:  # the built-in model's folder (RADIXSERVE_HOME) cannot be written
+        return f"cannot write the built-in model to {e.filename or 'its folder'}: {e.strerror or e}"
     if settings.port:
         with socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET) as s:
             # SO_REUSEADDR (as uvicorn sets) so a port in TIME_WAIT passes; no SO_REUSEPORT, so a live
@@ -83,7 +97,27 @@ def preflight(settings: Settings, local_ray: bool) -> str | None:
             try:
                 s.bind((settings.host, settings.port))
             except OSError as e:
-                return f"cannot listen on {settings.host}:{settings.port}: {e.strerror} (another service there?)"
+                hint = " (another service there?)" if e.errno == errno.EADDRINUSE else ""
+                return f"cannot listen on {settings.host}:{settings.port}: {e.strerror}{hint}"
+    return None
+
+
+def _device_problem(settings: Settings) -> str | None:
+    """The device and attention backend asked for, on this machine (where a local Ray runs the replicas)."""
+    import torch
+
+    from engine.attention import flash_available
+    from engine.model_loader import resolve_device
+
+    try:
+        device = resolve_device(settings.device)
+    except Exception as e:  # noqa: BLE001 - ModelLoadError (no CUDA) or torch's own refusal
+        return f"device {settings.device!r}: {e}"
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        return f"device {settings.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    if settings.attention_backend == "flash" and not flash_available(device):
+        return ("attention_backend flash needs a CUDA device and the vllm-flash-attn package "
+                "(pip install -e '.[gpu]'); auto picks it when it can")
     return None
 
 
@@ -106,6 +140,10 @@ def _serve(args: argparse.Namespace) -> int:
             redis = LocalRedis()
             settings = settings.model_copy(update={"redis_url": redis.url})
             print(f"started a local redis-server at {redis.url}")
+            if args.address:
+                print("radixserve: warning: the local redis-server listens on this machine only: replicas on "
+                      "other nodes serve without the hot-prefix directory; pass --redis-url (cluster.yaml "
+                      "starts one on the head node's port 6380)", file=sys.stderr)
         except RuntimeError as e:
             print(f"radixserve: warning: {e}; serving without the hot-prefix directory", file=sys.stderr)
     try:
@@ -158,18 +196,42 @@ def _drain(settings: Settings, force: Flag) -> None:
         print(f"radixserve: not draining: {e}", file=sys.stderr)
         return
     deadline = time.monotonic() + settings.drain_timeout_s
+    if _wait_idle(name, hub, deadline, force):
+        return
+    # what still runs ends now with an error event (a 503 before its first token), not with a
+    # connection that closes when Ray stops: each replica hears it at its next push (every second)
+    print("radixserve: ending the requests still running", file=sys.stderr, flush=True)
+    try:
+        hub = ray.get_actor(hub_name(name), namespace="radixserve")
+        ray.get(hub.cut.remote(DRAIN_LEASE_S + 5), timeout=5)
+    except Exception as e:  # noqa: BLE001 - then Ray's stop cuts them
+        print(f"radixserve: the metrics hub did not take the stop: {e}", file=sys.stderr)
+        return
+    _wait_idle(name, hub, time.monotonic() + 5, Flag(), ingress_only=True)  # (stopped replicas push no more)
+
+
+def _wait_idle(name: str, hub, deadline: float, force: Flag, ingress_only: bool = False) -> bool:
+    """Poll until nothing is in flight on the ingresses (and the replicas), for a few polls in a row
+    (True), or until ``deadline`` or ``force`` (False)."""
+    import ray
+
+    from deployments.ingress import DRAIN_LEASE_S
+    from deployments.metrics import hub_name
+
     idle = 0
     while time.monotonic() < deadline and not force.is_set():
         try:
             hub = hub or ray.get_actor(hub_name(name), namespace="radixserve")
             hub.drain.remote(DRAIN_LEASE_S)  # renewed: a drain outlives this process by one lease only
-            busy = ray.get(hub.ingress_in_flight.remote(3.0), timeout=2) + ray.get(hub.busy.remote(3.0), timeout=2)
+            busy = ray.get(hub.ingress_in_flight.remote(3.0), timeout=2)
+            busy += 0 if ingress_only else ray.get(hub.busy.remote(3.0), timeout=2)
         except Exception:  # noqa: BLE001 - the hub is restarting: cannot tell, so wait (up to the deadline)
             hub, busy = None, 1
         idle = idle + 1 if busy == 0 else 0
         if idle >= 3:
-            return
+            return True
         force.wait(0.5)
+    return False
 
 
 def _supervise_redis(redis) -> bool:
@@ -201,6 +263,19 @@ def _during_cleanup(*_) -> None:
     os.write(2, b"radixserve: still stopping (once more to quit at once)\n")
 
 
+def _gcs_answers(timeout: float = 1.0) -> bool:
+    """Whether the Ray cluster's GCS still takes connections (a quick check: Ray's own calls wait a
+    minute for a GCS that is gone)."""
+    import ray
+
+    try:
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _replicas(settings: Settings) -> str:
     a = settings.autoscaling
     if a is not None:
@@ -228,7 +303,7 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
             signal.signal(sig, on_signal)
 
     take_signals()
-    code = 0
+    code, ray_gone = 0, False
     try:
         if address:
             ray.init(address=address, namespace="radixserve", logging_level=logging.WARNING)
@@ -250,6 +325,15 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
         while not stop.wait(2.0):
             if redis is not None and not _supervise_redis(redis):
                 redis = None
+        if not address and not _gcs_answers():
+            # a SIGTERM to the whole process group (systemd's default KillMode, `timeout`) also stopped
+            # the local Ray's processes, which are in it: there is nothing left to drain, and every
+            # call to Ray would wait a minute for its GCS
+            ray_gone = True
+            print("radixserve: the local Ray stopped with this process (the signal went to its whole "
+                  "process group; under systemd use KillMode=mixed so that only radixserve gets it and "
+                  "drains): nothing to drain", file=sys.stderr, flush=True)
+            return 1
         print(f"shutting down: finishing the requests in flight (up to {settings.drain_timeout_s:.0f} s; "
               "Ctrl-C again skips the wait)...", flush=True)
         _drain(settings, force)
@@ -269,10 +353,11 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up must finish, or Ray's processes leak
             signal.signal(sig, _during_cleanup)
-        try:
-            ray.kill(ray.get_actor(hub_name(settings.deployment_name), namespace="radixserve"))
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        if not ray_gone:
+            try:
+                ray.kill(ray.get_actor(hub_name(settings.deployment_name), namespace="radixserve"))
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         ray.shutdown()
     print("stopped", flush=True)
     return code
@@ -287,11 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     add_settings_flags(s)
     s.set_defaults(func=_serve)
-    p = sub.add_parser("init-model", help="write a small random-weight Llama with a byte-level tokenizer")
+    p = sub.add_parser("init-model", help="write a small random-weight model (Llama, Mistral, Qwen) with a "
+                                          "byte-level tokenizer")
     p.add_argument("path", help="folder to write (created if missing)")
-    p.add_argument("--preset", default="tiny",
-                   choices=["tiny", "bench", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="tiny", choices=["tiny", "bench", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"],
+                   help="tiny: the built-in model; bench: the benchmarks' 40M-parameter Llama; the others: small "
+                        "Mistral (sliding window), Qwen2 and Qwen3 models (default: tiny)")
+    p.add_argument("--seed", type=int, default=0, help="of the random weights (default: 0)")
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
     p.set_defaults(func=_init_model)
     b = sub.add_parser("batch", help="run a JSONL file of requests through a running service (`ray job submit`)",

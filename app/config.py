@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from engine.config import EngineConfig
 
 ENV_PREFIX = "RADIXSERVE_"
+# RADIXSERVE_* variables that are not settings: the model folder's home, the batch command's default URL,
+# the device the engine tests run on
+OTHER_ENV = frozenset({"RADIXSERVE_HOME", "RADIXSERVE_URL", "RADIXSERVE_TEST_DEVICE"})
+DEVICE_PATTERN = r"^(auto|cpu|mps|xpu|cuda(:\d+)?)$"
 
 
 class AutoscalingSettings(BaseModel):
@@ -50,16 +54,19 @@ class Settings(BaseModel):
     # engine (TGI names)
     max_batch_prefill_tokens: int = Field(4096, gt=0)
     max_prefill_chunk_tokens: int = Field(512, gt=0, description="tokens of one prompt prefilled per step")
-    max_batch_total_tokens: int | None = Field(None, gt=0)
-    max_input_tokens: int | None = Field(None, gt=0)
-    max_total_tokens: int | None = Field(None, gt=0)
+    max_batch_total_tokens: int | None = Field(None, gt=0, description="KV pool per replica, in tokens; default: "
+                                               "kv_memory_fraction of the free device memory")
+    max_input_tokens: int | None = Field(None, gt=0, description="longest prompt; default: the model's context - 1")
+    max_total_tokens: int | None = Field(None, gt=0, description="prompt + generated tokens; default: the "
+                                         "model's context")
     max_num_seqs: int = Field(256, gt=0)
     block_size: int = Field(16, gt=0)
     prefix_caching: bool = True
-    window_size: int | None = Field(None, gt=0)
+    window_size: int | None = Field(None, gt=0, description="sliding-window attention; default: the model's own")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3fn", "fp8_e5m2"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"
+    device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto (cuda when available), cpu, cuda, "
+                        "cuda:N, mps or xpu")
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
     kv_memory_fraction: float = Field(0.3, gt=0, le=1)
     num_threads: int | None = Field(None, gt=0, description="torch threads per replica (CPU)")
@@ -90,10 +97,18 @@ class Settings(BaseModel):
                                    "take to finish while new ones get 503; also how long a replica that Serve "
                                    "removes (downscaling, redeploy) lets its streams finish (default: 20)")
     # hot-prefix directory
-    redis_url: str | None = None
+    redis_url: str | None = Field(None, description="hot-prefix directory (redis://, rediss://, unix://); "
+                                  "default: a private redis-server started by `radixserve serve`")
     warmup_top_k: int = Field(16, ge=0)
     warmup_token_budget: int = Field(65536, ge=0)
     deployment_name: str = "radixserve"
+
+    @model_validator(mode="after")
+    def _one_replica_count(self):
+        if self.autoscaling is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("num_replicas and autoscaling are both set: with autoscaling, min_replicas and "
+                             "max_replicas decide the count")
+        return self
 
     @field_validator("redis_url")
     @classmethod
@@ -128,6 +143,11 @@ class Settings(BaseModel):
         """Merge the sources (CLI > environment > file > defaults); raise ``ValueError`` with every
         problem named."""
         env = os.environ if env is None else env
+        unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in OTHER_ENV
+                         and k[len(ENV_PREFIX):].lower() not in cls.model_fields)
+        if unknown:  # a typo would otherwise be ignored while the same one in a config file is refused
+            raise ValueError(f"unknown environment variable(s) {', '.join(unknown)}: the settings are "
+                             f"{ENV_PREFIX}<NAME> for the names in `radixserve serve --help`")
         merged: dict[str, Any] = dict(file or {})
         for name in cls.model_fields:
             raw = env.get(ENV_PREFIX + name.upper())
@@ -146,7 +166,10 @@ def _parse_env(name: str, raw: str) -> Any:
     if name == "autoscaling":
         import json
 
-        return json.loads(raw)
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise ValueError(f"{ENV_PREFIX}AUTOSCALING is not JSON ({e}): {raw[:80]!r}") from None
     if raw.lower() in ("none", "null"):
         return None
     return raw  # pydantic coerces "8", "true", "0.5"

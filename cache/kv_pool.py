@@ -50,14 +50,24 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+# A CPU replica's pool without a size given: a fraction of the machine's memory, but at most this
+# (vLLM's CPU default too): 30% of a large server's RAM would be tens of GB for a model that runs a few
+# sequences at a time, and every replica on the machine takes its own
+CPU_POOL_CAP_BYTES = 4 << 30
+
+
 def num_blocks_for(block_size: int, token_bytes: int, max_batch_total_tokens: int | None,
                    memory_fraction: float, device: torch.device) -> int:
-    """Pool size: from ``max_batch_total_tokens`` when given, else a fraction of free memory."""
+    """Pool size: from ``max_batch_total_tokens`` when given, else a fraction of free memory (on a CPU,
+    at most ``CPU_POOL_CAP_BYTES``)."""
     if max_batch_total_tokens is not None:
         return max(1, max_batch_total_tokens // block_size)
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory fraction must be in (0, 1], got {memory_fraction}")
-    return max(1, int(available_memory(device) * memory_fraction) // (token_bytes * block_size))
+    budget = int(available_memory(device) * memory_fraction)
+    if device.type == "cpu":
+        budget = min(budget, CPU_POOL_CAP_BYTES)
+    return max(1, budget // (token_bytes * block_size))
 
 
 @dataclass(frozen=True)

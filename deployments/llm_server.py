@@ -254,7 +254,12 @@ class LLMServer:
         while not self._stop.wait(1.0):
             try:
                 # the ingress (re)creates the hub; a replica only finds it (see HubClient.call)
-                self._hub.call("push", self.replica_id, self.aengine.call(self._snapshot, timeout=5), create=False)
+                cut = self._hub.call("push", self.replica_id, self.aengine.call(self._snapshot, timeout=5),
+                                     create=False)
+                if cut is True:  # `radixserve serve` is stopping past its drain: end what still runs
+                    log.warning("the service is stopping: ending the requests still running")
+                    self.aengine.shutdown()
+                    return
             except Exception as e:  # noqa: BLE001 - metrics must never take a replica down
                 log.debug("metrics push failed: %s", e)
             try:

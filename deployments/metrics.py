@@ -19,7 +19,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STALE_AFTER_S = 30.0
 RETIRED_MERGE_S = 600.0
-HUB_VERSION = 3
+HUB_VERSION = 4  # in the hub's name: a detached hub of older code (without `cut`) is not reused
 HUNG_AFTER_TIMEOUTS = 2  # calls in a row that time out before a client restarts the hub
 log = logging.getLogger(__name__)
 
@@ -164,10 +164,19 @@ class SnapshotStore:
         self._draining_until = float("-inf")  # the CLI's drain, refreshed while it lasts (see drain)
         # ingress replica -> (when, requests in flight, whether it was told of the drain then)
         self._ingress: dict[str, tuple[float, int, bool]] = {}
+        self._cut_until = float("-inf")  # the CLI's drain ran out: replicas end what still runs (see cut)
 
-    def push(self, replica: str, snapshot: dict) -> None:
+    def push(self, replica: str, snapshot: dict) -> bool:
+        """A replica's snapshot in; True when it must stop its engine now (``cut``)."""
         self._retired.pop(replica, None)
         self._snaps[replica] = (self._clock(), snapshot)
+        return self._clock() < self._cut_until
+
+    def cut(self, for_s: float) -> None:
+        """The drain ran out (or a second Ctrl-C): for ``for_s`` seconds, every replica that pushes is told
+        to stop its engine, which ends each request still running with an error event (a 503 before
+        its first token), instead of a connection that just closes when Ray stops."""
+        self._cut_until = max(self._cut_until, self._clock() + for_s)
 
     def forget(self, replica: str) -> None:
         gone = self._snaps.pop(replica, None)

@@ -67,5 +67,11 @@ def test_sizing():
     assert n >= 1
     with pytest.raises(ValueError):
         num_blocks_for(16, 100, None, 1.5, torch.device("cpu"))
+    # a CPU pool without a size takes at most 4 GiB, however much memory the machine has (this one: 24)
+    from cache.kv_pool import CPU_POOL_CAP_BYTES, available_memory
+
+    if available_memory(torch.device("cpu")) <= CPU_POOL_CAP_BYTES:
+        pytest.skip("less than 4 GiB available: the cap cannot show")
+    assert num_blocks_for(16, 1024, None, 1.0, torch.device("cpu")) == CPU_POOL_CAP_BYTES // (1024 * 16)
     with pytest.raises(ValueError):
         resolve_kv_dtype("int4", torch.float32)

@@ -4,6 +4,7 @@ every line answered or refused with a reason, prefix order, and a rerun that con
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -139,39 +140,71 @@ def test_batch_without_a_service_says_so(tmp_path, capsys):
     assert cli(["batch", "--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--url", url,
                 "--wait-s", "0"]) == 2
     assert "no service answering" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()  # nothing was sent: no output to clean up
     assert cli(["batch", "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o.jsonl")]) == 2
+    # bad settings and a missing output folder are refused before anything is sent or made
+    for extra in (["--temperature", "-1"], ["--request-timeout-s", "0"]):
+        assert cli(["batch", "--input", str(src), "--output", str(tmp_path / "o.jsonl"), *extra]) == 2
+    assert cli(["batch", "--input", str(src), "--output", str(tmp_path / "no" / "such" / "o.jsonl")]) == 2
+    assert "no folder" in capsys.readouterr().err and not (tmp_path / "no").exists()
 
 
-def test_batch_refuses_folders_and_a_second_writer(tmp_path, capsys):
-    import fcntl
+class _DownService:
+    """A real HTTP server that names its model, then answers every request 503 (replicas gone)."""
 
-    src = tmp_path / "in.jsonl"
-    write(src, [{"prompt": "hi"}])
-    assert cli(["batch", "--input", str(tmp_path), "--output", str(tmp_path / "o.jsonl")]) == 2
-    assert "is a folder" in capsys.readouterr().err
-    assert cli(["batch", "--input", str(src), "--output", str(tmp_path)]) == 2
-    assert "is a folder" in capsys.readouterr().err
-    out = tmp_path / "o.jsonl"
-    with open(tmp_path / "o.jsonl.lock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # another run is writing this output
-        assert cli(["batch", "--input", str(src), "--output", str(out), "--wait-s", "0"]) == 2
-    assert "another run is writing" in capsys.readouterr().err
+    def __enter__(self):
+        import http.server
+        import threading
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def _send(self, code, body, ctype="application/json"):
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("content-type", ctype)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(200, json.dumps({"data": [{"id": "m"}]}))
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["content-length"]))
+                self._send(503, json.dumps({"error": {"message": "no replica"}}))
+
+            def log_message(self, *_):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
 
 
-def test_sigterm_ends_a_batch_like_ctrl_c_with_a_summary(tmp_path):
-    import signal
-    import subprocess
-    import sys
-    import time
+def test_batch_stops_sending_when_the_service_is_gone(tmp_path, capsys):
+    # each line would retry for about a minute by default: a dead service must not cost that per line
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": i, "prompt": f"line {i}"} for i in range(40)])
+    with _DownService() as url:
+        t0 = time.monotonic()
+        code = cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--retries", "1",
+                    "--concurrency", "2"])
+        assert time.monotonic() - t0 < 20
+    assert code == 1
+    captured = capsys.readouterr()
+    assert "stopped answering" in captured.err and "no replica" in captured.err
+    totals = json.loads(captured.out.strip().splitlines()[-1])
+    assert totals["not_sent"] == 40 and totals["ok"] == 0
+    assert out.read_text() == ""  # no line was answered, none is marked failed: a rerun sends them all
 
-    src = tmp_path / "in.jsonl"
-    write(src, [{"prompt": "hi"}])
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "batch", "--input", str(src), "--output",
-                             str(tmp_path / "o.jsonl"), "--url", f"http://127.0.0.1:{free_port()}", "--wait-s", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(5)  # waiting for a service that never comes
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 143, err
-    assert json.loads(out)["to_send"] == 1 and "interrupted" in err
-    assert not (tmp_path / "o.jsonl.lock").exists()
+
+def test_an_error_page_that_is_not_an_api_answer_is_reported_in_one_line():
+    import httpx
+
+    from app.batch import _error_message
+
+    page = httpx.Response(404, text="<html>\n<body><h1>Not Found</h1>" + "x" * 5000, headers={"content-type": "text/html"})
+    msg = _error_message(page)  # (a wrong --url: the whole page used to be the line's error)
+    assert msg.startswith("HTTP 404: not an OpenAI-style API answer (text/html): <html>") and len(msg) < 200

@@ -45,10 +45,15 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_si
         assert r.status_code == 200
         # Ctrl-C drains: a stream in flight finishes; a new request meanwhile gets a 503 that says why
         # (from every ingress replica: the proxy spreads these requests over them)
-        body = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
+        body = {"prompt": "hello", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        long_body = {**body, "max_tokens": 1900}  # still running when the second signal comes
+        cut = stop_signal == signal.SIGTERM
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream, \
+                httpx.stream("POST", url + "/v1/completions", json=long_body, timeout=60) as long_stream:
             lines = stream.iter_lines()
+            long_lines = long_stream.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
+            assert next(line for line in long_lines if line.startswith("data:"))
             proc.send_signal(stop_signal)
             deadline, refused = time.monotonic() + 20, None
             while refused is None and time.monotonic() < deadline:
@@ -63,7 +68,15 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_si
             assert bad.status_code == 503 and "shutting down" in bad.json()["error"]["message"]
             assert httpx.get(url + "/health", timeout=10).status_code == 503
             rest = [line for line in lines if line.startswith("data:")]
-        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2], rest[-3:]
+            assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2], rest[-3:]
+            if cut:  # a second signal skips the rest of the drain: what still runs ends with an error event
+                proc.send_signal(stop_signal)
+            long_rest = [line for line in long_lines if line.startswith("data:")]
+        if cut:
+            assert '"error"' in long_rest[-1] and "shutting down" in long_rest[-1], long_rest[-2:]
+            assert all('"finish_reason":"length"' not in x for x in long_rest), "a cut stream ended as finished"
+        else:
+            assert long_rest[-1] == "data: [DONE]", long_rest[-2:]  # the drain lets it finish
         # after the drain the port closes: no moment where the app is gone and Serve answers 404, which
         # a load balancer would pass on as an answer instead of trying another server
         seen, deadline = set(), time.monotonic() + 60
@@ -88,10 +101,37 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_si
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def test_a_sigterm_to_the_whole_process_group_stops_at_once_with_a_clear_line(model_dir, tmp_path):
+    # systemd's default KillMode and `timeout` signal the whole group, and the local Ray's processes are
+    # in it: the CLI used to wait a minute for the dead GCS and print Ray's traceback
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RADIXSERVE_"))}
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model-id", model_dir("tiny"), "--port",
+                             str(port), "--max-batch-total-tokens", "2048"], stdout=log, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and "RadixServe is up" not in open(tmp_path / "serve.log").read():
+            assert proc.poll() is None, open(tmp_path / "serve.log").read()[-3000:]
+            time.sleep(1)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(45) == 1
+        assert time.monotonic() - t0 < 30
+        out = open(tmp_path / "serve.log").read()
+        assert "KillMode=mixed" in out and "Failed to connect to GCS" not in out, out[-2000:]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _cli(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RADIXSERVE_"))}
     return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+                          env={**clean, **(env or {})})
 
 
 def test_serve_refuses_bad_settings_in_seconds_before_starting_anything(model_dir, tmp_path):
@@ -110,16 +150,31 @@ def test_serve_refuses_bad_settings_in_seconds_before_starting_anything(model_di
         (["--model-id", tiny, "--max-input-tokens", "4096"], "must be below max_total_tokens (4096)"),
         (["--model-id", tiny, "--autoscaling", '{"min_replicas": 3, "max_replicas": 1}'], "min_replicas (3)"),
         (["--model-id", tiny, "--port", str(busy.getsockname()[1])], "cannot listen"),
+        # found here, not half a minute later in a replica's traceback
+        (["--model-id", tiny, "--device", "cuda:99"], "device 'cuda:99'"),
+        (["--model-id", tiny, "--device", "tpu"], "device"),
+        (["--model-id", tiny, "--num-replicas", "3", "--autoscaling", '{"max_replicas": 2}'], "both set"),
+        ({"RADIXSERVE_HOME": "/proc/radixserve-nope"}, "cannot write the built-in model"),
+        ({"RADIXSERVE_BLOKC_SIZE": "8"}, "RADIXSERVE_BLOKC_SIZE"),
+        ({"RADIXSERVE_AUTOSCALING": "{bad"}, "RADIXSERVE_AUTOSCALING is not JSON"),
     ]
+    if not _flash_importable():
+        cases.append((["--model-id", tiny, "--attention-backend", "flash"], "vllm-flash-attn"))
     try:
         for args, needle in cases:
             t0 = time.monotonic()
-            r = _cli("serve", *args)
+            r = _cli("serve", *args) if isinstance(args, list) else _cli("serve", env=args)
             assert r.returncode == 2, (args, r.stdout[-500:], r.stderr[-2000:])
             assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
             assert "redis" not in r.stdout and time.monotonic() - t0 < 30, args  # nothing was started
     finally:
         busy.close()
+
+
+def _flash_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm_flash_attn") is not None
 
 
 def test_init_model_does_not_overwrite_by_accident(tmp_path):
@@ -131,6 +186,8 @@ def test_init_model_does_not_overwrite_by_accident(tmp_path):
     assert r.returncode == 2 and "--force" in r.stderr
     assert _cli("init-model", str(tmp_path / "m"), "--preset", "tiny-qwen2", "--force").returncode == 0
     assert "qwen2" in (tmp_path / "m" / "config.json").read_text()
+    r = _cli("init-model", "/proc/radixserve-nope")  # not writable: one line, not a traceback
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "cannot write" in r.stderr, r.stderr
 
 
 def test_preflight_leaves_the_model_folder_to_the_cluster_it_joins(tmp_path):
