@@ -37,6 +37,9 @@ from tqdm import tqdm
 
 RETRY_STATUS = {429, 502, 503, 504}  # the service is busy or a replica is restarting: try again
 RETRY_WAITS_S = (1, 2, 4, 8, 16, 30)  # then 30 s each: the default 6 tries span a service restart
+# what says the service itself is gone (not this line's trouble: a timeout, a 429 or a proxy's 504)
+GONE_STATUS = {502, 503}
+GONE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 @dataclass
@@ -178,7 +181,9 @@ class ServiceGone(Exception):
 
 async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: int) -> dict:
     """The line's answer or error record; ``ServiceGone`` when every try found the service unreachable
-    or unavailable (the line was not answered: a rerun sends it again)."""
+    (no connection) or without replicas (502/503): the line was not answered, a rerun sends it again.
+    A line that times out or gets 429/504 each time is this line's failure, recorded as such (or a
+    line too slow for --request-timeout-s would stop every rerun)."""
     body = {**defaults, **line.body, "stream": False}
     path = "/v1/chat/completions" if line.chat else "/v1/completions"
     gone = True
@@ -187,6 +192,7 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
             r = await client.post(path, json=body)
         except httpx.TransportError as e:
             problem = f"{type(e).__name__}: {e}"
+            gone = gone and isinstance(e, GONE_ERRORS)
         else:
             if r.status_code == 200:
                 try:
@@ -201,8 +207,8 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
                     rec["logprobs"] = choice["logprobs"]
                 return rec
             problem = _error_message(r)
+            gone = gone and r.status_code in GONE_STATUS
             if r.status_code not in RETRY_STATUS:
-                gone = False
                 break  # the request itself is wrong: trying again gives the same answer
         if attempt < retries:
             await asyncio.sleep(RETRY_WAITS_S[min(attempt, len(RETRY_WAITS_S) - 1)])
@@ -219,7 +225,7 @@ async def run(args: argparse.Namespace, totals: dict) -> None:
     plan = read_lines(Path(args.input), done)
     todo = plan.todo if args.keep_order else prefix_order(plan.todo)
     totals.update({"to_send": len(todo), "ok": 0, "failed": len(plan.errors), "skipped": plan.skipped,
-                   "not_sent": 0, "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
+                   "not_done": len(todo), "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
                    "_t0": time.perf_counter()})
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout_s, limits=limits) as client:
@@ -270,7 +276,7 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
         await asyncio.gather(*(worker() for _ in range(min(args.concurrency, len(todo)))))
     finally:
         bar.close()
-        totals["not_sent"] = totals["to_send"] - totals.get("_written", 0)
+        totals["not_done"] = totals["to_send"] - totals.get("_written", 0)  # a rerun sends these
 
 
 def _count(totals: dict, rec: dict) -> None:
@@ -360,8 +366,8 @@ def main(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, before)
     print(json.dumps(summary(totals)))
     if "_gone" in totals:
-        print(f"radixserve batch: the service stopped answering ({totals['_gone']}); {totals['not_sent']} "
-              f"line(s) were not sent: run the same command again to go on", file=sys.stderr)
+        print(f"radixserve batch: the service stopped answering ({totals['_gone']}); {totals['not_done']} "
+              f"line(s) were not answered: run the same command again to go on", file=sys.stderr)
         return 1
     if totals["failed"]:
         print(f"radixserve batch: {totals['failed']} line(s) failed (see `error` in {dst}); "

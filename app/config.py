@@ -148,12 +148,19 @@ class Settings(BaseModel):
         if unknown:  # a typo would otherwise be ignored while the same one in a config file is refused
             raise ValueError(f"unknown environment variable(s) {', '.join(unknown)}: the settings are "
                              f"{ENV_PREFIX}<NAME> for the names in `radixserve serve --help`")
-        merged: dict[str, Any] = dict(file or {})
+        env_set = {}
         for name in cls.model_fields:
             raw = env.get(ENV_PREFIX + name.upper())
             if raw is not None and raw != "":
-                merged[name] = _parse_env(name, raw)
-        merged.update({k: v for k, v in (cli or {}).items() if v is not None})
+                env_set[name] = _parse_env(name, raw)
+        merged: dict[str, Any] = {}
+        for source in (dict(file or {}), env_set, {k: v for k, v in (cli or {}).items() if v is not None}):
+            # a fixed count and autoscaling exclude each other: a source that sets one overrides the
+            # other from the sources below it (setting both in one source is refused)
+            for one, other in (("num_replicas", "autoscaling"), ("autoscaling", "num_replicas")):
+                if one in source and other not in source:
+                    merged.pop(other, None)
+            merged.update(source)
         try:
             return cls(**merged)
         except ValidationError as e:

@@ -80,6 +80,7 @@ class LLMServer:
         self._hists = {spec[0]: Histogram(spec[2]) for spec in HISTOGRAMS.values()}
         self._hub = HubClient(self.settings.deployment_name)
         self._stop = threading.Event()
+        self._cut = False  # the service is stopping and told this replica to end what it runs
         self._background = threading.Thread(target=self._background_loop, name="replica-background", daemon=True)
         self._background.start()
 
@@ -258,6 +259,7 @@ class LLMServer:
                                      create=False)
                 if cut is True:  # `radixserve serve` is stopping past its drain: end what still runs
                     log.warning("the service is stopping: ending the requests still running")
+                    self._cut = True
                     self.aengine.shutdown()
                     return
             except Exception as e:  # noqa: BLE001 - metrics must never take a replica down
@@ -283,6 +285,8 @@ class LLMServer:
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: its engine thread died, or hangs in a step."""
+        if self._cut:
+            return  # stopped on purpose, the service with it: a replacement would only be cut too
         if not self.aengine.alive:
             raise RuntimeError("engine thread is not running")
         stalled = self.aengine.stalled_s()

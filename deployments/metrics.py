@@ -164,19 +164,20 @@ class SnapshotStore:
         self._draining_until = float("-inf")  # the CLI's drain, refreshed while it lasts (see drain)
         # ingress replica -> (when, requests in flight, whether it was told of the drain then)
         self._ingress: dict[str, tuple[float, int, bool]] = {}
-        self._cut_until = float("-inf")  # the CLI's drain ran out: replicas end what still runs (see cut)
+        self._cut: set[str] = set()  # replicas told to end what still runs (see cut)
 
     def push(self, replica: str, snapshot: dict) -> bool:
         """A replica's snapshot in; True when it must stop its engine now (``cut``)."""
         self._retired.pop(replica, None)
         self._snaps[replica] = (self._clock(), snapshot)
-        return self._clock() < self._cut_until
+        return replica in self._cut
 
-    def cut(self, for_s: float) -> None:
-        """The drain ran out (or a second Ctrl-C): for ``for_s`` seconds, every replica that pushes is told
-        to stop its engine, which ends each request still running with an error event (a 503 before
-        its first token), instead of a connection that just closes when Ray stops."""
-        self._cut_until = max(self._cut_until, self._clock() + for_s)
+    def cut(self) -> None:
+        """The drain ran out (or a second Ctrl-C): the replicas running now are told, at their next push,
+        to stop their engines, which ends each request still running with an error event (a 503 before
+        its first token) instead of a connection that just closes when Ray stops. Only those: a
+        replacement Serve starts, or a later deployment of the same name, is not cut."""
+        self._cut |= set(self._snaps)
 
     def forget(self, replica: str) -> None:
         gone = self._snaps.pop(replica, None)

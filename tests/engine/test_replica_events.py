@@ -19,6 +19,7 @@ def _replica(engine) -> LLMServer:
     r._route_stored, r._route_removed, r._dir_removed = [], [], []
     r._overflow, r._recorded, r._stats_seq = False, set(), 0
     r._pending_records = collections.deque()
+    r._cut = False
     return r
 
 

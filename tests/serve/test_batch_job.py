@@ -150,9 +150,15 @@ def test_batch_without_a_service_says_so(tmp_path, capsys):
 
 
 class _DownService:
-    """A real HTTP server that names its model, then answers every request 503 (replicas gone)."""
+    """A real HTTP server that names its model, then answers every request ``status`` (503: replicas
+    gone; 504: a proxy that gave up on this one request)."""
+
+    def __init__(self, status: int = 503):
+        self.status = status
 
     def __enter__(self):
+        status = self.status
+
         import http.server
         import threading
 
@@ -170,7 +176,7 @@ class _DownService:
 
             def do_POST(self):
                 self.rfile.read(int(self.headers["content-length"]))
-                self._send(503, json.dumps({"error": {"message": "no replica"}}))
+                self._send(status, json.dumps({"error": {"message": "no replica" if status == 503 else "timeout"}}))
 
             def log_message(self, *_):
                 pass
@@ -196,8 +202,16 @@ def test_batch_stops_sending_when_the_service_is_gone(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "stopped answering" in captured.err and "no replica" in captured.err
     totals = json.loads(captured.out.strip().splitlines()[-1])
-    assert totals["not_sent"] == 40 and totals["ok"] == 0
+    assert totals["not_done"] == 40 and totals["ok"] == 0
     assert out.read_text() == ""  # no line was answered, none is marked failed: a rerun sends them all
+    # a 504 (or a read timeout) is that line's failure, not the service's: recorded, and the run goes on
+    with _DownService(504) as url:
+        code = cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--retries", "0",
+                    "--concurrency", "8"])
+    assert code == 1
+    totals = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert totals["failed"] == 40 and totals["not_done"] == 0
+    assert all("HTTP 504" in json.loads(x)["error"] for x in out.read_text().splitlines())
 
 
 def test_an_error_page_that_is_not_an_api_answer_is_reported_in_one_line():

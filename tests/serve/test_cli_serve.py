@@ -219,3 +219,29 @@ def test_the_cli_restarts_its_redis_once_and_gives_up_after_a_failed_restart(cap
     assert "restarted it" in capsys.readouterr().err
     assert not _supervise_redis(Redis([RuntimeError("port 1 is taken by another process")]))
     assert "serving goes on without the hot-prefix directory" in capsys.readouterr().err
+
+
+def test_the_gcs_check_says_gone_only_when_refused(monkeypatch):
+    import types
+
+    import ray
+
+    from app import cli
+
+    def gcs(address):
+        monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(gcs_address=address))
+        return cli._gcs_answers(timeout=0.5)
+
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        try:
+            srv = socket.socket(family)
+            srv.bind((host, 0))
+        except OSError:
+            continue  # no IPv6 here
+        srv.listen()
+        port = srv.getsockname()[1]
+        shown = f"[{host}]" if family == socket.AF_INET6 else host  # how Ray writes an IPv6 address
+        assert gcs(f"{shown}:{port}")
+        srv.close()
+        assert not gcs(f"{shown}:{port}")  # refused twice: gone
+    assert gcs("not an address")  # cannot tell: drain as usual

@@ -119,3 +119,13 @@ def test_a_drain_reaches_every_ingress_and_lapses_without_renewal():
     now[0] = 50.0
     store.ingress_poll("i3", 0)
     assert set(store._ingress) == {"i3"}  # replicas gone long ago are dropped
+
+
+def test_a_cut_reaches_the_replicas_running_then_and_no_later_one():
+    store = SnapshotStore()
+    assert store.push("a", snap(1)) is False
+    store.push("b", snap(1))
+    store.cut()  # the CLI's drain ran out
+    assert store.push("a", snap(1)) is True and store.push("b", snap(1)) is True
+    # a replacement Serve starts meanwhile, or a later deployment of the same name, keeps running
+    assert store.push("c", snap(1)) is False

@@ -67,3 +67,16 @@ def test_autoscaling_numbers_must_be_numbers():
         Settings.from_sources(file={"autoscaling": {"min_replicas": "1"}}, env={})
     a = Settings.from_sources(file={"autoscaling": {"max_replicas": 2, "target_ongoing_requests": 1}}, env={})
     assert a.autoscaling.target_ongoing_requests == 1.0  # an integer where a float goes is fine
+
+
+def test_a_replica_count_and_autoscaling_follow_the_sources_precedence():
+    # serve_config.yaml sets num_replicas: autoscaling from the environment (or a flag) replaces it
+    s = Settings.from_sources(file={"num_replicas": 2}, env={"RADIXSERVE_AUTOSCALING": '{"max_replicas": 3}'})
+    assert s.autoscaling.max_replicas == 3 and "num_replicas" not in s.model_fields_set
+    s = Settings.from_sources(cli={"num_replicas": 4}, env={"RADIXSERVE_AUTOSCALING": '{"max_replicas": 3}'})
+    assert s.autoscaling is None and s.num_replicas == 4
+    with pytest.raises(ValueError, match="both set"):  # one source saying both is a mistake
+        Settings.from_sources(file={"num_replicas": 2, "autoscaling": {"max_replicas": 3}}, env={})
+    with pytest.raises(ValueError, match="RADIXSERVE_NUM_REPLICA"):  # a typo is not ignored
+        Settings.from_sources(env={"RADIXSERVE_NUM_REPLICA": "2"})
+    Settings.from_sources(env={"RADIXSERVE_HOME": "/tmp", "RADIXSERVE_URL": "x"})  # not settings, not typos
