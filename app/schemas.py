@@ -62,6 +62,10 @@ def _unsupported(name: str, value: Any, allowed: tuple = (None,)) -> None:
 # Each passes with the values that mean "not used" (what clients send for an unset option).
 _OFF = (None, False, [], {}, "")
 REFUSED: dict[str, tuple[str, tuple]] = {
+    "best_of": ("best_of > 1", (None, 1)),
+    "tools": ("tool calling", _OFF),
+    "functions": ("function calling", _OFF),
+    "tool_choice": ("tool_choice other than none/auto", (None, "none", "auto")),
     **{f"guided_{k}": ("guided decoding", _OFF) for k in ("json", "regex", "choice", "grammar")},
     "guided_whitespace_pattern": ("guided decoding", _OFF),
     "guided_decoding_backend": ("guided decoding", (*_OFF, "auto")),
@@ -197,19 +201,10 @@ class _OpenAICommon(_Strict):
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # accepted only with the values that mean "not used": anything else is refused, not ignored
-    best_of: int | None = None
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
 
     @model_validator(mode="after")
     def _supported(self):
-        _unsupported("best_of > 1", self.best_of, (None, 1))
-        _unsupported("tool calling (tools)", self.tools)
-        _unsupported("function calling (functions)", self.functions)
-        _unsupported("tool_choice", self.tool_choice, (None, "none", "auto"))
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ValueError("response_format other than {\"type\": \"text\"} is not supported by this server")
         if self.stream_options is not None and not self.stream:
@@ -257,16 +252,15 @@ class _OpenAICommon(_Strict):
 
 
 class CompletionRequest(_OpenAICommon):
+    _also_refused: ClassVar[dict[str, tuple[str, tuple]]] = {"suffix": ("suffix (text after the insertion)", _OFF)}
     # one prompt: text or token ids; OpenAI's client also wraps one in a list ([text], [[ids]])
     prompt: str | list[int] | list[str] | list[list[int]] = Field(...)
     logprobs: int | None = Field(None, ge=0, le=5)  # with this many alternatives per token
     echo: bool = False
-    suffix: str | None = None
     add_special_tokens: bool = True  # extension (vLLM's): false leaves out the BOS a text prompt gets
 
     @model_validator(mode="after")
-    def _no_suffix(self):
-        _unsupported("suffix", self.suffix, (None, ""))
+    def _no_prompt_logprobs(self):
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs (the prompt's log-probabilities) is not supported by this server")
         return self
