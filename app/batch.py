@@ -270,13 +270,12 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
             out.flush()
             bar.update(1)
             _count(totals, rec)
-            totals["_written"] = totals.get("_written", 0) + 1
+            totals["not_done"] -= 1  # answered or recorded as failed: a rerun sends only the others
 
     try:
         await asyncio.gather(*(worker() for _ in range(min(args.concurrency, len(todo)))))
     finally:
         bar.close()
-        totals["not_done"] = totals["to_send"] - totals.get("_written", 0)  # a rerun sends these
 
 
 def _count(totals: dict, rec: dict) -> None:
