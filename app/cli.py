@@ -75,14 +75,18 @@ def preflight(settings: Settings, local_ray: bool) -> str | None:
     when it starts a local Ray, the model folder, the limits against its context and the HTTP port."""
     from engine.config import ConfigError, request_limits
     from engine.model_loader import ModelLoadError, check_model_folder, model_context
+    from engine.model_support import sliding_window, unsupported
 
     try:
         settings.engine_config()
         if not local_ray:  # joining a cluster: the model folder need only exist where replicas run
             return None
         _, config, _ = check_model_folder(settings.resolved_model_id())
-        request_limits(settings.max_input_tokens, settings.max_total_tokens, model_context(config))
-        problem = _device_problem(settings)
+        pool = settings.max_batch_total_tokens
+        pool = pool // settings.block_size * settings.block_size if pool else None
+        _, total = request_limits(settings.max_input_tokens, settings.max_total_tokens, model_context(config),
+                                  None if settings.window_size or sliding_window(config) else pool)
+        problem = unsupported(config, total) or _device_problem(settings, config)
         if problem:
             return problem
     except (ModelLoadError, ConfigError) as e:
@@ -102,22 +106,31 @@ def preflight(settings: Settings, local_ray: bool) -> str | None:
     return None
 
 
-def _device_problem(settings: Settings) -> str | None:
-    """The device and attention backend asked for, on this machine (where a local Ray runs the replicas)."""
+def _device_problem(settings: Settings, config) -> str | None:
+    """The device, attention backend and KV pool size asked for, on this machine (where a local Ray
+    runs the replicas; ``config``: the model's)."""
     import torch
 
+    from cache.kv_pool import bytes_per_token, pool_problem
     from engine.attention import flash_available
-    from engine.model_loader import resolve_device
+    from engine.model_loader import ModelLoadError, resolve_device, resolve_dtype
+    from engine.model_support import head_dim, kv_heads
 
     try:
         device = resolve_device(settings.device)
-    except Exception as e:  # noqa: BLE001 - ModelLoadError (no CUDA) or torch's own refusal
+    except ModelLoadError as e:  # this torch cannot use it here
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - torch's own refusal of the name
         return f"device {settings.device!r}: {e}"
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         return f"device {settings.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
     if settings.attention_backend == "flash" and not flash_available(device):
         return ("attention_backend flash needs a CUDA device and the vllm-flash-attn package "
                 "(pip install -e '.[gpu]'); auto picks it when it can")
+    if settings.max_batch_total_tokens:  # without it the pool is sized from the free memory
+        token_bytes = bytes_per_token(config.num_hidden_layers, kv_heads(config), head_dim(config),
+                                      settings.kv_cache_dtype, resolve_dtype(settings.dtype, device))
+        return pool_problem(settings.max_batch_total_tokens, token_bytes, device)
     return None
 
 
@@ -373,6 +386,10 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
     return code
 
 
+# engine.model_init's PRESETS, named here so that --help does not import torch (a test keeps them equal)
+PRESET_NAMES = ["tiny", "bench", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma", "tiny-phi3", "tiny-olmo2"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="radixserve", description="Prefix-aware LLM serving on Ray Serve.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -382,12 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     add_settings_flags(s)
     s.set_defaults(func=_serve)
-    p = sub.add_parser("init-model", help="write a small random-weight model (Llama, Mistral, Qwen) with a "
-                                          "byte-level tokenizer")
+    p = sub.add_parser("init-model", help="write a small random-weight model (Llama, Mistral, Qwen, Gemma, Phi-3, "
+                                          "OLMo 2) with a byte-level tokenizer")
     p.add_argument("path", help="folder to write (created if missing)")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "bench", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"],
+    p.add_argument("--preset", default="tiny", choices=PRESET_NAMES,
                    help="tiny: the built-in model; bench: the benchmarks' 40M-parameter Llama; the others: small "
-                        "Mistral (sliding window), Qwen2 and Qwen3 models (default: tiny)")
+                        "models of each supported architecture (tiny-mistral has a sliding window; default: tiny)")
     p.add_argument("--seed", type=int, default=0, help="of the random weights (default: 0)")
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
     p.set_defaults(func=_init_model)

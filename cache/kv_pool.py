@@ -50,6 +50,16 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def pool_problem(tokens: int, token_bytes: int, device: torch.device) -> str | None:
+    """Why a pool of ``tokens`` cannot be allocated on ``device`` now (more than its free memory),
+    else None: said at start-up instead of the allocator's own error."""
+    need, free = tokens * token_bytes, available_memory(device)
+    if need <= free:
+        return None
+    return (f"a KV pool of {tokens} tokens (max_batch_total_tokens) needs {need / 2**30:.1f} GiB, more than the "
+            f"{free / 2**30:.1f} GiB free on {device}")
+
+
 # A CPU replica's pool without a size given: a fraction of the machine's memory, but at most this
 # (vLLM's CPU default too): 30% of a large server's RAM would be tens of GB for a model that runs a few
 # sequences at a time, and every replica on the machine takes its own

@@ -30,7 +30,7 @@ from app.config import Settings
 from app.schemas import TGI_FINISH, ChatRequest, CompletionRequest, TGIRequest, WarmupRequest
 from cache.hashing import block_hashes
 from deployments.metrics import HubClient, render
-from routing.prefix_router import avoid_replica
+from routing.prefix_router import avoid_replica, request_ended
 
 log = logging.getLogger("radixserve.ingress")
 
@@ -445,14 +445,20 @@ class Ingress:
         """Start a request; returns its first event and an iterator over the rest. A refused
         request raises ``ApiError`` here, before any response byte is sent."""
         for attempt in range(2):  # a replica or engine that fails before the first token: retry once
-            gen = self.llm.options(stream=True).generate.remote(ids, params, uuid.uuid4().hex)
+            request_id = uuid.uuid4().hex
+            gen = self.llm.options(stream=True).generate.remote(ids, params, request_id)
             it = gen.__aiter__()
+
+            def cancel(gen=gen, request_id=request_id, generated: int = 0) -> None:
+                gen.cancel()
+                request_ended(request_id, generated)  # Serve may never tell the router
+
             try:
                 first = await it.__anext__()
             except StopAsyncIteration:
                 raise ApiError(503, "the engine ended the request without an answer", "generation") from None
             except Exception as e:  # noqa: BLE001 - a replica or engine failure: not the client's fault
-                gen.cancel()
+                cancel()
                 log.warning("replica call failed (attempt %d): %s", attempt + 1, e)
                 if attempt == 1 or InFlight.draining:
                     raise ApiError(503, self._failure(e), "generation") from None
@@ -461,19 +467,20 @@ class Ingress:
                 # its engine had stopped or was stopping before it ran this request: nothing was sent
                 # yet, and the request did not cause it (one that was running when an engine crashed
                 # is not retried: it may be what crashed it)
-                gen.cancel()
+                cancel()
                 log.warning("replica %s failed before the first token: %s", first.get("replica"), first["error"])
                 if first.get("replica"):
                     avoid_replica(first["replica"])  # until Serve's health check replaces it
                 continue
             break
         if first.get("error"):
-            gen.cancel()
+            cancel()
             status = 422 if first.get("error_kind") == "validation" else 503
             raise ApiError(status, first["error"], "validation" if status == 422 else "generation")
 
         async def rest() -> AsyncIterator[dict]:
             done = first.get("finished", False)
+            generated = int(first.get("token_id") is not None)
             try:
                 while not done:
                     try:
@@ -486,10 +493,13 @@ class Ingress:
                         yield {"error": self._failure(e), "finished": True}
                         return
                     done = ev.get("finished", False)
+                    generated += ev.get("token_id") is not None
                     yield ev
             finally:
                 if not done:
-                    gen.cancel()  # client gone or failure: abort in the engine
+                    cancel(generated=generated)  # client gone or failure: abort in the engine
+                else:  # the router counts what it really cost, not its max_new_tokens
+                    request_ended(request_id, generated)
 
         return first, rest()
 
@@ -568,8 +578,11 @@ class Ingress:
                     continue
                 text += ev["text"]
                 tok = ev.get("token_id")
-                token = {"id": tok if tok is not None else -1, "text": ev["text"], "logprob": ev.get("logprob"),
-                         "special": tok in self._special if tok is not None else True}
+                special = tok in self._special if tok is not None else True
+                # a special token (EOS) shows its own text, as in details.tokens; the answer leaves it out
+                shown = self._token_text(tok) if special and tok is not None else ev["text"]
+                token = {"id": tok if tok is not None else -1, "text": shown, "logprob": ev.get("logprob"),
+                         "special": special}
                 msg = {"index": n, "token": token, "generated_text": None, "details": None}
                 if req.parameters.top_n_tokens:
                     msg["top_tokens"] = self._tgi_top(ev)

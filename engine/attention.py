@@ -28,6 +28,11 @@ _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  #
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+# attention arguments some transformers models pass that this function would otherwise ignore:
+# logit soft-capping (Gemma 2) and attention sinks (gpt-oss)
+UNSUPPORTED_KWARGS = ("softcap", "s_aux")
+
+
 @dataclass
 class PrefillGroup:
     q_start: int  # offset of this chunk in the packed row
@@ -59,6 +64,9 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     """The function transformers calls per layer: q/k/v ``[1, H, T, D]`` -> ``([1, T, H, D], None)``."""
     if paged_batch is None:
         raise RuntimeError("radixserve paged attention called without batch metadata")
+    for name in UNSUPPORTED_KWARGS:  # model_support refuses these models; never drop them silently
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"radixserve paged attention does not implement {name!r}")
     b = paged_batch
     layer = module.layer_idx
     groups = module.num_key_value_groups

@@ -14,17 +14,23 @@ class ConfigError(ValueError):
     """A setting that cannot work; raised at start-up with the reason."""
 
 
-def request_limits(max_input_tokens: int | None, max_total_tokens: int | None, context: int | None
-                   ) -> tuple[int, int]:
+def request_limits(max_input_tokens: int | None, max_total_tokens: int | None, context: int | None,
+                   pool_tokens: int | None = None) -> tuple[int, int]:
     """(max input, max total) tokens per request: the settings, else the model's context (and one
-    less for the input); ``ConfigError`` if they exceed the context or leave no room to generate."""
+    less for the input), and no more than the KV pool holds (``pool_tokens``; None for a sliding
+    window, whose sequences keep only the window); ``ConfigError`` if they exceed the context or the
+    pool, or leave no room to generate."""
     if max_total_tokens and context and max_total_tokens > context:
         raise ConfigError(f"max_total_tokens ({max_total_tokens}) is more than the model's context ({context} tokens, "
                           "max_position_embeddings)")
-    total = max_total_tokens or context or 4096
+    if max_total_tokens and pool_tokens and max_total_tokens > pool_tokens:
+        raise ConfigError(f"max_total_tokens ({max_total_tokens}) is more than the KV pool holds ({pool_tokens} tokens, "
+                          "max_batch_total_tokens): such a request could never run")
+    total = max_total_tokens or min(context or 4096, pool_tokens or 1 << 62)
     inp = max_input_tokens or total - 1
     if inp >= total:
-        raise ConfigError(f"max_input_tokens ({inp}) must be below max_total_tokens ({total})")
+        source = "" if max_total_tokens or total == (context or 4096) else ", the KV pool's size"
+        raise ConfigError(f"max_input_tokens ({inp}) must be below max_total_tokens ({total}{source})")
     return inp, total
 
 
@@ -74,8 +80,10 @@ class EngineConfig:
         if self.max_batch_total_tokens is not None and self.max_batch_total_tokens < self.block_size:
             raise ConfigError("max_batch_total_tokens must hold at least one block "
                               f"({self.block_size} tokens), got {self.max_batch_total_tokens}")
-        if self.max_input_tokens is not None and self.max_total_tokens is not None:
-            request_limits(self.max_input_tokens, self.max_total_tokens, None)  # the context is checked at load
+        if self.max_total_tokens is not None or self.max_input_tokens is not None:
+            # the context is checked at load; an explicit pool is too small for one request with no window
+            request_limits(self.max_input_tokens, self.max_total_tokens, None,
+                           None if self.window_size else self.max_batch_total_tokens)
         return self
 
     @classmethod

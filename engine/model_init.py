@@ -37,6 +37,14 @@ PRESETS: dict[str, dict] = {
     "tiny-qwen3": dict(architecture="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,
                        max_position_embeddings=4096),
+    # Further architectures the engine supports (engine.model_support), each checked against HF in tests.
+    "tiny-gemma": dict(architecture="gemma", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,
+                       max_position_embeddings=4096),
+    "tiny-phi3": dict(architecture="phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=320, max_position_embeddings=4096),
+    "tiny-olmo2": dict(architecture="olmo2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=320, max_position_embeddings=4096),
 }
 
 

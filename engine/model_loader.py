@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine.model_support import SUPPORTED, head_dim, kv_heads, sliding_window, unsupported_type
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model id that is not a folder must fail, not download
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class ModelLoadError(RuntimeError):
@@ -34,30 +37,25 @@ class LoadedModel:
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_key_value_heads or self.config.num_attention_heads
+        return kv_heads(self.config)
 
     @property
     def head_dim(self) -> int:
-        return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        return head_dim(self.config)
 
     @property
     def sliding_window(self) -> int | None:
-        cfg = self.config
-        window = getattr(cfg, "sliding_window", None)
-        if window is None or getattr(cfg, "use_sliding_window", True) is False:
-            return None
-        types = getattr(cfg, "layer_types", None)
-        if types and "sliding_attention" not in types:
-            return None
-        return int(window)
+        return sliding_window(self.config)
 
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+    usable = {"cpu": lambda: True, "cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available,
+              "xpu": getattr(getattr(torch, "xpu", None), "is_available", lambda: False)}
+    if not usable.get(dev.type, lambda: True)():
+        raise ModelLoadError(f"device {device!r}: {dev.type.upper()} is not available to this torch")
     return dev
 
 
@@ -79,17 +77,60 @@ def check_model_folder(model_id: str):
                              "create one with `radixserve init-model PATH`)")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: not a transformers model folder")
-    if not any(path.glob("*.safetensors")):
-        raise ModelLoadError(f"{path} has no .safetensors weights")
+    try:
+        kind = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
+    if kind not in SUPPORTED:  # before transformers, whose message for an unknown type suggests upgrading it
+        raise ModelLoadError(unsupported_type(kind))
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any parse failure is the user's broken folder
-        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {_first_line(e)}") from e
+    check_weight_files(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load the tokenizer from {path}: {e}") from e
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {_first_line(e)}") from e
     return path, config, tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def _first_line(e: Exception) -> str:
+    """transformers' errors run to several lines of advice; the command line prints one."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def check_weight_files(path: Path) -> None:
+    """Every weight file the folder names is there and starts with a readable safetensors header
+    (a shard left out of a download, or an empty file, fails here rather than in each replica)."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no .safetensors weights")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index} is not a safetensors index: {e}") from e
+        missing = sorted(name for name in shards if not (path / name).is_file())
+        if missing:
+            raise ModelLoadError(f"{path} lacks {len(missing)} weight file(s) its index names: {', '.join(missing[:3])}")
+        files = [path / name for name in sorted(shards)]
+    for f in files:
+        try:
+            with f.open("rb") as fh:
+                size = struct.unpack("<Q", fh.read(8))[0]
+                if size > f.stat().st_size - 8:
+                    raise ValueError("the header is longer than the file")
+                json.loads(fh.read(size))
+        except (OSError, ValueError, struct.error) as e:
+            raise ModelLoadError(f"{f} is not a readable safetensors file (truncated or empty?): {e}") from e
 
 
 def model_context(config) -> int | None:
@@ -104,15 +145,17 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto",
     from transformers import AutoModelForCausalLM
 
     path, config, tokenizer = check_model_folder(model_id)
-    if config.model_type not in SUPPORTED:
-        log.warning("model type %r is not one of the tested architectures %s", config.model_type, SUPPORTED)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=dt, attn_implementation=attn_implementation)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=dt, attn_implementation=attn_implementation, output_loading_info=True)
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load weights from {path}: {e}") from e
+        raise ModelLoadError(f"cannot load weights from {path}: {_first_line(e)}") from e
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # transformers would fill them with random values and serve that
+        raise ModelLoadError(f"the weights in {path} lack {len(missing)} of the model's tensors "
+                             f"(e.g. {', '.join(missing[:3])}): a partial or mismatched checkpoint")
     model.to(dev).eval()
     model.requires_grad_(False)
     return LoadedModel(model, tokenizer, config, str(path), dev, dt)

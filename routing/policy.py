@@ -104,6 +104,8 @@ class Routed:
 
     work: float  # estimated work (prefill tokens)
     new_blocks: int  # blocks the request adds to the replica's cache (its unmatched part)
+    new_tokens: int = 0  # tokens it may generate (max_new_tokens), counted in ``work``
+    at: int = 0  # routing counter when routed (the work rate has decayed since)
 
 
 @dataclass(eq=False)
@@ -504,7 +506,7 @@ class PrefixPolicy:
         view.pending_blocks += new_blocks
         self._touch(view, hashes)
         self._push_load(view)
-        return Routed(work, new_blocks)
+        return Routed(work, new_blocks, max(0, max_new_tokens), self._counter)
 
     def _move_away(self, hashes: Sequence[int], replica_id: str) -> None:
         """A prefix went to a replica that holds none of it while others do. If it has less traffic
@@ -531,6 +533,20 @@ class PrefixPolicy:
         moved[key] = self._counter
         for rid in holders:
             self.forget_hashes(rid, hashes)
+
+    def on_generated(self, replica_id: str, routed: Routed, generated: int) -> None:
+        """A request generated ``generated`` tokens in all. One that stopped early (EOS, a stop string,
+        a client that left) did less work than its ``max_new_tokens`` promised: the replica's work rate
+        keeps only what it did, or one cancelled long request would hold its replica over the rate
+        bound for hundreds of requests."""
+        view = self.replicas.get(replica_id)
+        if view is None or generated >= routed.new_tokens:
+            return
+        hl = self._rate_hl()
+        unused = self.cfg.decode_token_cost * (routed.new_tokens - generated)
+        unused *= 0.5 ** ((self._counter - routed.at) / hl)  # decayed as the rate has since
+        view.recent, view.recent_at = max(0.0, self._recent(view) - unused), self._counter
+        self._recent_total = (max(0.0, self._decayed(self._recent_total, hl) - unused), self._counter)
 
     def on_completed(self, replica_id: str, routed: Routed) -> None:
         view = self.replicas.get(replica_id)

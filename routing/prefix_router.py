@@ -8,38 +8,68 @@ ranking and are counted.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from cache.hashing import block_hashes
+from routing import in_process
 from routing.policy import PolicyConfig, PrefixPolicy, Routed
 
 log = logging.getLogger("radixserve.router")
 
-# Replicas whose engine failed while their actor lives on (Serve's health check replaces them within
-# seconds): ranked last until then, so the caller's one retry goes elsewhere. Per process: the ingress
-# that saw the failure is the process its routers run in.
-_FAILED: dict[str, float] = {}
-
-
 def avoid_replica(replica_id: str, seconds: float = 15.0) -> None:
-    """Rank ``replica_id`` last for ``seconds`` in every router of this process."""
-    _FAILED[replica_id] = time.monotonic() + seconds
+    """Rank ``replica_id`` last for ``seconds`` in every router of this process: a replica whose
+    engine failed while its actor lives on (Serve's health check replaces it within seconds), so the
+    caller's one retry goes elsewhere. Per process: the ingress that saw the failure is the process
+    its routers run in."""
+    in_process.FAILED[replica_id] = time.monotonic() + seconds
 
 
 def _failed_last(order: list[str]) -> list[str]:
-    if not _FAILED:
+    failed = in_process.FAILED
+    if not failed:
         return order
     now = time.monotonic()
-    for rid, until in list(_FAILED.items()):
+    for rid, until in list(failed.items()):
         if until < now:
-            _FAILED.pop(rid, None)
-    return sorted(order, key=lambda r: r in _FAILED)  # stable: the ranking is kept among the rest
+            failed.pop(rid, None)
+    return sorted(order, key=lambda r: r in failed)  # stable: the ranking is kept among the rest
+
+
+# A replica that reports an empty queue has finished every request routed to it this long before.
+STALE_AFTER_IDLE_S = 10.0
+ENDED_MEMORY = 4096  # completed requests whose caller has not said yet how many tokens they generated
+
+
+def request_ended(request_id: str, generated: int) -> None:
+    """The caller's request ``request_id`` (the third argument of ``generate``) ended, finished or
+    cancelled, after ``generated`` tokens. Serve does not report every cancelled request as completed,
+    and the policy would count its work on that replica for good; and only the caller knows how many of
+    its ``max_new_tokens`` it generated (seen: one aborted 3,000-token stream kept its replica out of
+    rotation)."""
+    for router in list(in_process.ROUTERS):
+        router.end_soon(request_id, generated)
+
+
+@dataclass(slots=True)
+class _Routed:
+    replica: str
+    ticket: Routed
+    caller_id: str | None  # the caller's request id, for request_ended
+    at: float  # time.monotonic() when routed
+
+
+def caller_request_id(pending: PendingRequest | None) -> str | None:
+    args = (pending.args or ()) if pending is not None else ()
+    return args[2] if len(args) > 2 and isinstance(args[2], str) else None
 
 
 def request_tokens(pending: PendingRequest | None) -> tuple[list[int], int, str | None]:
@@ -71,7 +101,11 @@ class PrefixAwareRequestRouter(RequestRouter):
             cfg.load_weight = load_weight
         self.policy = PrefixPolicy(cfg)
         self._rr = itertools.count()
-        self._routed: dict[str, tuple[str, Routed]] = {}  # internal request id -> (replica, ticket)
+        self._routed: dict[str, _Routed] = {}  # Serve's internal request id -> what the policy was told
+        self._by_caller: dict[str, str] = {}  # caller's request id -> Serve's internal id
+        self._ended: OrderedDict[str, _Routed] = OrderedDict()  # completed, awaiting the caller's count
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop Serve runs this router on
+        in_process.ROUTERS.add(self)
         self.errors = 0
         # Holders learned from the Redis directory (after a router restart, or for replicas this
         # router never sent a prefix to); fetched off the hot path, applied at the next decision. Only
@@ -165,9 +199,46 @@ class PrefixAwareRequestRouter(RequestRouter):
             # The stored/removed hashes keep the index exact; only when some were dropped (truncated by
             # the replica, or missed here) does its cached-block count bound the index instead.
             exact = not (stats.get("truncated") or missed)
+            if stats.get("queue") == 0:
+                self._drop_stale(rid)
             self.policy.report(rid, capacity_blocks=stats.get("kv_total_blocks"),
                                cached_blocks=None if exact else stats.get("cached_blocks"),
                                in_flight=stats.get("queue"))
+
+    def _drop_stale(self, replica_id: str) -> None:
+        """The replica is idle: whatever was routed there well before has ended, reported or not."""
+        cutoff = time.monotonic() - STALE_AFTER_IDLE_S
+        for key in [k for k, e in self._routed.items() if e.replica == replica_id and e.at < cutoff]:
+            self._finish(key)
+
+    def _finish(self, internal_id: str) -> None:
+        entry = self._routed.pop(internal_id, None)
+        if entry is not None:
+            if entry.caller_id is not None:
+                self._by_caller.pop(entry.caller_id, None)
+                # Serve's report can come before the caller's: keep the ticket for its token count
+                self._ended[entry.caller_id] = entry
+                while len(self._ended) > ENDED_MEMORY:
+                    self._ended.popitem(last=False)
+            self.policy.on_completed(entry.replica, entry.ticket)
+
+    def end_soon(self, caller_id: str, generated: int) -> None:
+        """``request_ended`` from the caller's thread: it runs on this router's loop."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._end, caller_id, generated)
+
+    def _end(self, caller_id: str, generated: int) -> None:
+        try:
+            internal = self._by_caller.get(caller_id)
+            if internal is not None:
+                self._finish(internal)
+            entry = self._ended.pop(caller_id, None)
+            if entry is not None:
+                self.policy.on_generated(entry.replica, entry.ticket, generated)
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+            log.exception("request_ended failed")
 
     # ------------------------------------------------------------------ lifecycle hooks
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
@@ -178,8 +249,16 @@ class PrefixAwareRequestRouter(RequestRouter):
             ids, max_new, _ = request_tokens(pending_request)
             rid = replica_id.unique_id
             self.policy.add_replica(rid)
+            if self._loop is None:
+                try:
+                    self._loop = asyncio.get_running_loop()
+                except RuntimeError:  # called outside Serve's loop (tests): releases then wait for reports
+                    pass
             work = self.policy.on_routed(rid, self._hashes(pending_request), len(ids), max_new)
-            self._routed[pending_request.metadata.internal_request_id] = (rid, work)
+            internal, caller = pending_request.metadata.internal_request_id, caller_request_id(pending_request)
+            self._routed[internal] = _Routed(rid, work, caller, time.monotonic())
+            if caller is not None:
+                self._by_caller[caller] = internal
         except Exception:  # noqa: BLE001
             self.errors += 1
             log.exception("on_request_routed failed")
@@ -188,9 +267,7 @@ class PrefixAwareRequestRouter(RequestRouter):
     # Serve from handling a finished request or a dead replica.
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         try:
-            entry = self._routed.pop(internal_request_id, None)
-            if entry is not None:
-                self.policy.on_completed(*entry)
+            self._finish(internal_request_id)
         except Exception:  # noqa: BLE001
             self.errors += 1
             log.exception("on_request_completed failed")

@@ -42,7 +42,8 @@ def assert_matches_hf(engine, hf, batch, n=NEW):
     return seqs, worst
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "bench"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma", "tiny-phi3",
+                                    "tiny-olmo2", "bench"])
 def test_batch_with_shared_prefixes_matches_hf(preset, make_engine, hf_model):
     eng = make_engine(preset)
     batch = prompts(eng.vocab_size)

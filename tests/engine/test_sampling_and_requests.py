@@ -129,9 +129,11 @@ def test_bad_requests_get_clear_errors(make_engine, bad, msg):
 
 
 def test_request_larger_than_the_pool_is_refused(make_engine):
-    eng = make_engine("tiny", max_batch_total_tokens=64)
-    with pytest.raises(RequestError, match="KV pool"):
+    eng = make_engine("tiny", max_batch_total_tokens=64)  # the limits follow the pool: 63 in, 64 in all
+    with pytest.raises(RequestError, match=r"max_input_tokens \(63\)"):
         eng.add_request(PROMPT, SamplingParams(max_new_tokens=10))
+    with pytest.raises(RequestError, match=r"max_total_tokens \(64\)"):
+        eng.add_request(PROMPT[:60], SamplingParams(max_new_tokens=10))
 
 
 @pytest.mark.parametrize("kw,msg", [

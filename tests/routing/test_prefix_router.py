@@ -8,7 +8,8 @@ from types import SimpleNamespace as NS
 
 from cache.directory import HotPrefixDirectory
 from cache.hashing import block_hashes
-from routing.prefix_router import PrefixAwareRequestRouter
+from routing import in_process
+from routing.prefix_router import PrefixAwareRequestRouter, _Routed
 
 CHAIN = block_hashes(list(range(64)), 16, "m")
 BASE = dict(kv_total_blocks=256, queue=0, truncated=False, stored=[], removed=[])
@@ -48,7 +49,7 @@ def test_a_missed_report_bounds_the_index_by_what_the_replica_caches():
 def test_hooks_never_raise():
     r = _router()
     r.policy.add_replica("A")
-    r._routed["x"] = ("A", "not a ticket")  # a corrupt entry: the policy raises on it
+    r._routed["x"] = _Routed("A", "not a ticket", None, 0.0)  # a corrupt entry: the policy raises on it
     r.on_request_completed(NS(unique_id="A"), "x")
     assert r.errors == 1
 
@@ -92,7 +93,7 @@ def test_a_replica_whose_engine_failed_is_ranked_last_until_it_is_replaced(monke
         monkeypatch.setattr(pr.time, "monotonic", lambda: real() + 61)
         assert first_choice() == "A"  # the window ended
     finally:
-        pr._FAILED.clear()
+        in_process.FAILED.clear()
 
 
 def test_token_ids_no_model_has_route_as_cold_without_an_error():
@@ -103,3 +104,61 @@ def test_token_ids_no_model_has_route_as_cold_without_an_error():
         pending = NS(args=(ids, {"max_new_tokens": 4}))
         assert r._hashes(pending) == []
     assert r.errors == 0
+
+
+def _route(r: PrefixAwareRequestRouter, rid: str, caller: str, internal: str) -> None:
+    pending = NS(args=[list(range(64)), {"max_new_tokens": 3000}, caller], metadata=NS(internal_request_id=internal))
+    r.on_request_routed(pending, NS(unique_id=rid), None)
+
+
+def test_a_cancelled_request_stops_counting_on_its_replica():
+    """Serve does not always report a cancelled request as completed: one aborted long stream kept
+    its replica over the load bounds, out of rotation for good. The ingress says when a request ends
+    and how many tokens it generated: the replica's outstanding work and work rate keep only that."""
+    import asyncio
+
+    from routing.prefix_router import request_ended
+
+    r = _router()
+    r.policy.add_replica("B")
+
+    async def scenario():
+        _route(r, "A", "caller-1", "serve-1")
+        _route(r, "A", "caller-2", "serve-2")
+        view = r.policy.replicas["A"]
+        assert view.in_flight == 2 and view.outstanding > 48_000 and r.policy._recent(view) > 48_000
+        request_ended("caller-1", 1)  # cancelled after one token, from the ingress's thread in Serve
+        await asyncio.sleep(0)  # runs on the router's loop
+        assert view.in_flight == 1 and r.policy._recent(view) < 24_100
+        r.on_request_completed(NS(unique_id="A"), "serve-1")  # if Serve reports it after all: no double count
+        assert view.in_flight == 1
+        # Serve's report first, the caller's count after: the rate still learns it (EOS at token 10)
+        r.on_request_completed(NS(unique_id="A"), "serve-2")
+        assert view.in_flight == 0 and view.outstanding == 0 and r.policy._recent(view) > 24_000
+        request_ended("caller-2", 10)
+        await asyncio.sleep(0)
+        assert r.policy._recent(view) < 300
+        assert not r._routed and not r._by_caller and not r._ended
+        # so the replica takes new prefixes again (over the rate bound it would get none of them)
+        got = []
+        for i in range(6):
+            chain = block_hashes(list(range(1000 * i, 1000 * i + 64)), 16, "m")
+            got.append(r.policy.choose(chain, 64, 8))
+            r.policy.on_completed(got[-1], r.policy.on_routed(got[-1], chain, 64, 8))
+        assert got.count("A") >= 2, got
+
+    asyncio.run(scenario())
+    assert r.errors == 0
+
+
+def test_an_idle_replica_ends_what_was_routed_there_long_before(monkeypatch):
+    import routing.prefix_router as pr
+
+    r = _router()
+    _route(r, "A", "old", "serve-old")
+    r._routed["serve-old"].at -= pr.STALE_AFTER_IDLE_S + 1  # routed long ago, never reported done
+    _route(r, "A", "new", "serve-new")  # routed just now: may not have reached the replica yet
+    r._absorb_stats([_replica("A", seq=1, queue=0)])
+    assert set(r._routed) == {"serve-new"} and r.policy.replicas["A"].in_flight == 1
+    r._absorb_stats([_replica("A", seq=2, queue=1)])  # busy: nothing is dropped
+    assert set(r._routed) == {"serve-new"}

@@ -47,7 +47,10 @@ def test_generate_and_stream_agree(client):
         assert resp.headers["content-type"].startswith("text/event-stream")
         events = sse_events(resp)
     assert all(ev["index"] == i for i, ev in enumerate(events))
-    assert events[-1]["generated_text"] == "".join(ev["token"]["text"] for ev in events)
+    # the tokens' texts make up the answer, but for special tokens (their own text, as in TGI) and the
+    # bytes of a character cut by the end, which only the final generated_text holds (as U+FFFD)
+    assert events[-1]["generated_text"].startswith("".join(ev["token"]["text"] for ev in events
+                                                           if not ev["token"]["special"]))
     assert events[-1]["generated_text"] == out["generated_text"]
     assert [ev["token"]["id"] for ev in events] == [t["id"] for t in out["details"]["tokens"]]
 
@@ -222,6 +225,16 @@ def test_sse_framing_tgi_stream_details_and_seeds(client):
     with client.stream("POST", "/generate_stream", json=body) as r:
         details = sse_events(r)[-1]["details"]
     assert details["seed"] is None and details["input_length"] > 0  # greedy: no seed
+    # greedy, the tiny model ends PROMPT's answer with EOS at its 7th token: the EOS event shows the
+    # token's text (as details.tokens do), generated_text leaves it out
+    body["parameters"].update(max_new_tokens=12)
+    with client.stream("POST", "/generate_stream", json=body) as r:
+        events = sse_events(r)
+    last = events[-1]
+    assert last["details"]["finish_reason"] == "eos_token", last
+    assert last["token"] == {**last["token"], "special": True, "text": "<|eos|>"}
+    plain = client.post("/generate", json={**body, "stream": False}).json()["generated_text"]
+    assert last["generated_text"] == plain and "<|eos|>" not in plain
     # sampled without a seed: the one drawn is reported, and it reproduces the answer
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 8, "do_sample": True, "details": True}}
     first = client.post("/generate", json=body).json()
@@ -245,9 +258,9 @@ def test_vllm_extensions_and_text_that_ends_mid_character(client):
     # without max_tokens, a min_tokens past the default (16) raises it rather than being refused
     r = client.post("/v1/completions", json={**body, "max_tokens": None, "min_tokens": 20})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20, r.text
-    tgi = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 1, "details": True,
+    tgi = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "details": True,
                                                                           "temperature": 1e-6}}).json()
-    assert all(t["text"] for t in tgi["details"]["tokens"] if t["special"])
+    assert tgi["details"]["finish_reason"] == "eos_token" and tgi["details"]["tokens"][-1]["text"] == "<|eos|>"
     # stop_token_ids end the answer without adding their text; skip_special_tokens: false shows them
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "logit_bias": {"65": 100}}
     assert client.post("/v1/completions", json={**body, "stop_token_ids": [65]}).json()["choices"][0]["text"] == ""

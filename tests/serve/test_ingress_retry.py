@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-import routing.prefix_router as pr
 from deployments.ingress import ApiError, Ingress
+from routing import in_process
 
 _stream = Ingress.func_or_class._stream
 
@@ -68,9 +68,9 @@ def test_a_request_the_engine_never_took_is_retried_once_and_the_replica_ranked_
     fake = FakeIngress(dead, FakeResponse(OK))
     try:
         assert [ev["text"] for ev in _run(fake)] == ["a", "b"]
-        assert fake.calls == 2 and dead.cancelled and "A" in pr._FAILED
+        assert fake.calls == 2 and dead.cancelled and "A" in in_process.FAILED
     finally:
-        pr._FAILED.clear()
+        in_process.FAILED.clear()
 
 
 @pytest.mark.parametrize("kind,status", [("engine", 503), ("validation", 422)])
@@ -79,7 +79,7 @@ def test_a_request_that_ran_when_the_engine_failed_or_was_refused_is_not_retried
                        FakeResponse(OK))
     with pytest.raises(ApiError) as err:
         _run(fake)
-    assert err.value.status == status and fake.calls == 1 and not pr._FAILED
+    assert err.value.status == status and fake.calls == 1 and not in_process.FAILED
 
 
 def test_a_second_failure_is_a_503():
@@ -90,4 +90,4 @@ def test_a_second_failure_is_a_503():
             _run(fake)
         assert err.value.status == 503 and fake.calls == 2
     finally:
-        pr._FAILED.clear()
+        in_process.FAILED.clear()

@@ -49,6 +49,19 @@ def test_a_prefix_sticks_and_a_second_hot_prefix_goes_elsewhere(routed):
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 14
 
 
+def test_a_cancelled_stream_leaves_its_replica_in_rotation(routed):
+    """A client that leaves a long stream: its replica must not stay counted as busy with the 3,000
+    tokens it would have generated (it was: Serve does not report every cancelled request as done, and
+    that replica then got no new prefix at all)."""
+    text = "Delta prompt for the cancel test, several blocks long at least. " * 3
+    with routed.stream("POST", "/generate_stream", json={"inputs": text, "parameters": {"max_new_tokens": 3000}}) as r:
+        victim = r.headers["x-radixserve-replica"]
+        next(r.iter_lines())  # the first token; then the client leaves
+    time.sleep(1.0)
+    cold = [served_by(routed, f"Epsilon {i} is a cold prompt of its own, several blocks long. " * 3) for i in range(6)]
+    assert victim in cold, cold
+
+
 def _replica_actors() -> dict[str, str]:
     out = {}
     for a in ray.util.list_named_actors(all_namespaces=True):

@@ -1,0 +1,71 @@
+"""Which model configs the engine computes correctly, decided from ``config.json`` alone (so the command
+line refuses the rest before it starts anything, and a replica refuses them before it serves wrong
+tokens). Each architecture here is checked against transformers' own ``generate`` in
+``tests/engine/test_hf_equivalence.py``."""
+
+from __future__ import annotations
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2")
+
+
+def rope_type(config) -> str | None:
+    """The RoPE scaling type (transformers 5 keeps it in ``rope_parameters``, older configs in
+    ``rope_scaling``); None for plain RoPE."""
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, name, None)
+        if isinstance(params, dict):
+            kind = params.get("rope_type") or params.get("type")
+            if kind and kind != "default":
+                return str(kind)
+    return None
+
+
+def kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window(config) -> int | None:
+    """The model's attention window in tokens, if its layers slide (see ``unsupported`` for models whose
+    layers differ)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types and "sliding_attention" not in types:
+        return None
+    return int(window)
+
+
+def unsupported_type(kind) -> str:
+    return (f"model type {kind!r} is not supported (the engine runs {', '.join(SUPPORTED)}); other "
+            "architectures need attention features it does not implement")
+
+
+def unsupported(config, max_total_tokens: int | None = None) -> str | None:
+    """Why the engine cannot serve this model (one line), or None. ``max_total_tokens``: the longest
+    sequence it will serve, when known."""
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        return unsupported_type(kind)
+    types = set(getattr(config, "layer_types", None) or ())
+    if {"sliding_attention", "full_attention"} <= types:
+        # one window for every layer: blocks that leave it are freed, which full-attention layers still read
+        return ("sliding-window attention on some layers only (config.json layer_types, or Qwen2's "
+                "max_window_layers) is not supported: the engine applies one window to every layer")
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logit soft-capping (attn_logit_softcapping) is not supported"
+    rope = rope_type(config)
+    if rope in ("longrope", "su"):
+        # transformers picks the short or long factors from the longest position in the whole batch,
+        # so a short prompt batched with a long one would change its answer; below the switch it never does
+        params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        switch = params.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None)
+        if not switch or max_total_tokens is None or max_total_tokens > switch:
+            return (f"RoPE scaling {rope!r} switches to its long factors past {switch} tokens, per batch in "
+                    f"transformers; serve it with max_total_tokens at most {switch}")
+    return None

@@ -1,0 +1,12 @@
+"""State shared by the request routers and the ingress of one process, kept out of
+``routing.prefix_router``: Serve can hold a second copy of that module's globals in the process
+(measured: the router's module-level set and the one the ingress imported were two objects), while
+this module, reached as an attribute of an imported module, is one object for both."""
+
+from __future__ import annotations
+
+import weakref
+
+ROUTERS: weakref.WeakSet = weakref.WeakSet()  # live PrefixAwareRequestRouter instances
+# Replicas whose engine failed while their actor lives on: replica id -> time.monotonic() deadline.
+FAILED: dict[str, float] = {}

@@ -1,0 +1,143 @@
+"""What the engine refuses to serve, and why: architectures it would compute wrongly, broken weight
+folders, pools that cannot hold one request or cannot be allocated, devices this torch lacks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+
+from engine.attention import paged_attention
+from engine.config import ConfigError, EngineConfig, request_limits
+from engine.model_loader import ModelLoadError, check_model_folder, load_model, resolve_device
+from engine.model_support import sliding_window, unsupported
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+def test_every_preset_is_a_supported_architecture_the_cli_offers():
+    from app.cli import PRESET_NAMES
+    from engine.model_init import PRESETS
+    from engine.model_support import SUPPORTED
+
+    assert PRESET_NAMES == list(PRESETS)
+    assert {p["architecture"] for p in PRESETS.values()} == set(SUPPORTED)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gpt_neox", "gemma2", "gpt_oss"])
+def test_architectures_it_cannot_compute_are_refused(kind):
+    assert "not supported" in unsupported(AutoConfig.for_model(kind))
+
+
+def test_a_window_on_some_layers_only_is_refused():
+    mixed = AutoConfig.for_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1, **SMALL)
+    assert "some layers only" in unsupported(mixed)
+    every = AutoConfig.for_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0, **SMALL)
+    assert unsupported(every) is None and sliding_window(every) == 16
+    off = AutoConfig.for_model("qwen2", use_sliding_window=False, sliding_window=16, **SMALL)
+    assert unsupported(off) is None and sliding_window(off) is None
+    assert unsupported(AutoConfig.for_model("mistral", sliding_window=16, **SMALL)) is None
+
+
+def test_softcapping_and_batch_dependent_rope_are_refused():
+    cfg = AutoConfig.for_model("llama", **SMALL)
+    assert unsupported(cfg, 4096) is None
+    cfg.attn_logit_softcapping = 50.0
+    assert "soft-capping" in unsupported(cfg)
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 32}
+    cfg = AutoConfig.for_model("llama", rope_scaling=rope, **SMALL)
+    assert "at most 32" in unsupported(cfg, 64)
+    assert unsupported(cfg, 32) is None  # never past the switch: the short factors, whatever the batch
+
+
+def test_the_attention_never_drops_an_argument_it_does_not_implement():
+    with pytest.raises(NotImplementedError, match="softcap"):
+        paged_attention(None, None, None, None, None, paged_batch=object(), softcap=30.0)
+
+
+@pytest.fixture
+def tiny_folder(tmp_path):
+    from engine.model_init import write_model
+
+    return write_model(tmp_path / "m", "tiny")
+
+
+def test_broken_weight_files_are_refused_before_loading(tiny_folder):
+    weights = tiny_folder / "model.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(weights).items()}  # not views of the file we rewrite
+    weights.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
+        check_model_folder(str(tiny_folder))
+    # a sharded checkpoint whose index names a shard that is not there
+    names = sorted(tensors)
+    save_file({k: tensors[k] for k in names[:5]}, tiny_folder / "model-00001-of-00002.safetensors")
+    weights.unlink()
+    index = {"metadata": {}, "weight_map": {k: f"model-0000{1 + (i >= 5)}-of-00002.safetensors"
+                                            for i, k in enumerate(names)}}
+    (tiny_folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="lacks 1 weight file"):
+        check_model_folder(str(tiny_folder))
+
+
+def test_a_checkpoint_missing_tensors_is_refused_not_filled_with_random_values(tiny_folder):
+    weights = tiny_folder / "model.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(weights).items()}  # not views of the file we rewrite
+    save_file({k: v for k, v in tensors.items() if ".layers.1." not in k}, weights, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="lack .* of the model's tensors"):
+        load_model(str(tiny_folder))
+
+
+def test_a_folder_without_tokenizer_gets_one_line(tiny_folder):
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tiny_folder / f).unlink()
+    with pytest.raises(ModelLoadError) as e:
+        check_model_folder(str(tiny_folder))
+    assert "has no tokenizer" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_limits_follow_the_pool_unless_set_and_then_must_fit_it():
+    assert request_limits(None, None, 4096, 512) == (511, 512)  # one request fills the pool at most
+    assert request_limits(None, None, 4096, None) == (4095, 4096)  # sliding window: no bound from the pool
+    with pytest.raises(ConfigError, match="more than the KV pool holds"):
+        request_limits(None, 1024, 4096, 512)
+    with pytest.raises(ConfigError, match="the KV pool's size"):
+        request_limits(600, None, 4096, 512)
+    with pytest.raises(ConfigError, match="KV pool holds"):
+        EngineConfig(model_id="x", max_batch_total_tokens=512, max_total_tokens=1024).validate()
+    EngineConfig(model_id="x", max_batch_total_tokens=512, max_total_tokens=1024, window_size=256).validate()
+
+
+def test_the_engine_takes_its_limits_from_a_small_pool_and_refuses_one_it_cannot_allocate(make_engine):
+    eng = make_engine("tiny", max_batch_total_tokens=512)
+    assert (eng.max_input_tokens, eng.max_total_tokens) == (511, 512)
+    with pytest.raises(ConfigError, match="GiB free"):
+        make_engine("tiny", max_batch_total_tokens=10**12)
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
+def test_a_device_this_torch_cannot_use_is_refused():
+    with pytest.raises(ModelLoadError, match="MPS is not available"):
+        resolve_device("mps")
+
+
+def test_preflight_refuses_what_the_replicas_could_not_serve(tmp_path, tiny_folder):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from app.cli import preflight
+    from app.config import Settings
+    from engine.model_init import build_tokenizer
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=320)).save_pretrained(gpt2)
+    build_tokenizer(320).save_pretrained(gpt2)
+    assert "model type 'gpt2' is not supported" in preflight(Settings(model_id=str(gpt2), port=0), local_ray=True)
+    small = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512, max_total_tokens=1024)
+    assert "KV pool holds" in preflight(small, local_ray=True)
+    huge = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=10**12)
+    assert "GiB free" in preflight(huge, local_ray=True)
+    assert preflight(Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512), local_ray=True) is None
