@@ -179,8 +179,9 @@ class ServiceGone(Exception):
     """A request found the service unreachable or unavailable through all its retries."""
 
 
-async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: int) -> dict:
-    """The line's answer or error record; ``ServiceGone`` when every try found the service unreachable
+async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: int) -> tuple[dict, bool]:
+    """The line's answer or error record, and whether a failure was transient (a rerun may answer it);
+    ``ServiceGone`` when every try found the service unreachable
     (no connection) or without replicas (502/503): the line was not answered, a rerun sends it again.
     A line that times out or gets 429/504 each time is this line's failure, recorded as such (or a
     line too slow for --request-timeout-s would stop every rerun)."""
@@ -200,21 +201,21 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
                     choice = out["choices"][0]
                     text = choice["message"]["content"] if line.chat else choice["text"]
                 except (ValueError, LookupError, TypeError) as e:
-                    return {**line.ref, "error": f"unexpected answer ({type(e).__name__}): {r.text[:200]}"}
+                    return {**line.ref, "error": f"unexpected answer ({type(e).__name__}): {r.text[:200]}"}, True
                 rec = {**line.ref, "output": text, "finish_reason": choice.get("finish_reason"),
                        "usage": out.get("usage")}
                 if choice.get("logprobs") is not None:
                     rec["logprobs"] = choice["logprobs"]
-                return rec
+                return rec, False
             problem = _error_message(r)
             gone = gone and r.status_code in GONE_STATUS
             if r.status_code not in RETRY_STATUS:
-                break  # the request itself is wrong: trying again gives the same answer
+                return {**line.ref, "error": problem}, False  # the request itself is wrong: it would fail again
         if attempt < retries:
             await asyncio.sleep(RETRY_WAITS_S[min(attempt, len(RETRY_WAITS_S) - 1)])
     if gone:
         raise ServiceGone(problem)
-    return {**line.ref, "error": problem}
+    return {**line.ref, "error": problem}, True
 
 
 async def run(args: argparse.Namespace, totals: dict) -> None:
@@ -224,8 +225,8 @@ async def run(args: argparse.Namespace, totals: dict) -> None:
     done = resume(output)
     plan = read_lines(Path(args.input), done)
     todo = plan.todo if args.keep_order else prefix_order(plan.todo)
-    totals.update({"to_send": len(todo), "ok": 0, "failed": len(plan.errors), "skipped": plan.skipped,
-                   "not_done": len(todo), "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
+    totals.update({"to_send": len(todo), "ok": 0, "failed": 0, "retryable": 0, "refused": len(plan.errors),
+                   "skipped": plan.skipped, "not_done": len(todo), "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
                    "_t0": time.perf_counter()})
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout_s, limits=limits) as client:
@@ -260,16 +261,17 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
             if "_gone" in totals:
                 return
             try:
-                rec = await _one(client, line, defaults, args.retries)
+                rec, transient = await _one(client, line, defaults, args.retries)
             except ServiceGone as e:
                 totals.setdefault("_gone", str(e))  # this line is not written: a rerun sends it
                 continue
             except Exception as e:  # noqa: BLE001 - one odd line must not end the job
-                rec = {**line.ref, "error": f"{type(e).__name__}: {e}"}
+                rec, transient = {**line.ref, "error": f"{type(e).__name__}: {e}"}, True
             out.write(json.dumps(rec, ensure_ascii=False) + "\n")
             out.flush()
             bar.update(1)
             _count(totals, rec)
+            totals["retryable"] += "error" in rec and transient
             totals["not_done"] -= 1  # answered or recorded as failed: a rerun sends only the others
 
     try:
@@ -368,11 +370,20 @@ def main(args: argparse.Namespace) -> int:
         print(f"radixserve batch: the service stopped answering ({totals['_gone']}); {totals['not_done']} "
               f"line(s) were not answered: run the same command again to go on", file=sys.stderr)
         return 1
-    if totals["failed"]:
-        print(f"radixserve batch: {totals['failed']} line(s) failed (see `error` in {dst}); "
-              "run the same command again to retry them", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if _say_failures(totals, dst) else 0
+
+
+def _say_failures(totals: dict, dst: Path) -> bool:
+    """Tell what failed and what to do about it; True if anything did."""
+    lasting = totals["failed"] - totals["retryable"] + totals["refused"]
+    if lasting:
+        print(f"radixserve batch: {lasting} line(s) refused, by this command ({totals['refused']}: not sent) or "
+              f"by the service (see `error` in {dst}): fix them in the input, and the same command sends "
+              "them again", file=sys.stderr)
+    if totals["retryable"]:
+        print(f"radixserve batch: {totals['retryable']} line(s) failed on timeouts or an overloaded service "
+              f"(see `error` in {dst}): run the same command again to retry them", file=sys.stderr)
+    return bool(lasting or totals["retryable"])
 
 
 class Terminated(KeyboardInterrupt):

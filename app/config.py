@@ -56,9 +56,9 @@ class Settings(BaseModel):
     max_prefill_chunk_tokens: int = Field(512, gt=0, description="tokens of one prompt prefilled per step")
     max_batch_total_tokens: int | None = Field(None, gt=0, description="KV pool per replica, in tokens; default: "
                                                "kv_memory_fraction of the free device memory")
-    max_input_tokens: int | None = Field(None, gt=0, description="longest prompt; default: the model's context - 1")
+    max_input_tokens: int | None = Field(None, gt=0, description="longest prompt; default: max_total_tokens - 1")
     max_total_tokens: int | None = Field(None, gt=0, description="prompt + generated tokens; default: the "
-                                         "model's context")
+                                         "model's context, or the KV pool's size if smaller")
     max_num_seqs: int = Field(256, gt=0)
     block_size: int = Field(16, gt=0)
     prefix_caching: bool = True
@@ -69,7 +69,8 @@ class Settings(BaseModel):
                         "cuda:N, mps or xpu")
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
     kv_memory_fraction: float = Field(0.3, gt=0, le=1)
-    num_threads: int | None = Field(None, gt=0, description="torch threads per replica (CPU)")
+    num_threads: int | None = Field(None, gt=0, description="torch threads per replica (CPU); default: "
+                                    "--replica-num-cpus")
     seed: int = 0
     # serving
     host: str = "127.0.0.1"
@@ -84,7 +85,7 @@ class Settings(BaseModel):
     engine_stall_timeout_s: float = Field(120.0, gt=0, description="a replica whose engine loop has not come "
                                           "round for this long fails its health check and is replaced")
     payload_limit: int = Field(2_000_000, gt=0, description="largest request body in bytes (TGI's flag and "
-                               "default); bigger ones get 413 before they are read")
+                               "default: 2000000); bigger ones get 413 before they are read")
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)
     router: Literal["prefix", "pow2", "round_robin"] = "prefix"

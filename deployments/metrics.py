@@ -24,14 +24,17 @@ HUNG_AFTER_TIMEOUTS = 2  # calls in a row that time out before a client restarts
 log = logging.getLogger(__name__)
 
 COUNTERS = {
-    "radixserve_requests_total": ("requests_finished", "Requests finished."),
+    "radixserve_requests_total": ("requests_finished", "Requests finished (warm-up prefills not counted)."),
     "radixserve_requests_aborted_total": ("requests_aborted",
                                           "Requests cancelled before they finished (client gone, shutdown)."),
-    "radixserve_prompt_tokens_total": ("prompt_tokens", "Prompt tokens received."),
+    "radixserve_prompt_tokens_total": ("prompt_tokens", "Prompt tokens received, warm-up prefixes included."),
     "radixserve_generation_tokens_total": ("generated_tokens", "Tokens generated."),
     "radixserve_prefill_tokens_computed_total": ("prefill_tokens_computed",
-                                                 "Prompt tokens actually prefilled (not served from cache)."),
-    "radixserve_prefix_cache_queries_total": ("prefix_queries_tokens", "Prompt tokens looked up in the prefix cache."),
+                                                 "Prompt tokens actually prefilled (not served from cache), "
+                                                 "warm-up included."),
+    "radixserve_prefix_cache_queries_total": ("prefix_queries_tokens",
+                                              "Prompt tokens of requests looked up in the prefix cache (warm-up "
+                                              "not counted, so the hit rate is the requests')."),
     "radixserve_prefix_cache_hits_total": ("prefix_hit_tokens", "Prompt tokens served from the prefix cache."),
     "radixserve_cache_evictions_total": ("evicted_blocks", "KV blocks evicted from the prefix cache."),
     "radixserve_cache_recomputed_blocks_total": ("recomputed_blocks",

@@ -112,6 +112,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         # the latest sync is kept: a router that routes nothing for hours holds one snapshot, not a backlog.
         self._learned: list[tuple[str, list[int]]] | None = None
         self._stop = threading.Event()
+        # replicas that left the fleet, for the directory thread to drop (list ops are atomic); None: no directory
+        self._gone: list[str] | None = [] if redis_url and mode == "prefix" else None
         if redis_url and mode == "prefix":
             threading.Thread(target=self._sync_directory, args=(redis_url, deployment, directory_sync_s,
                                                                 directory_top_k),
@@ -123,6 +125,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         directory = HotPrefixDirectory(url, deployment, self.model_id, self.policy.cfg.block_size)
         while not self._stop.wait(period):
             try:
+                while self._gone:  # a crashed replica never says goodbye: its entries would stand for their TTL
+                    directory.forget_replica(self._gone.pop())
                 learned = []
                 for hp in directory.top_k(top_k):
                     holders = directory.holders(hp.hash)
@@ -275,6 +279,8 @@ class PrefixAwareRequestRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         try:
+            if self._gone is not None:
+                self._gone.append(replica_id.unique_id)
             self.policy.remove_replica(replica_id.unique_id)
         except Exception:  # noqa: BLE001
             self.errors += 1
@@ -283,7 +289,10 @@ class PrefixAwareRequestRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         try:
-            self.policy.sync_replicas(r.replica_id.unique_id for r in replicas)
+            live = {r.replica_id.unique_id for r in replicas}
+            if self._gone is not None:
+                self._gone.extend(rid for rid in self.policy.replicas if rid not in live)
+            self.policy.sync_replicas(live)
         except Exception:  # noqa: BLE001
             self.errors += 1
             log.exception("update_replicas failed")

@@ -162,3 +162,26 @@ def test_an_idle_replica_ends_what_was_routed_there_long_before(monkeypatch):
     assert set(r._routed) == {"serve-new"} and r.policy.replicas["A"].in_flight == 1
     r._absorb_stats([_replica("A", seq=2, queue=1)])  # busy: nothing is dropped
     assert set(r._routed) == {"serve-new"}
+
+
+def test_a_replica_that_left_the_fleet_is_dropped_from_the_directory(redis_server, monkeypatch):
+    """A replica that crashed never removes its own entries: the routers that saw it go do, instead of
+    leaving its holdings in the directory for their whole TTL."""
+    from ray.serve.request_router import RequestRouter
+
+    d = HotPrefixDirectory(redis_server.url, "radixserve", "m", 16)
+    h = d.record("A", list(range(64)))
+    d.record("B", list(range(64)))
+    monkeypatch.setattr(RequestRouter, "update_replicas", lambda self, replicas: None)  # Serve's own part
+    r = _router(redis_url=redis_server.url, directory_sync_s=0.05)
+    try:
+        r.update_replicas([_replica("A"), _replica("B")])
+        assert sorted(d.holders(h)) == ["A", "B"]
+        r.update_replicas([_replica("B")])  # A died; Serve replaces it
+        deadline = time.monotonic() + 5
+        while d.holders(h) != ["B"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.holders(h) == ["B"]
+    finally:
+        r._stop.set()
+        d.clear()

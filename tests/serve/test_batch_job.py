@@ -109,11 +109,14 @@ def test_batch_answers_every_line_and_a_rerun_retries_only_the_failures(serve_ap
     argv = ["batch", "--input", str(src), "--output", str(out), "--url", serve_app, "--max-tokens", "4",
             "--concurrency", "4"]
     assert cli(argv) == 1  # some lines failed
-    totals = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    totals = json.loads(captured.out.strip().splitlines()[-1])
     got, refused = read(out)
     ok = {f"a{i}" for i in range(4)} | {f"b{i}" for i in range(3)} | {"chat", "ids"}
     assert {k for k, r in got.items() if "output" in r} == ok
-    assert totals["ok"] == 9 and totals["failed"] == 4 and totals["skipped"] == 0
+    assert totals["ok"] == 9 and totals["skipped"] == 0
+    assert totals["refused"] == 3 and totals["failed"] == 1 and totals["retryable"] == 0  # 3 not sent, 1 a 400
+    assert "fix them in the input" in captured.err and "retry" not in captured.err  # they would fail again
     assert "HTTP 400" in got["toolong"]["error"] and "max_input_tokens" in got["toolong"]["error"]
     assert "not JSON" in refused[11] and "earlier line" in refused[13] and "`prompt` and `messages`" in refused[14]
     assert all(got[f"b{i}"]["usage"]["completion_tokens"] <= 3 for i in range(3))
@@ -209,8 +212,10 @@ def test_batch_stops_sending_when_the_service_is_gone(tmp_path, capsys):
         code = cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--retries", "0",
                     "--concurrency", "8"])
     assert code == 1
-    totals = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert totals["failed"] == 40 and totals["not_done"] == 0
+    captured = capsys.readouterr()
+    totals = json.loads(captured.out.strip().splitlines()[-1])
+    assert totals["failed"] == totals["retryable"] == 40 and totals["not_done"] == 0
+    assert "run the same command again to retry them" in captured.err
     assert all("HTTP 504" in json.loads(x)["error"] for x in out.read_text().splitlines())
 
 
