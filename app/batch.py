@@ -209,8 +209,8 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
                 return rec, False
             problem = _error_message(r)
             gone = gone and r.status_code in GONE_STATUS
-            if r.status_code not in RETRY_STATUS:
-                return {**line.ref, "error": problem}, False  # the request itself is wrong: it would fail again
+            if r.status_code not in RETRY_STATUS:  # a 4xx: the line itself is wrong and would fail again
+                return {**line.ref, "error": problem}, r.status_code >= 500  # a 500 may not
         if attempt < retries:
             await asyncio.sleep(RETRY_WAITS_S[min(attempt, len(RETRY_WAITS_S) - 1)])
     if gone:
@@ -369,6 +369,7 @@ def main(args: argparse.Namespace) -> int:
     if "_gone" in totals:
         print(f"radixserve batch: the service stopped answering ({totals['_gone']}); {totals['not_done']} "
               f"line(s) were not answered: run the same command again to go on", file=sys.stderr)
+        _say_failures(totals, dst)
         return 1
     return 1 if _say_failures(totals, dst) else 0
 
@@ -381,7 +382,7 @@ def _say_failures(totals: dict, dst: Path) -> bool:
               f"by the service (see `error` in {dst}): fix them in the input, and the same command sends "
               "them again", file=sys.stderr)
     if totals["retryable"]:
-        print(f"radixserve batch: {totals['retryable']} line(s) failed on timeouts or an overloaded service "
+        print(f"radixserve batch: {totals['retryable']} line(s) failed on timeouts, overload or server errors "
               f"(see `error` in {dst}): run the same command again to retry them", file=sys.stderr)
     return bool(lasting or totals["retryable"])
 

@@ -73,20 +73,17 @@ def preflight(settings: Settings, local_ray: bool) -> str | None:
     """What would make the service fail to start, found in seconds and before anything starts (the
     replicas would otherwise fail half a minute later, deep in Ray's logs): the engine settings, and
     when it starts a local Ray, the model folder, the limits against its context and the HTTP port."""
-    from engine.config import ConfigError, request_limits
-    from engine.model_loader import ModelLoadError, check_model_folder, model_context
-    from engine.model_support import sliding_window, unsupported
+    from engine.config import ConfigError
+    from engine.model_loader import ModelLoadError, check_model_folder
+    from engine.model_support import serving_limits
 
     try:
-        settings.engine_config()
+        engine = settings.engine_config()
         if not local_ray:  # joining a cluster: the model folder need only exist where replicas run
             return None
         _, config, _ = check_model_folder(settings.resolved_model_id())
-        pool = settings.max_batch_total_tokens
-        pool = pool // settings.block_size * settings.block_size if pool else None
-        _, total = request_limits(settings.max_input_tokens, settings.max_total_tokens, model_context(config),
-                                  None if settings.window_size or sliding_window(config) else pool)
-        problem = unsupported(config, total) or _device_problem(settings, config)
+        serving_limits(config, settings.max_input_tokens, settings.max_total_tokens, engine.pool_tokens())
+        problem = _device_problem(settings, config)
         if problem:
             return problem
     except (ModelLoadError, ConfigError) as e:
@@ -127,7 +124,9 @@ def _device_problem(settings: Settings, config) -> str | None:
     if settings.attention_backend == "flash" and not flash_available(device):
         return ("attention_backend flash needs a CUDA device and the vllm-flash-attn package "
                 "(pip install -e '.[gpu]'); auto picks it when it can")
-    if settings.max_batch_total_tokens:  # without it the pool is sized from the free memory
+    # without a size the pool is sized from the free memory; on a GPU the replica checks (asking here
+    # would leave a CUDA context in this process for as long as it serves)
+    if settings.max_batch_total_tokens and device.type == "cpu":
         token_bytes = bytes_per_token(config.num_hidden_layers, kv_heads(config), head_dim(config),
                                       settings.kv_cache_dtype, resolve_dtype(settings.dtype, device))
         return pool_problem(settings.max_batch_total_tokens, token_bytes, device)

@@ -53,7 +53,13 @@ def available_memory(device: torch.device) -> int:
 def pool_problem(tokens: int, token_bytes: int, device: torch.device) -> str | None:
     """Why a pool of ``tokens`` cannot be allocated on ``device`` now (more than its free memory),
     else None: said at start-up instead of the allocator's own error."""
-    need, free = tokens * token_bytes, available_memory(device)
+    if device.type not in ("cpu", "cuda"):
+        return None  # no free-memory reading of its own here: the allocator's error will say
+    try:
+        free = available_memory(device)
+    except (OSError, ValueError):  # no /proc/meminfo nor sysconf's count (not Linux)
+        return None
+    need = tokens * token_bytes
     if need <= free:
         return None
     return (f"a KV pool of {tokens} tokens (max_batch_total_tokens) needs {need / 2**30:.1f} GiB, more than the "

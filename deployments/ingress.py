@@ -456,7 +456,11 @@ class Ingress:
             try:
                 first = await it.__anext__()
             except StopAsyncIteration:
+                cancel()
                 raise ApiError(503, "the engine ended the request without an answer", "generation") from None
+            except asyncio.CancelledError:  # the client left while the request waited for its first token
+                cancel()
+                raise
             except Exception as e:  # noqa: BLE001 - a replica or engine failure: not the client's fault
                 cancel()
                 log.warning("replica call failed (attempt %d): %s", attempt + 1, e)
@@ -579,8 +583,9 @@ class Ingress:
                 text += ev["text"]
                 tok = ev.get("token_id")
                 special = tok in self._special if tok is not None else True
-                # a special token (EOS) shows its own text, as in details.tokens; the answer leaves it out
-                shown = self._token_text(tok) if special and tok is not None else ev["text"]
+                # a special token (EOS) shows its own text, as in details.tokens, unless its event carries
+                # the answer's held-back end (text kept for a stop string, a cut character)
+                shown = self._token_text(tok) if special and tok is not None and not ev["text"] else ev["text"]
                 token = {"id": tok if tok is not None else -1, "text": shown, "logprob": ev.get("logprob"),
                          "special": special}
                 msg = {"index": n, "token": token, "generated_text": None, "details": None}

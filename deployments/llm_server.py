@@ -229,7 +229,7 @@ class LLMServer:
         return {"queue": s["running"] + s["waiting"], "kv_free_blocks": s["blocks_free"] + s["blocks_evictable"],
                 "kv_total_blocks": s["blocks_total"], "cached_blocks": s["blocks_cached"],
                 "stored": stored, "removed": removed, "truncated": overflow, "seq": self._stats_seq,
-                "replica": self.replica_id}
+                "replica": self.replica_id, "at": time.time()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Polled by Serve for the cache-aware autoscaling policy (``deployments.autoscaling_policy``),

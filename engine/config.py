@@ -17,19 +17,20 @@ class ConfigError(ValueError):
 def request_limits(max_input_tokens: int | None, max_total_tokens: int | None, context: int | None,
                    pool_tokens: int | None = None) -> tuple[int, int]:
     """(max input, max total) tokens per request: the settings, else the model's context (and one
-    less for the input), and no more than the KV pool holds (``pool_tokens``; None for a sliding
-    window, whose sequences keep only the window); ``ConfigError`` if they exceed the context or the
-    pool, or leave no room to generate."""
+    less for the input), and no more than the KV pool holds (``pool_tokens``, in whole blocks: every
+    token of a request has its block there, sliding window or not); ``ConfigError`` if they exceed the
+    context or the pool, or leave no room to generate. Without a context or a pool: 4096."""
     if max_total_tokens and context and max_total_tokens > context:
         raise ConfigError(f"max_total_tokens ({max_total_tokens}) is more than the model's context ({context} tokens, "
                           "max_position_embeddings)")
     if max_total_tokens and pool_tokens and max_total_tokens > pool_tokens:
         raise ConfigError(f"max_total_tokens ({max_total_tokens}) is more than the KV pool holds ({pool_tokens} tokens, "
-                          "max_batch_total_tokens): such a request could never run")
-    total = max_total_tokens or min(context or 4096, pool_tokens or 1 << 62)
+                          "max_batch_total_tokens in whole blocks): such a request could never run")
+    bounds = [b for b in (context, pool_tokens) if b]
+    total = max_total_tokens or (min(bounds) if bounds else 4096)
     inp = max_input_tokens or total - 1
     if inp >= total:
-        source = "" if max_total_tokens or total == (context or 4096) else ", the KV pool's size"
+        source = "" if max_total_tokens or total != pool_tokens else ", the KV pool's size"
         raise ConfigError(f"max_input_tokens ({inp}) must be below max_total_tokens ({total}{source})")
     return inp, total
 
@@ -80,11 +81,16 @@ class EngineConfig:
         if self.max_batch_total_tokens is not None and self.max_batch_total_tokens < self.block_size:
             raise ConfigError("max_batch_total_tokens must hold at least one block "
                               f"({self.block_size} tokens), got {self.max_batch_total_tokens}")
-        if self.max_total_tokens is not None or self.max_input_tokens is not None:
-            # the context is checked at load; an explicit pool is too small for one request with no window
-            request_limits(self.max_input_tokens, self.max_total_tokens, None,
-                           None if self.window_size else self.max_batch_total_tokens)
+        pool = self.pool_tokens()
+        if self.max_total_tokens is not None or pool is not None:
+            # the context is only known at load; what the settings alone fix is checked here
+            request_limits(self.max_input_tokens, self.max_total_tokens, None, pool)
         return self
+
+    def pool_tokens(self) -> int | None:
+        """The KV pool set by ``max_batch_total_tokens``, in whole blocks (None: sized from memory)."""
+        n = self.max_batch_total_tokens
+        return n // self.block_size * self.block_size if n else None
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -14,13 +14,13 @@ import torch
 from cache.kv_pool import KVPool, KVShape, bytes_per_token, num_blocks_for, pool_problem
 from cache.radix import HotWalk
 from engine import attention
-from engine.config import ConfigError, EngineConfig, request_limits
+from engine.config import ConfigError, EngineConfig
 from engine.cpu_linear import use_skinny_linear
 from engine.detokenizer import find_stop, flush_text, take_delta, update_text
 from engine.kv_manager import KVManager
-from engine.model_loader import LoadedModel, ModelLoadError, load_model, model_context
+from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
-from engine.model_support import unsupported
+from engine.model_support import serving_limits
 from engine.sampler import Sampled, make_generator, sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingError, SamplingParams, Sequence, Status, TokenEvent
@@ -69,12 +69,8 @@ class LLMEngine:
         problem = pool_problem(num_blocks * config.block_size, token_bytes, m.device)
         if problem and config.max_batch_total_tokens:
             raise ConfigError(problem)
-        self.max_input_tokens, self.max_total_tokens = request_limits(
-            config.max_input_tokens, config.max_total_tokens, model_context(m.config),
-            None if self.window else num_blocks * config.block_size)
-        problem = unsupported(m.config, self.max_total_tokens)
-        if problem:
-            raise ModelLoadError(f"{m.model_id}: {problem}")
+        self.max_input_tokens, self.max_total_tokens = serving_limits(
+            m.config, config.max_input_tokens, config.max_total_tokens, num_blocks * config.block_size)
         self.pool = KVPool(KVShape(m.num_layers, num_blocks, config.block_size, m.num_kv_heads, m.head_dim),
                            config.kv_cache_dtype, m.dtype, m.device)
         self.kv = KVManager(num_blocks, config.block_size, config.prefix_caching,

@@ -133,12 +133,6 @@ def check_weight_files(path: Path) -> None:
             raise ModelLoadError(f"{f} is not a readable safetensors file (truncated or empty?): {e}") from e
 
 
-def model_context(config) -> int | None:
-    """The longest sequence the model was built for (``max_position_embeddings``), if it says."""
-    n = getattr(config, "max_position_embeddings", None)
-    return int(n) if n else None
-
-
 def load_model(model_id: str, device: str = "auto", dtype: str = "auto",
                attn_implementation: str | None = None) -> LoadedModel:
     """Load from a local folder with ``config.json``, safetensors weights and a tokenizer."""

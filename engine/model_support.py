@@ -5,6 +5,8 @@ tokens). Each architecture here is checked against transformers' own ``generate`
 
 from __future__ import annotations
 
+from engine.config import ConfigError, request_limits
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2")
 
 
@@ -40,6 +42,40 @@ def sliding_window(config) -> int | None:
     return int(window)
 
 
+class UnsupportedModel(ConfigError):
+    """A model (or a model with these limits) the engine would compute wrongly."""
+
+
+def model_context(config) -> int | None:
+    """The longest sequence the model was built for (``max_position_embeddings``), if it says."""
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def _longrope_switch(config) -> int | None:
+    """Where ``longrope`` RoPE changes to its long factors, for models that use it."""
+    if rope_type(config) not in ("longrope", "su"):
+        return None
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    switch = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+    return int(switch) if switch else None
+
+
+def serving_limits(config, max_input_tokens: int | None, max_total_tokens: int | None, pool_tokens: int | None
+                   ) -> tuple[int, int]:
+    """(max input, max total) tokens per request for this model: ``engine.config.request_limits`` within
+    the model's context, or below its ``longrope`` switch when not set; ``UnsupportedModel`` for a
+    model (or a ``max_total_tokens``) the engine would compute wrongly."""
+    problem = unsupported(config, max_total_tokens)
+    if problem:
+        raise UnsupportedModel(problem)
+    context = model_context(config)
+    switch = _longrope_switch(config)
+    if switch and max_total_tokens is None:  # the default stays where transformers never switches
+        context = min(context or switch, switch)
+    return request_limits(max_input_tokens, max_total_tokens, context, pool_tokens)
+
+
 def unsupported_type(kind) -> str:
     return (f"model type {kind!r} is not supported (the engine runs {', '.join(SUPPORTED)}); other "
             "architectures need attention features it does not implement")
@@ -47,7 +83,7 @@ def unsupported_type(kind) -> str:
 
 def unsupported(config, max_total_tokens: int | None = None) -> str | None:
     """Why the engine cannot serve this model (one line), or None. ``max_total_tokens``: the longest
-    sequence it will serve, when known."""
+    sequence asked for, if set (the default limits stay within what works)."""
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED:
         return unsupported_type(kind)
@@ -62,10 +98,10 @@ def unsupported(config, max_total_tokens: int | None = None) -> str | None:
     if rope in ("longrope", "su"):
         # transformers picks the short or long factors from the longest position in the whole batch,
         # so a short prompt batched with a long one would change its answer; below the switch it never does
-        params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        switch = params.get("original_max_position_embeddings") or getattr(
-            config, "original_max_position_embeddings", None)
-        if not switch or max_total_tokens is None or max_total_tokens > switch:
+        switch = _longrope_switch(config)
+        if not switch:
+            return f"RoPE scaling {rope!r} without original_max_position_embeddings is not supported"
+        if max_total_tokens is not None and max_total_tokens > switch:
             return (f"RoPE scaling {rope!r} switches to its long factors past {switch} tokens, per batch in "
-                    f"transformers; serve it with max_total_tokens at most {switch}")
+                    f"transformers; serve it with max_total_tokens at most {switch} (the default)")
     return None

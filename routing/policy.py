@@ -544,8 +544,9 @@ class PrefixPolicy:
             return
         hl = self._rate_hl()
         unused = self.cfg.decode_token_cost * (routed.new_tokens - generated)
-        unused *= 0.5 ** ((self._counter - routed.at) / hl)  # decayed as the rate has since
-        view.recent, view.recent_at = max(0.0, self._recent(view) - unused), self._counter
+        recent = self._recent(view)
+        unused = min(recent, unused * 0.5 ** ((self._counter - routed.at) / hl))  # decayed as the rate has since
+        view.recent, view.recent_at = recent - unused, self._counter
         self._recent_total = (max(0.0, self._decayed(self._recent_total, hl) - unused), self._counter)
 
     def on_completed(self, replica_id: str, routed: Routed) -> None:

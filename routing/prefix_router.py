@@ -44,19 +44,23 @@ def _failed_last(order: list[str]) -> list[str]:
     return sorted(order, key=lambda r: r in failed)  # stable: the ranking is kept among the rest
 
 
-# A replica that reports an empty queue has finished every request routed to it this long before.
+# A replica that reports an empty queue at time T has finished every request routed to it before
+# T minus this (time for a routed request to reach its engine, and clock skew between nodes).
 STALE_AFTER_IDLE_S = 10.0
 ENDED_MEMORY = 4096  # completed requests whose caller has not said yet how many tokens they generated
 
 
 def request_ended(request_id: str, generated: int) -> None:
     """The caller's request ``request_id`` (the third argument of ``generate``) ended, finished or
-    cancelled, after ``generated`` tokens. Serve does not report every cancelled request as completed,
-    and the policy would count its work on that replica for good; and only the caller knows how many of
-    its ``max_new_tokens`` it generated (seen: one aborted 3,000-token stream kept its replica out of
-    rotation)."""
-    for router in list(in_process.ROUTERS):
-        router.end_soon(request_id, generated)
+    cancelled, after ``generated`` tokens. Only the caller knows that count: the policy counted the
+    request's ``max_new_tokens`` in full in its replica's work rate, so one cancelled long stream (or
+    a long ``max_tokens`` that met EOS early) held that replica over the rate bound for hundreds of
+    requests. Never raises: it runs in the caller's ``finally`` blocks."""
+    try:
+        for router in list(in_process.ROUTERS):
+            router.end_soon(request_id, generated)
+    except Exception:  # noqa: BLE001 - a router added meanwhile, a loop closing: the count is a hint
+        log.debug("request_ended failed", exc_info=True)
 
 
 @dataclass(slots=True)
@@ -64,7 +68,7 @@ class _Routed:
     replica: str
     ticket: Routed
     caller_id: str | None  # the caller's request id, for request_ended
-    at: float  # time.monotonic() when routed
+    at: float  # time.time() when routed (compared with the replicas' report times)
 
 
 def caller_request_id(pending: PendingRequest | None) -> str | None:
@@ -203,15 +207,16 @@ class PrefixAwareRequestRouter(RequestRouter):
             # The stored/removed hashes keep the index exact; only when some were dropped (truncated by
             # the replica, or missed here) does its cached-block count bound the index instead.
             exact = not (stats.get("truncated") or missed)
-            if stats.get("queue") == 0:
-                self._drop_stale(rid)
+            if stats.get("queue") == 0 and isinstance(stats.get("at"), (int, float)):
+                self._drop_stale(rid, stats["at"])
             self.policy.report(rid, capacity_blocks=stats.get("kv_total_blocks"),
                                cached_blocks=None if exact else stats.get("cached_blocks"),
                                in_flight=stats.get("queue"))
 
-    def _drop_stale(self, replica_id: str) -> None:
-        """The replica is idle: whatever was routed there well before has ended, reported or not."""
-        cutoff = time.monotonic() - STALE_AFTER_IDLE_S
+    def _drop_stale(self, replica_id: str, idle_at: float) -> None:
+        """The replica was idle at ``idle_at`` (its clock): whatever was routed there well before has
+        ended, whether or not its end reached this router (a backstop for any path that misses it)."""
+        cutoff = idle_at - STALE_AFTER_IDLE_S
         for key in [k for k, e in self._routed.items() if e.replica == replica_id and e.at < cutoff]:
             self._finish(key)
 
@@ -230,7 +235,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         """``request_ended`` from the caller's thread: it runs on this router's loop."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._end, caller_id, generated)
+            try:
+                loop.call_soon_threadsafe(self._end, caller_id, generated)
+            except RuntimeError:  # closed since the check
+                pass
 
     def _end(self, caller_id: str, generated: int) -> None:
         try:
@@ -260,7 +268,7 @@ class PrefixAwareRequestRouter(RequestRouter):
                     pass
             work = self.policy.on_routed(rid, self._hashes(pending_request), len(ids), max_new)
             internal, caller = pending_request.metadata.internal_request_id, caller_request_id(pending_request)
-            self._routed[internal] = _Routed(rid, work, caller, time.monotonic())
+            self._routed[internal] = _Routed(rid, work, caller, time.time())
             if caller is not None:
                 self._by_caller[caller] = internal
         except Exception:  # noqa: BLE001

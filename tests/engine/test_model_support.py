@@ -13,7 +13,7 @@ from transformers import AutoConfig
 from engine.attention import paged_attention
 from engine.config import ConfigError, EngineConfig, request_limits
 from engine.model_loader import ModelLoadError, check_model_folder, load_model, resolve_device
-from engine.model_support import sliding_window, unsupported
+from engine.model_support import UnsupportedModel, serving_limits, sliding_window, unsupported
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -53,6 +53,9 @@ def test_softcapping_and_batch_dependent_rope_are_refused():
     cfg = AutoConfig.for_model("llama", rope_scaling=rope, **SMALL)
     assert "at most 32" in unsupported(cfg, 64)
     assert unsupported(cfg, 32) is None  # never past the switch: the short factors, whatever the batch
+    assert unsupported(cfg, None) is None and serving_limits(cfg, None, None, None) == (31, 32)  # the default
+    with pytest.raises(UnsupportedModel, match="at most 32"):
+        serving_limits(cfg, None, 64, None)
 
 
 def test_the_attention_never_drops_an_argument_it_does_not_implement():
@@ -102,14 +105,18 @@ def test_a_folder_without_tokenizer_gets_one_line(tiny_folder):
 
 def test_limits_follow_the_pool_unless_set_and_then_must_fit_it():
     assert request_limits(None, None, 4096, 512) == (511, 512)  # one request fills the pool at most
-    assert request_limits(None, None, 4096, None) == (4095, 4096)  # sliding window: no bound from the pool
+    assert request_limits(None, None, 4096, None) == (4095, 4096)  # pool sized from memory: the context
     with pytest.raises(ConfigError, match="more than the KV pool holds"):
         request_limits(None, 1024, 4096, 512)
     with pytest.raises(ConfigError, match="the KV pool's size"):
         request_limits(600, None, 4096, 512)
-    with pytest.raises(ConfigError, match="KV pool holds"):
-        EngineConfig(model_id="x", max_batch_total_tokens=512, max_total_tokens=1024).validate()
-    EngineConfig(model_id="x", max_batch_total_tokens=512, max_total_tokens=1024, window_size=256).validate()
+    for window in (None, 256):  # a sliding window frees blocks as it slides, but a request starts whole
+        with pytest.raises(ConfigError, match="KV pool holds"):
+            EngineConfig(model_id="x", max_batch_total_tokens=512, max_total_tokens=1024, window_size=window).validate()
+    with pytest.raises(ConfigError, match=r"KV pool holds \(4992 tokens"):  # whole blocks: 4992
+        EngineConfig(model_id="x", max_batch_total_tokens=5000, max_total_tokens=5000).validate()
+    # the settings alone say nothing of a long input: the model's context decides at load
+    EngineConfig(model_id="x", max_input_tokens=8000).validate()
 
 
 def test_the_engine_takes_its_limits_from_a_small_pool_and_refuses_one_it_cannot_allocate(make_engine):

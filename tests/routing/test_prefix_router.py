@@ -158,9 +158,11 @@ def test_an_idle_replica_ends_what_was_routed_there_long_before(monkeypatch):
     _route(r, "A", "old", "serve-old")
     r._routed["serve-old"].at -= pr.STALE_AFTER_IDLE_S + 1  # routed long ago, never reported done
     _route(r, "A", "new", "serve-new")  # routed just now: may not have reached the replica yet
-    r._absorb_stats([_replica("A", seq=1, queue=0)])
+    r._absorb_stats([_replica("A", seq=1, queue=0, at=time.time() - 60)])  # a report from before either
+    assert set(r._routed) == {"serve-old", "serve-new"}
+    r._absorb_stats([_replica("A", seq=2, queue=0, at=time.time())])
     assert set(r._routed) == {"serve-new"} and r.policy.replicas["A"].in_flight == 1
-    r._absorb_stats([_replica("A", seq=2, queue=1)])  # busy: nothing is dropped
+    r._absorb_stats([_replica("A", seq=3, queue=1, at=time.time() + 60)])  # busy: nothing is dropped
     assert set(r._routed) == {"serve-new"}
 
 
