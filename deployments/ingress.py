@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.config import Settings
 from app.schemas import TGI_FINISH, ChatRequest, CompletionRequest, TGIRequest, WarmupRequest
 from cache.hashing import block_hashes
+from deployments.logs import show_our_info_logs
 from deployments.metrics import HubClient, render
 from routing.prefix_router import avoid_replica, request_ended
 
@@ -344,6 +345,7 @@ class Ingress:
     def __init__(self, llm_handle, settings: dict[str, Any], scales_to_zero: bool = False):
         from transformers import AutoTokenizer
 
+        show_our_info_logs()
         self.settings = Settings(**settings)
         self.scales_to_zero = scales_to_zero  # the LLM deployment autoscales with min_replicas 0
         self.llm = llm_handle

@@ -23,6 +23,7 @@ from ray import serve
 
 from app.config import Settings
 from cache.directory import HotPrefixDirectory
+from deployments.logs import show_our_info_logs
 from deployments.metrics import HISTOGRAMS, Histogram, HubClient
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.llm_engine import LLMEngine, RequestError
@@ -48,6 +49,7 @@ def _cached_tokens(engine: LLMEngine, prefixes: list[list[int]], cache_salt: str
 
 class LLMServer:
     def __init__(self, settings: dict[str, Any]):
+        show_our_info_logs()
         self.settings = Settings(**settings)
         cfg = self.settings.engine_config()
         if cfg.num_threads is None and self.settings.replica_num_gpus == 0:

@@ -91,6 +91,7 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_si
         out = open(tmp_path / "serve.log").read()
         assert "RadixServe is up" in out and "stopped" in out and "local redis-server" in out
         assert "finishing the requests in flight" in out
+        assert "engine ready" in out and "warm-up: " in out  # the replicas' INFO lines reach the console
         try:
             httpx.get(url + "/health", timeout=2)
             raise AssertionError(f"the server still answers after {stop_signal.name}")
