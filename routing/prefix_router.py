@@ -129,8 +129,14 @@ class PrefixAwareRequestRouter(RequestRouter):
         directory = HotPrefixDirectory(url, deployment, self.model_id, self.policy.cfg.block_size)
         while not self._stop.wait(period):
             try:
-                while self._gone:  # a crashed replica never says goodbye: its entries would stand for their TTL
-                    directory.forget_replica(self._gone.pop())
+                # a crashed replica never says goodbye: its entries would stand for their TTL; while Redis
+                # is down (or backing off) the ids wait for a later sync
+                while self._gone and directory.available:
+                    gone, errors = self._gone.pop(), directory.errors
+                    directory.forget_replica(gone)
+                    if directory.errors > errors:
+                        self._gone.append(gone)
+                        break
                 learned = []
                 for hp in directory.top_k(top_k):
                     holders = directory.holders(hp.hash)

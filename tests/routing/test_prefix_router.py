@@ -187,3 +187,15 @@ def test_a_replica_that_left_the_fleet_is_dropped_from_the_directory(redis_serve
     finally:
         r._stop.set()
         d.clear()
+
+
+def test_a_gone_replica_waits_for_redis_to_come_back():
+    from app.local_redis import free_port
+
+    r = _router(redis_url=f"redis://127.0.0.1:{free_port()}", directory_sync_s=0.05)  # nothing listens there
+    try:
+        r._gone.append("A")
+        time.sleep(0.5)  # several syncs, each failing
+        assert r._gone == ["A"]  # kept for when Redis answers again, not dropped with the failed call
+    finally:
+        r._stop.set()
