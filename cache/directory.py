@@ -168,12 +168,15 @@ class HotPrefixDirectory:
             p.hset(self.ns + f"p:{h}", mapping={"tokens": pack_tokens(toks), "blocks": n // self.block_size})
             p.expire(self.ns + f"p:{h}", int(self.ttl_s))
             p.zincrby(self.ns + "hot", inc * hits, str(h))
-            p.zremrangebyrank(self.ns + "hot", 0, -(self.max_hot + 1))  # bounded: forget the coldest
             p.zadd(self.ns + f"h:{h}", {replica: now + self.ttl_s})
             p.expire(self.ns + f"h:{h}", int(self.ttl_s))
             p.sadd(self.ns + f"r:{replica}", str(h))
             p.expire(self.ns + f"r:{replica}", int(self.ttl_s))
-            p.execute()
+            p.zcard(self.ns + "hot")
+            over = p.execute()[-1] - self.max_hot
+            if over > 0:  # bounded: the coldest leave the ranking, with their tokens (up to 128 KiB each)
+                dropped = [m.decode(errors="replace") for m, _ in r.zpopmin(self.ns + "hot", over)]
+                r.delete(*(self.ns + f"{kind}:{m}" for m in dropped for kind in ("p", "h")))
             return h
 
         return self._call(write, None)

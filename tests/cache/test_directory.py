@@ -99,6 +99,9 @@ def test_the_ranking_keeps_only_the_hottest(redis_server):
         hashes = [d.record("r1", toks(20 + i), hits=i + 1, now=now) for i in range(5)]
         assert d._r.zcard(d.ns + "hot") == 3
         assert [p.hash for p in d.top_k(5)] == hashes[:1:-1]  # the three hottest, hottest first
+        # what leaves the ranking leaves Redis: its tokens would otherwise stay for their whole TTL
+        assert sorted(k.decode().rsplit(":", 2)[-2] for k in d._r.scan_iter(match=d.ns + "*:*")
+                      if k.decode().rsplit(":", 2)[-2] in ("p", "h")) == ["h"] * 3 + ["p"] * 3
     finally:
         d.clear()
 

@@ -91,3 +91,25 @@ def test_a_second_failure_is_a_503():
         assert err.value.status == 503 and fake.calls == 2
     finally:
         in_process.FAILED.clear()
+
+
+def test_a_client_gone_reads_as_a_disconnect_not_an_error():
+    """Serve's receive raises TaskCancelledError once the client has left; passed on, every ordinary
+    disconnect logged a 70-line "Task exception was never retrieved"."""
+    from ray.exceptions import TaskCancelledError
+
+    from deployments.ingress import PayloadLimit
+
+    got = []
+
+    async def app(scope, receive, send):
+        got.append(await receive())
+
+    async def receive():
+        raise TaskCancelledError()
+
+    async def send(message):
+        raise AssertionError("nothing to send to a client that left")
+
+    asyncio.run(PayloadLimit(app)({"type": "http", "headers": []}, receive, send))
+    assert got == [{"type": "http.disconnect"}]
