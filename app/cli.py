@@ -261,6 +261,13 @@ def _supervise_redis(redis) -> bool:
         return False
 
 
+def _ray_went_with_us() -> int:
+    print("radixserve: the local Ray stopped with this process (the signal went to its whole process group; "
+          "under systemd use KillMode=mixed so that only radixserve gets it and drains): nothing to drain",
+          file=sys.stderr, flush=True)
+    return 1
+
+
 _cleanup_signals = 0
 
 
@@ -347,18 +354,22 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
         while not stop.wait(2.0):
             if redis is not None and not _supervise_redis(redis):
                 redis = None
+        # a SIGTERM to the whole process group (systemd's default KillMode, `timeout`) also stops the
+        # local Ray's processes, which are in it: there is nothing left to drain, and every call to Ray
+        # would wait a minute for its GCS. It may still answer for a moment as it goes (seen on a busy
+        # machine), so the drain runs aside while this thread keeps asking.
         if not address and not _gcs_answers():
-            # a SIGTERM to the whole process group (systemd's default KillMode, `timeout`) also stopped
-            # the local Ray's processes, which are in it: there is nothing left to drain, and every
-            # call to Ray would wait a minute for its GCS
             ray_gone = True
-            print("radixserve: the local Ray stopped with this process (the signal went to its whole "
-                  "process group; under systemd use KillMode=mixed so that only radixserve gets it and "
-                  "drains): nothing to drain", file=sys.stderr, flush=True)
-            return 1
+            return _ray_went_with_us()
         print(f"shutting down: finishing the requests in flight (up to {settings.drain_timeout_s:.0f} s; "
               "Ctrl-C again skips the wait)...", flush=True)
-        _drain(settings, force)
+        draining = threading.Thread(target=_drain, args=(settings, force), name="drain", daemon=True)
+        draining.start()
+        while draining.is_alive():
+            draining.join(1.0)
+            if draining.is_alive() and not address and not _gcs_answers():
+                ray_gone = True
+                return _ray_went_with_us()
         if address:  # a cluster we joined keeps running (other applications too): take ours off it
             # without waiting: streams that outlived the drain get the replicas' own grace period
             # (drain_timeout_s again) from the cluster, not from this process's shutdown budget
