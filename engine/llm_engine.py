@@ -124,10 +124,11 @@ class LLMEngine:
         if bad_stop is not None:
             raise RequestError(f"stop token id {bad_stop} is outside the vocabulary (0..{self.vocab_size - 1})")
         n = len(prompt_ids)
+        what = "prefix" if prefill_only else "prompt"  # a warm-up prefills a prefix
         if n == 0:
-            raise RequestError("the prompt is empty")
+            raise RequestError(f"the {what} is empty")
         if n > self.max_input_tokens:
-            raise RequestError(f"the prompt has {n} tokens, more than max_input_tokens ({self.max_input_tokens})")
+            raise RequestError(f"the {what} has {n} tokens, more than max_input_tokens ({self.max_input_tokens})")
         bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestError(f"token id {bad!r} is outside the vocabulary (0..{self.vocab_size - 1})")

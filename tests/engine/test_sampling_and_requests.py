@@ -128,6 +128,12 @@ def test_bad_requests_get_clear_errors(make_engine, bad, msg):
     assert not eng.has_work()
 
 
+def test_a_warmup_prefix_too_long_is_called_a_prefix(make_engine):
+    eng = make_engine("tiny", max_input_tokens=500, max_total_tokens=1000)
+    with pytest.raises(RequestError, match="the prefix has 600 tokens"):
+        eng.add_request(list(range(200)) * 3, SamplingParams(max_new_tokens=1), prefill_only=True)
+
+
 def test_request_larger_than_the_pool_is_refused(make_engine):
     eng = make_engine("tiny", max_batch_total_tokens=64)  # the limits follow the pool: 63 in, 64 in all
     with pytest.raises(RequestError, match=r"max_input_tokens \(63\)"):
