@@ -459,7 +459,7 @@ class Ingress:
 
             def cancel(gen=gen, request_id=request_id, generated: int = 0) -> None:
                 gen.cancel()
-                request_ended(request_id, generated)  # Serve may never tell the router
+                request_ended(request_id, generated)  # the router counts what it cost, not max_new_tokens
 
             try:
                 first = await it.__anext__()

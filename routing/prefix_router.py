@@ -116,9 +116,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         # the latest sync is kept: a router that routes nothing for hours holds one snapshot, not a backlog.
         self._learned: list[tuple[str, list[int]]] | None = None
         self._stop = threading.Event()
+        directory = bool(redis_url) and mode == "prefix"
         # replicas that left the fleet, for the directory thread to drop (list ops are atomic); None: no directory
-        self._gone: list[str] | None = [] if redis_url and mode == "prefix" else None
-        if redis_url and mode == "prefix":
+        self._gone: list[str] | None = [] if directory else None
+        if directory:
             threading.Thread(target=self._sync_directory, args=(redis_url, deployment, directory_sync_s,
                                                                 directory_top_k),
                              name="router-directory", daemon=True).start()
