@@ -66,9 +66,10 @@ class LLMEngine:
         token_bytes = bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, config.kv_cache_dtype, m.dtype)
         num_blocks = num_blocks_for(config.block_size, token_bytes, config.max_batch_total_tokens,
                                     config.kv_memory_fraction, m.device)
-        problem = pool_problem(num_blocks * config.block_size, token_bytes, m.device)
-        if problem and config.max_batch_total_tokens:
-            raise ConfigError(problem)
+        if config.max_batch_total_tokens:  # a pool sized from the free memory fits it by construction
+            problem = pool_problem(num_blocks * config.block_size, token_bytes, m.device)
+            if problem:
+                raise ConfigError(problem)
         self.max_input_tokens, self.max_total_tokens = serving_limits(
             m.config, config.max_input_tokens, config.max_total_tokens, num_blocks * config.block_size)
         self.pool = KVPool(KVShape(m.num_layers, num_blocks, config.block_size, m.num_kv_heads, m.head_dim),
