@@ -8,6 +8,7 @@ from __future__ import annotations
 from engine.config import ConfigError, request_limits
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2")
+LONGROPE = ("longrope", "su")  # "su": its older name in Phi-3 configs
 
 
 def rope_type(config) -> str | None:
@@ -54,7 +55,7 @@ def model_context(config) -> int | None:
 
 def _longrope_switch(config) -> int | None:
     """Where ``longrope`` RoPE changes to its long factors, for models that use it."""
-    if rope_type(config) not in ("longrope", "su"):
+    if rope_type(config) not in LONGROPE:
         return None
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     switch = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
@@ -95,7 +96,7 @@ def unsupported(config, max_total_tokens: int | None = None) -> str | None:
     if getattr(config, "attn_logit_softcapping", None):
         return "attention logit soft-capping (attn_logit_softcapping) is not supported"
     rope = rope_type(config)
-    if rope in ("longrope", "su"):
+    if rope in LONGROPE:
         # transformers picks the short or long factors from the longest position in the whole batch,
         # so a short prompt batched with a long one would change its answer; below the switch it never does
         switch = _longrope_switch(config)
