@@ -397,7 +397,7 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
 
 
 # engine.model_init's PRESETS, named here so that --help does not import torch (a test keeps them equal)
-PRESET_NAMES = ["tiny", "bench", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma", "tiny-phi3", "tiny-olmo2"]
+PRESET_NAMES = ["tiny", "bench", "bench-1b", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma", "tiny-phi3", "tiny-olmo2"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -413,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "OLMo 2) with a byte-level tokenizer")
     p.add_argument("path", help="folder to write (created if missing)")
     p.add_argument("--preset", default="tiny", choices=PRESET_NAMES,
-                   help="tiny: the built-in model; bench: the benchmarks' 40M-parameter Llama; the others: small "
+                   help="tiny: the built-in model; bench: the benchmarks' 40M-parameter Llama; bench-1b: a 1.1B-parameter "
+                        "Llama for GPU benchmarks (4.4 GB); the others: small "
                         "models of each supported architecture (tiny-mistral has a sliding window; default: tiny)")
     p.add_argument("--seed", type=int, default=0, help="of the random weights (default: 0)")
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")

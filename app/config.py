@@ -68,6 +68,9 @@ class Settings(BaseModel):
     device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto (cuda when available), cpu, cuda, "
                         "cuda:N, mps or xpu")
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    cuda_graphs: list[int] = Field([1, 2, 4, 8, 16, 32, 64, 128], description="steps run as CUDA graphs, by their "
+                                   "tokens (a decode step has one per sequence), comma-separated (TGI's flag; 0: none; "
+                                   "CUDA only; default: 1,2,4,8,16,32,64,128)")
     kv_memory_fraction: float = Field(0.3, gt=0, le=1)
     num_threads: int | None = Field(None, gt=0, description="torch threads per replica (CPU); default: "
                                     "--replica-num-cpus")
@@ -110,6 +113,20 @@ class Settings(BaseModel):
             raise ValueError("num_replicas and autoscaling are both set: with autoscaling, min_replicas and "
                              "max_replicas decide the count")
         return self
+
+    @field_validator("cuda_graphs", mode="before")
+    @classmethod
+    def _batch_sizes(cls, v: Any) -> Any:
+        if isinstance(v, str):  # a flag or an environment variable: "1,2,4,8", or "0" for none
+            try:
+                v = [int(x) for x in v.replace(" ", "").split(",") if x]
+            except ValueError:
+                raise ValueError(f"cuda_graphs must be comma-separated batch sizes, got {v!r}") from None
+        if isinstance(v, list) and v == [0]:
+            return []
+        if isinstance(v, list) and any(not isinstance(x, int) or x <= 0 for x in v):
+            raise ValueError(f"cuda_graphs must list positive batch sizes (or 0 for none), got {v}")
+        return v
 
     @field_validator("redis_url")
     @classmethod

@@ -44,9 +44,13 @@ def _result(name: str, total_s: float, outputs: list[list[int]], ttfts: list[flo
 
 
 # ------------------------------------------------------------------------------ our engine
-def run_engine(loaded: LoadedModel, reqs: list[Request], caching: bool, concurrency: int = 8) -> dict:
-    eng = LLMEngine(EngineConfig(model_id=loaded.model_id, prefix_caching=caching,
-                                 max_batch_total_tokens=65536), loaded=loaded)
+def run_engine(loaded: LoadedModel, reqs: list[Request], caching: bool, concurrency: int = 8,
+               graphs: bool = True) -> dict:
+    cfg = EngineConfig(model_id=loaded.model_id, prefix_caching=caching, max_batch_total_tokens=65536)
+    if not graphs:
+        cfg.cuda_graphs = ()
+    eng = LLMEngine(cfg, loaded=loaded)
+    captured = eng.capture_graphs()  # as a replica does before it takes traffic (CUDA only)
     pending = list(enumerate(reqs))
     outputs: dict[int, list[int]] = {}
     started: dict[str, tuple[int, float]] = {}
@@ -81,12 +85,18 @@ def run_engine(loaded: LoadedModel, reqs: list[Request], caching: bool, concurre
                 inflight -= 1
     total = time.perf_counter() - t0
     eng.check_invariants()
-    res = _result("engine, prefix cache on" if caching else "engine, prefix cache off", total,
-                  [outputs[i] for i in range(len(reqs))], ttfts, eng.stats.prefill_tokens_computed)
+    name = "engine, prefix cache on" if caching else "engine, prefix cache off"
+    if loaded.device.type == "cuda":
+        name += ", CUDA graphs" if eng.runner.graphs is not None else ", no CUDA graphs"
+    res = _result(name, total, [outputs[i] for i in range(len(reqs))], ttfts, eng.stats.prefill_tokens_computed)
     s = eng.kv_stats()
     res["hit_rate"] = s["prefix_hit_tokens"] / max(1, s["prefix_queries_tokens"])
     res["split"] = (f"{res['variant']}: {prefill_s:.2f} s in steps with prompt tokens, {decode_s:.2f} s in "
                     f"{decode_steps} decode-only steps ({1000 * decode_s / max(1, decode_steps):.1f} ms each); slowest step {1000 * slowest:.0f} ms")
+    if eng.runner.graphs is not None:
+        g = eng.runner.graphs.stats
+        res["split"] += (f"; {captured} graphs captured before the run in {g.capture_s:.2f} s, {g.steps} steps "
+                         f"replayed{', ' + g.disabled if g.disabled else ''}")
     return res
 
 
@@ -217,7 +227,7 @@ def _plot(results: dict[str, list[dict]], path: Path, where: str) -> None:
     for ax, (wl, rows) in zip(axes, results.items(), strict=True):
         names = [r["variant"].replace(", ", "\n") for r in rows]
         vals = [r["tok_s"] for r in rows]
-        colors = ["tab:green" if "on" in r["variant"] and "engine" in r["variant"] else
+        colors = ["tab:green" if "cache on" in r["variant"] else
                   "tab:olive" if "engine" in r["variant"] else "tab:gray" for r in rows]
         ax.barh(names, vals, color=colors)
         ax.invert_yaxis()
@@ -269,6 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, list[dict]] = {}
     for wl, reqs in workloads.items():
         rows = [run_engine(loaded, reqs, True), run_engine(loaded, reqs, False)]
+        if loaded.device.type == "cuda":  # what the graphs bring, side by side
+            rows.append(run_engine(loaded, reqs, True, graphs=False))
         if hf is not None and wl.startswith("gsp"):
             rows += _hf_rows(hf, reqs, system_len)
         results[wl] = rows
@@ -278,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     gsp_rows, noshare_rows = results.values()
     on, off = gsp_rows[0], gsp_rows[1]
     ns_on, ns_off = noshare_rows[0], noshare_rows[1]
-    hf_rows = gsp_rows[2:]
+    hf_rows = [r for r in gsp_rows if "split" not in r]  # the engine's rows say where their time went
     summary = {
         "cache_on_vs_off_throughput": on["tok_s"] / off["tok_s"],
         "noshare_on_vs_off_throughput": ns_on["tok_s"] / ns_off["tok_s"],
@@ -287,6 +299,9 @@ def main(argv: list[str] | None = None) -> dict:
         "gsp_hit_rate": on["hit_rate"],
         "engine_on_tok_s": on["tok_s"],
     }
+    if len(gsp_rows) > 2 and "no CUDA graphs" in gsp_rows[2]["variant"]:
+        summary["cuda_graphs_on_vs_off_throughput"] = on["tok_s"] / gsp_rows[2]["tok_s"]
+        summary["noshare_cuda_graphs_on_vs_off_throughput"] = ns_on["tok_s"] / noshare_rows[2]["tok_s"]
     if hf_rows:
         best = max(hf_rows, key=lambda r: r["tok_s"])
         ref = next((r for r in hf_rows if "sequential" in r["variant"]), hf_rows[0])["outputs"]  # the reference

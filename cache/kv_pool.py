@@ -104,8 +104,10 @@ class KVPool:
         self.kv_cache_dtype = kv_cache_dtype
         self.storage_dtype, self.fp8_dtype = resolve_kv_dtype(kv_cache_dtype, compute_dtype)
         s = shape
-        # One allocation for all layers: [layers, 2 (K, V), blocks, block_size, heads, head_dim].
-        self._data = torch.zeros((s.num_layers, 2, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim),
+        # One allocation for all layers: [layers, 2 (K, V), blocks + 1, block_size, heads, head_dim]. The
+        # last block is never handed out: padded rows of a fixed-shape (CUDA graph) batch write there.
+        self._rows = (s.num_blocks + 1) * s.block_size
+        self._data = torch.zeros((s.num_layers, 2, s.num_blocks + 1, s.block_size, s.num_kv_heads, s.head_dim),
                                  dtype=self.storage_dtype, device=self.device)
         # Per-layer scales for fp8 (value = stored * scale); 1.0 unless calibrated or set.
         self.k_scale = torch.ones(s.num_layers, dtype=torch.float32)
@@ -116,6 +118,11 @@ class KVPool:
     @property
     def num_blocks(self) -> int:
         return self.shape.num_blocks
+
+    @property
+    def pad_slot(self) -> int:
+        """A slot outside every block the allocator hands out: where padding rows write their K/V."""
+        return self.shape.num_blocks * self.shape.block_size
 
     @property
     def bytes_per_token(self) -> int:
@@ -150,7 +157,7 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ``[T, heads, head_dim]`` at flat ``slots`` ``[T]`` (block*block_size+offset)."""
         s = self.shape
-        flat = self._data[layer].view(2, s.num_blocks * s.block_size, s.num_kv_heads, s.head_dim)
+        flat = self._data[layer].view(2, self._rows, s.num_kv_heads, s.head_dim)
         flat[0].index_copy_(0, slots, self._encode(k, float(self.k_scale[layer])))
         flat[1].index_copy_(0, slots, self._encode(v, float(self.v_scale[layer])))
 
@@ -168,7 +175,7 @@ class KVPool:
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V at arbitrary flat slots ``[T]`` in compute dtype (the attention backends' gather)."""
         s = self.shape
-        flat = self._data[layer].view(2, s.num_blocks * s.block_size, s.num_kv_heads * s.head_dim)
+        flat = self._data[layer].view(2, self._rows, s.num_kv_heads * s.head_dim)
         k = flat[0].index_select(0, slots).view(-1, s.num_kv_heads, s.head_dim)
         v = flat[1].index_select(0, slots).view(-1, s.num_kv_heads, s.head_dim)
         return self._decode(k, float(self.k_scale[layer])), self._decode(v, float(self.v_scale[layer]))
@@ -177,7 +184,7 @@ class KVPool:
         """K, V rows ``[..., head_dim]`` at ``head_slots = slot * num_kv_heads + head`` of any shape: lets
         decode attention gather straight into a head-major ``[seqs, heads, tokens, head_dim]`` layout."""
         s = self.shape
-        rows = self._data[layer].view(2, s.num_blocks * s.block_size * s.num_kv_heads, s.head_dim)
+        rows = self._data[layer].view(2, self._rows * s.num_kv_heads, s.head_dim)
         idx = head_slots.reshape(-1)
         shape = (*head_slots.shape, s.head_dim)
         k = rows[0].index_select(0, idx).view(shape)

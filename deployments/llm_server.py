@@ -56,6 +56,7 @@ class LLMServer:
             # replicas share the machine's cores; oversubscribed torch threads only slow everyone down
             cfg.num_threads = max(1, int(self.settings.replica_num_cpus) or 1)
         self.engine = LLMEngine(cfg)
+        self.engine.capture_graphs()  # CUDA: every decode graph before traffic (no-op elsewhere)
         self.block_size = cfg.block_size
         if self.engine.kv.cache is not None:
             self.engine.kv.cache.record_events = True  # drained by _collect_events
@@ -166,6 +167,7 @@ class LLMServer:
                 "max_batch_total_tokens": e.kv.capacity_tokens, "block_size": e.config.block_size,
                 "prefix_caching": e.config.prefix_caching, "kv_cache_dtype": e.config.kv_cache_dtype,
                 "window_size": e.window, "attention_backend": e.attention_backend,
+                "cuda_graphs": e.runner.graphs.info() if e.runner.graphs is not None else None,
                 "replica": self.replica_id, "warmup": self.warmup_report}
 
     # ------------------------------------------------------------------ stats

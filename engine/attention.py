@@ -42,20 +42,69 @@ class PrefillGroup:
 
 
 @dataclass
+class BatchedPrefills:
+    """Prefill chunks over earlier context, attended together by one padded SDPA call per layer. On a
+    GPU a step of cache hits (eight questions after eight cached system prompts) otherwise costs a
+    dozen kernel launches per chunk and layer, which took longer than the arithmetic. They come last
+    in the packed row, in this order."""
+
+    q_rows: torch.Tensor  # [C, Qmax] packed-row index of each chunk's queries (padding repeats its last)
+    ctx_slots: torch.Tensor  # [C, Lmax] flat slots of each chunk's context (padding: the spare slot)
+    mask: torch.Tensor  # [C, 1, Qmax, Lmax] bool (padding rows repeat the last real one)
+    real: torch.Tensor  # [n] the real queries' rows in the flattened [C * Qmax] output, in packed order
+
+
+@dataclass
 class PagedBatch:
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    # the first num_decodes queries attend one by one over contexts gathered from the pool: the decodes
+    # (in a CUDA graph, every query: engine.cuda_graphs)
     num_decodes: int = 0
-    decode_slots: torch.Tensor | None = None  # [D, Hkv, Lmax] slot*Hkv+head of each decode's context (padded)
+    decode_slots: torch.Tensor | None = None  # [D, Hkv, Lmax] slot*Hkv+head of each row's context (padded)
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, Lmax] bool
     prefills: list[PrefillGroup] = field(default_factory=list)
+    batched: BatchedPrefills | None = None  # after the prefills above
     # flash backend metadata (CUDA only)
     flash: dict | None = None
+
+
+def decode_metadata(groups: list[tuple[torch.Tensor, torch.Tensor | None]], num_kv_heads: int,
+                    rows: int | None = None, width: int | None = None, pad_slot: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``PagedBatch.decode_slots`` and ``decode_mask`` (on the host): one row per query, each over its
+    own context gathered from the pool. ``groups`` are the chunks in row order: the flat slots of their
+    context ``[L]`` and a mask ``[n, L]`` of what each of their ``n`` queries sees (None: one query that
+    sees it all, a decode). Padded to ``rows`` x ``width`` (default: just enough); padding reads
+    ``pad_slot``, masked off, and rows past the queries attend to that slot alone (a row with nothing
+    to attend to would make NaNs)."""
+    rows = rows or sum(1 if m is None else m.shape[0] for _, m in groups)
+    width = width or max(len(ctx) for ctx, _ in groups)
+    slots = torch.full((rows, width), pad_slot, dtype=torch.long)
+    mask = torch.zeros(rows, 1, 1, width, dtype=torch.bool)
+    r = 0
+    for ctx, m in groups:
+        n = 1 if m is None else m.shape[0]
+        slots[r:r + n, : len(ctx)] = ctx
+        mask[r:r + n, 0, 0, : len(ctx)] = True if m is None else m
+        r += n
+    mask[r:, 0, 0, 0] = True
+    head_slots = slots[:, None, :] * num_kv_heads + torch.arange(num_kv_heads)[None, :, None]  # [rows, Hkv, width]
+    return head_slots, mask
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[.., Hkv, L, D] -> [.., Hkv*groups, L, D] for grouped-query attention."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
+def _grouped(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """K, V and SDPA's keyword for grouped-query attention (torch < 2.5 has none: K/V repeated)."""
+    if groups == 1:
+        return k, v, {}
+    if _SDPA_GQA:
+        return k, v, {"enable_gqa": True}
+    return _expand_kv(k, groups), _expand_kv(v, groups), {}
 
 
 def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -80,9 +129,11 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     outs: list[torch.Tensor] = []
     if b.num_decodes:
         outs.append(_decode_attention(b, layer, q[:, : b.num_decodes], groups, scaling))
-    if b.prefills:
+    if b.prefills or b.batched is not None:
         with sdpa_kernel(SDPA_BACKENDS):  # once per layer: it sets (and restores) process-wide flags
             outs.extend(_prefill_attention(b, layer, query, key, value, groups, scaling))
+            if b.batched is not None:
+                outs.append(_batched_prefill_attention(b, layer, q, groups, scaling))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     return out.unsqueeze(0), None
 
@@ -103,18 +154,27 @@ def _prefill_attention(b: PagedBatch, layer: int, query: torch.Tensor, key: torc
         else:
             kc, vc = b.pool.read_slots(layer, g.ctx_slots)  # [ctx, Hkv, Dh]
             kp, vp = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)
-        gqa: dict = {}
-        if groups > 1:
-            if _SDPA_GQA:
-                gqa = {"enable_gqa": True}
-            else:  # torch < 2.5
-                kp, vp = _expand_kv(kp, groups), _expand_kv(vp, groups)
+        kp, vp, gqa = _grouped(kp, vp, groups)
         if g.mask is None:
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, **gqa)
         else:
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, scale=scaling, **gqa)
         outs.append(op[0].transpose(0, 1))  # [n, H, Dh]
     return outs
+
+
+def _batched_prefill_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, scaling: float | None
+                               ) -> torch.Tensor:
+    """``b.batched``'s chunks in one SDPA call: q ``[H, T, Dh]`` -> ``[n, H, Dh]`` of their queries."""
+    p = b.batched
+    c, lmax = p.ctx_slots.shape
+    qb = q[:, p.q_rows].transpose(0, 1)  # [C, H, Qmax, Dh]
+    k, v = b.pool.read_slots(layer, p.ctx_slots.reshape(-1))  # [C * Lmax, Hkv, Dh]
+    k = k.view(c, lmax, *k.shape[1:]).transpose(1, 2)  # [C, Hkv, Lmax, Dh]
+    v = v.view(c, lmax, *v.shape[1:]).transpose(1, 2)
+    k, v, gqa = _grouped(k, v, groups)
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=p.mask, scale=scaling, **gqa)  # [C, H, Qmax, Dh]
+    return out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])[p.real]
 
 
 def _decode_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, scaling: float | None

@@ -54,6 +54,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available
     attention_backend: str = "auto"  # auto: vllm_flash_attn on CUDA when importable, else SDPA
+    # steps run as CUDA graphs, by their token count (a decode step: one per sequence): these sizes are
+    # captured (TGI's list, up to 128 tokens for the short prefill chunks of cached prompts; empty: none)
+    cuda_graphs: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
     cache_namespace: str | None = None  # seeds the block hashes (router and replicas must agree); default: model_id
@@ -76,6 +79,9 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+        self.cuda_graphs = tuple(self.cuda_graphs)
+        if any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 for b in self.cuda_graphs):
+            raise ConfigError(f"cuda_graphs must list positive batch sizes (none: no graphs), got {list(self.cuda_graphs)}")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ConfigError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.max_batch_total_tokens is not None and self.max_batch_total_tokens < self.block_size:

@@ -16,6 +16,7 @@ from cache.radix import HotWalk
 from engine import attention
 from engine.config import ConfigError, EngineConfig
 from engine.cpu_linear import use_skinny_linear
+from engine.cuda_graphs import StepGraphs, graphs_blocker
 from engine.detokenizer import find_stop, flush_text, take_delta, update_text
 from engine.kv_manager import KVManager
 from engine.model_loader import LoadedModel, load_model
@@ -88,7 +89,8 @@ class LLMEngine:
         head = m.model.get_output_embeddings()
         if head is not None and m.device.type == "cpu" and m.dtype == torch.float32:
             use_skinny_linear(head)  # a faster decode lm_head (engine.cpu_linear)
-        self.runner = ModelRunner(m.model, self.pool, config.block_size, self.window, use_flash)
+        self.runner = ModelRunner(m.model, self.pool, config.block_size, self.window, use_flash,
+                                  self._step_graphs(use_flash))
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.capture_logits: dict[str, list[torch.Tensor]] | None = None  # tests: raw logits per step
@@ -99,6 +101,34 @@ class LLMEngine:
                  m.model_id, m.device, m.dtype, num_blocks, config.block_size, self.pool.nbytes / 2**20,
                  self.pool.storage_dtype if self.pool.fp8_dtype is None else self.pool.fp8_dtype,
                  self.attention_backend)
+
+    def _step_graphs(self, use_flash: bool) -> StepGraphs | None:
+        """CUDA graphs for small steps, where they can run (a CUDA device, the SDPA backend, a model whose
+        forward never waits on the host)."""
+        m = self.loaded
+        if m.device.type != "cuda" or not self.config.cuda_graphs:
+            return None
+        blocker = "the flash backend" if use_flash else graphs_blocker(m.config)
+        if blocker:
+            log.info("CUDA graphs off: %s", blocker)
+            return None
+        context = self.max_total_tokens  # a windowed prefill chunk's rows see up to window + chunk - 1 tokens
+        if self.window is not None:
+            context = min(self.window + max(self.config.cuda_graphs) - 1, context)
+        return StepGraphs(m.model, self.pool, self.config.cuda_graphs, context)
+
+    def capture_graphs(self) -> int:
+        """Capture the CUDA graphs of every (rows, context) bucket now rather than on first use, so that
+        no request waits for a capture; a replica does this before it takes traffic. Returns how
+        many it captured (0 where graphs are off)."""
+        g = self.runner.graphs
+        if g is None:
+            return 0
+        t0 = time.perf_counter()
+        n = g.capture_all()
+        log.info("captured %d CUDA graphs (step sizes %s, contexts up to %d tokens) in %.1f s%s", n, g.sizes,
+                 g.max_context, time.perf_counter() - t0, f"; {g.stats.disabled}" if g.stats.disabled else "")
+        return n
 
     def _eos_ids(self) -> set[int]:
         """Every id that ends a sequence: the model config's, ``generation_config.json``'s (where chat

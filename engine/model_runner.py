@@ -5,19 +5,24 @@ from __future__ import annotations
 import torch
 
 from cache.kv_pool import KVPool
-from engine.attention import PagedBatch, PrefillGroup
+from engine.attention import BatchedPrefills, PagedBatch, PrefillGroup, decode_metadata
+from engine.cuda_graphs import StepGraphs
 from engine.scheduler import Chunk
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, block_size: int, window_size: int | None,
-                 use_flash: bool = False):
+                 use_flash: bool = False, graphs: StepGraphs | None = None):
         self.model = model
         self.pool = pool
         self.block_size = block_size
         self.window = window_size
         self.device = pool.device
         self.use_flash = use_flash
+        self.graphs = graphs  # small steps as CUDA graphs (engine.cuda_graphs); None: always eager
+        # chunks over cached context in one padded SDPA call (attention.BatchedPrefills): on a GPU, where
+        # launches cost more than the padding; a CPU does the padding's arithmetic instead
+        self.batch_prefills = self.device.type == "cuda"
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -33,81 +38,109 @@ class ModelRunner:
             m &= k_pos[None, :] > q_pos[:, None] - self.window
         return m
 
+    def _rows(self, table: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One chunk as attention rows (``attention.decode_metadata``): its context's slots, and which of
+        them each query sees (None: one query that sees them all)."""
+        ctx0 = self._ctx_start(start)
+        ctx = self._slots(table, ctx0, end)
+        if end - start == 1:
+            return ctx, None
+        return ctx, self._mask(torch.arange(start, end), torch.arange(ctx0, end))
+
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk], sample_mask: list[bool]) -> torch.Tensor:
         """Run ``chunks`` (decodes first in the row); returns float32 logits ``[N, V]`` for the chunks
         whose ``sample_mask`` entry is set, in chunk order."""
-        order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens != 1)
+        # decodes, then chunks that start their sequence, then chunks over cached context
+        order = sorted(range(len(chunks)), key=lambda i: (chunks[i].num_tokens != 1, chunks[i].seq.num_computed > 0))
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         keep: dict[int, int] = {}
-        decode_ctx: list[torch.Tensor] = []
-        decode_pos: list[int] = []
-        prefills: list[PrefillGroup] = []
-        flash_meta = {"q": [0], "k": [0], "tables": []} if self.use_flash else None
+        spans: list[tuple[torch.Tensor, int, int]] = []  # (block table, first, end) of each chunk, packed order
         for i in order:
             c = chunks[i]
             seq = c.seq
             start, end = seq.num_computed, seq.num_computed + c.num_tokens
             table = torch.tensor(seq.block_table, dtype=torch.long)
-            q_start = len(ids)
+            if sample_mask[i]:
+                keep[i] = len(ids) + c.num_tokens - 1
             ids.extend(seq.tokens[start:end])
             positions.append(torch.arange(start, end))
             slots.append(self._slots(table, start, end))
-            if sample_mask[i]:
-                keep[i] = q_start + c.num_tokens - 1
-            if flash_meta is not None:
-                flash_meta["q"].append(flash_meta["q"][-1] + c.num_tokens)
-                flash_meta["k"].append(flash_meta["k"][-1] + end)
-                flash_meta["tables"].append(seq.block_table)
-                continue
-            ctx0 = self._ctx_start(start)
-            if c.num_tokens == 1:
-                decode_ctx.append(self._slots(table, ctx0, end))
-                decode_pos.append(start)
-            elif start == 0:
-                mask = None
-                if self.window is not None and end > self.window:
-                    p = torch.arange(0, end)
-                    mask = self._mask(p, p).to(self.device)
-                prefills.append(PrefillGroup(q_start, c.num_tokens, None, mask))
-            else:
-                q_pos = torch.arange(start, end)
-                k_pos = torch.arange(ctx0, end)
-                prefills.append(PrefillGroup(q_start, c.num_tokens, self._slots(table, ctx0, end).to(self.device),
-                                             self._mask(q_pos, k_pos).to(self.device)))
+            spans.append((table, start, end))
+        rows = [keep[i] for i in range(len(chunks)) if i in keep]  # logits rows to return, in chunk order
+        if self.graphs is not None and self.graphs.takes(len(ids)):
+            logits = self.graphs.run(ids, torch.cat(positions), torch.cat(slots), [self._rows(*x) for x in spans])
+            if logits is not None:
+                return logits[rows]
         dev = self.device
-        batch = PagedBatch(pool=self.pool, slot_mapping=torch.cat(slots).to(dev), prefills=prefills)
-        if decode_ctx:
-            lmax = max(len(x) for x in decode_ctx)
-            dslots = torch.zeros(len(decode_ctx), lmax, dtype=torch.long)
-            dmask = torch.zeros(len(decode_ctx), 1, 1, lmax, dtype=torch.bool)
-            for j, x in enumerate(decode_ctx):
-                dslots[j, : len(x)] = x
-                dmask[j, 0, 0, : len(x)] = True
-            hkv = self.pool.shape.num_kv_heads
-            head_slots = dslots[:, None, :] * hkv + torch.arange(hkv)[None, :, None]  # [D, Hkv, L]
-            batch.num_decodes = len(decode_ctx)
-            batch.decode_slots = head_slots.to(dev)
-            batch.decode_mask = dmask.to(dev)
-        if flash_meta is not None:
-            batch.flash = self._flash_meta(flash_meta, chunks)
+        batch = PagedBatch(pool=self.pool, slot_mapping=torch.cat(slots).to(dev))
+        if self.use_flash:
+            batch.flash = self._flash_meta(chunks, order, spans)
+        else:
+            decodes = [self._rows(*x) for x in spans if x[2] - x[1] == 1]
+            if decodes:
+                batch.num_decodes = len(decodes)
+                head_slots, mask = decode_metadata(decodes, self.pool.shape.num_kv_heads, pad_slot=self.pool.pad_slot)
+                batch.decode_slots, batch.decode_mask = head_slots.to(dev), mask.to(dev)
+            q_start = len(decodes)
+            chunks_left = spans[len(decodes):]
+            cached = [x for x in chunks_left if x[1] > 0]
+            if self.batch_prefills and len(cached) > 1:  # they come last in the row
+                chunks_left = chunks_left[: len(chunks_left) - len(cached)]
+                batch.batched = self._batched(cached, len(ids) - sum(end - start for _, start, end in cached))
+            for table, start, end in chunks_left:
+                batch.prefills.append(self._prefill(table, start, end, q_start))
+                q_start += end - start
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
         position_ids = torch.cat(positions).unsqueeze(0).to(dev)
-        keep_idx = torch.tensor([keep[i] for i in range(len(chunks)) if i in keep], dtype=torch.long, device=dev)
+        keep_idx = torch.tensor(rows, dtype=torch.long, device=dev)
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                          logits_to_keep=keep_idx, paged_batch=batch)
         return out.logits[0].float()
 
-    def _flash_meta(self, m: dict, chunks: list[Chunk]) -> dict:
+    def _prefill(self, table: torch.Tensor, start: int, end: int, q_start: int) -> PrefillGroup:
+        """A prefill chunk for SDPA: plain causal over its own K/V when it starts the sequence (and no
+        window cuts in), else masked over its context read back from the pool."""
+        n = end - start
+        if start == 0:
+            mask = None
+            if self.window is not None and end > self.window:
+                p = torch.arange(0, end)
+                mask = self._mask(p, p).to(self.device)
+            return PrefillGroup(q_start, n, None, mask)
+        ctx, mask = self._rows(table, start, end)
+        return PrefillGroup(q_start, n, ctx.to(self.device), mask.to(self.device))
+
+    def _batched(self, spans: list[tuple[torch.Tensor, int, int]], q_start: int) -> BatchedPrefills:
+        rows = [self._rows(*x) for x in spans]
+        q_max = max(end - start for _, start, end in spans)
+        l_max = max(len(ctx) for ctx, _ in rows)
+        q_rows = torch.zeros(len(spans), q_max, dtype=torch.long)
+        ctx_slots = torch.full((len(spans), l_max), self.pool.pad_slot, dtype=torch.long)
+        mask = torch.zeros(len(spans), 1, q_max, l_max, dtype=torch.bool)
+        real = []
+        for c, ((ctx, m), (_, start, end)) in enumerate(zip(rows, spans, strict=True)):
+            n = end - start
+            q_rows[c] = q_start + torch.arange(q_max).clamp_(max=n - 1)  # padding repeats the last query
+            ctx_slots[c, : len(ctx)] = ctx
+            mask[c, 0, :n, : len(ctx)] = m
+            mask[c, 0, n:, : len(ctx)] = m[-1]
+            real.append(c * q_max + torch.arange(n))
+            q_start += n
         dev = self.device
-        width = max(len(t) for t in m["tables"])
-        table = torch.zeros(len(m["tables"]), width, dtype=torch.int32)
-        for j, t in enumerate(m["tables"]):
+        return BatchedPrefills(q_rows.to(dev), ctx_slots.to(dev), mask.to(dev), torch.cat(real).to(dev))
+
+    def _flash_meta(self, chunks: list[Chunk], order: list[int], spans: list[tuple[torch.Tensor, int, int]]) -> dict:
+        dev = self.device
+        tables = [chunks[i].seq.block_table for i in order]
+        width = max(len(t) for t in tables)
+        table = torch.zeros(len(tables), width, dtype=torch.int32)
+        for j, t in enumerate(tables):
             table[j, : len(t)] = torch.tensor([max(b, 0) for b in t], dtype=torch.int32)
-        q = torch.tensor(m["q"], dtype=torch.int32)
-        k = torch.tensor(m["k"], dtype=torch.int32)
+        q = torch.tensor([0] + [end - start for _, start, end in spans], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        k = torch.tensor([0] + [end for _, _, end in spans], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return {"cu_seqlens_q": q.to(dev), "cu_seqlens_k": k.to(dev),
                 "max_seqlen_q": int((q[1:] - q[:-1]).max()), "max_seqlen_k": int((k[1:] - k[:-1]).max()),
                 "block_table": table.to(dev),

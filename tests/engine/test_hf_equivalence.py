@@ -109,3 +109,22 @@ def test_sliding_window_frees_generated_blocks(make_engine, hf_model):
     assert max(held) <= 24 // 4 + 2, f"window not enforced: held {max(held)} blocks"
     ref, _ = hf_greedy(hf_model("tiny-mistral"), p, 80)
     assert seq.output_ids == ref
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral"])
+def test_cache_hits_prefilled_together_in_one_padded_call_match_hf(preset, make_engine, hf_model, monkeypatch):
+    """Four prompts over a cached prefix, with tails of 3 to 40 tokens, in one step: on a GPU their
+    chunks share one SDPA call per layer (padded; windowed for Mistral). Forced on here."""
+    from engine import attention
+
+    calls = []
+    real = attention._batched_prefill_attention
+    monkeypatch.setattr(attention, "_batched_prefill_attention", lambda b, *a: calls.append(b) or real(b, *a))
+    eng = make_engine(preset, cuda_graphs=())  # on CUDA a graph would take a step this small
+    eng.runner.batch_prefills = True
+    base = prompts(eng.vocab_size)[0][:64]
+    eng.generate([base], SamplingParams(max_new_tokens=1))
+    batch = [base + [100 + i] + list(range(5, 4 + n)) for i, n in enumerate((3, 40, 17, 9))]  # tails share nothing
+    seqs, _ = assert_matches_hf(eng, hf_model(preset), batch)
+    assert [s.num_cached_prompt_tokens for s in seqs] == [64] * 4
+    assert {tuple(b.batched.q_rows.shape) for b in calls} == {(4, 40)}

@@ -145,6 +145,7 @@ def test_preflight_refuses_what_the_replicas_could_not_serve(tmp_path, tiny_fold
     assert "model type 'gpt2' is not supported" in preflight(Settings(model_id=str(gpt2), port=0), local_ray=True)
     small = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512, max_total_tokens=1024)
     assert "KV pool holds" in preflight(small, local_ray=True)
-    huge = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=10**12)
+    # on the CPU: a GPU's pool is the replica's to check (the CLI holds no CUDA context)
+    huge = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=10**12, device="cpu")
     assert "GiB free" in preflight(huge, local_ray=True)
     assert preflight(Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512), local_ray=True) is None

@@ -22,7 +22,7 @@ def test_prefill_attention_never_runs_cudnn(make_engine, monkeypatch):
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    eng = make_engine("tiny", max_prefill_chunk_tokens=32)
+    eng = make_engine("tiny", max_prefill_chunk_tokens=32, cuda_graphs=())  # graphs take short chunks on CUDA
     prefix = list(range(20, 84))
     eng.generate([prefix + [5, 6, 7]], SamplingParams(max_new_tokens=2))
     eng.generate([prefix + [8, 9]], SamplingParams(max_new_tokens=2))  # cached prefix: masked path

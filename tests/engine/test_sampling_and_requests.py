@@ -150,6 +150,7 @@ def test_request_larger_than_the_pool_is_refused(make_engine):
     (dict(dtype="float64"), "dtype"),
     (dict(max_prefill_chunk_tokens=0), "max_prefill_chunk_tokens"),
     (dict(max_total_tokens=100_000), "context"),
+    (dict(cuda_graphs=(1, 0)), "cuda_graphs"),
 ])
 def test_bad_config_fails_at_start(loaded, kw, msg):
     m = loaded("tiny")

@@ -80,3 +80,14 @@ def test_a_replica_count_and_autoscaling_follow_the_sources_precedence():
     with pytest.raises(ValueError, match="RADIXSERVE_NUM_REPLICA"):  # a typo is not ignored
         Settings.from_sources(env={"RADIXSERVE_NUM_REPLICA": "2"})
     Settings.from_sources(env={"RADIXSERVE_HOME": "/tmp", "RADIXSERVE_URL": "x"})  # not settings, not typos
+
+
+def test_cuda_graph_sizes_come_as_tgi_takes_them():
+    """``--cuda-graphs 1,2,4`` (a flag or RADIXSERVE_CUDA_GRAPHS), 0 for none, a list in a config file."""
+    assert Settings.from_sources(cli={"cuda_graphs": "1,2,4"}).engine_config("m").cuda_graphs == (1, 2, 4)
+    assert Settings.from_sources(env={"RADIXSERVE_CUDA_GRAPHS": "0"}).engine_config("m").cuda_graphs == ()
+    assert Settings.from_sources(file={"cuda_graphs": [8, 16]}).cuda_graphs == [8, 16]
+    assert Settings().engine_config("m").cuda_graphs == (1, 2, 4, 8, 16, 32, 64, 128)
+    for bad in ("1,x", "-2", [0, 4]):
+        with pytest.raises(ValueError, match="cuda_graphs"):
+            Settings.from_sources(cli={"cuda_graphs": bad})
