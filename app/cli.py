@@ -27,6 +27,8 @@ def _flag_type(annotation) -> tuple[type | None, list[str] | None]:
     base = args[0]
     if typing.get_origin(base) is typing.Literal:
         return str, list(typing.get_args(base))
+    if typing.get_origin(annotation) is list:  # comma-separated: the setting's validator splits it
+        return str, None
     return (base if base in (int, float, str, bool) else str), None
 
 
@@ -413,8 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "OLMo 2) with a byte-level tokenizer")
     p.add_argument("path", help="folder to write (created if missing)")
     p.add_argument("--preset", default="tiny", choices=PRESET_NAMES,
-                   help="tiny: the built-in model; bench: the benchmarks' 40M-parameter Llama; bench-1b: a 1.1B-parameter "
-                        "Llama for GPU benchmarks (4.4 GB); the others: small "
+                   help="tiny: the built-in model; bench: the benchmarks' 40M-parameter Llama; bench-1b: a 0.85B-parameter "
+                        "Llama for GPU benchmarks (3.4 GB); the others: small "
                         "models of each supported architecture (tiny-mistral has a sliding window; default: tiny)")
     p.add_argument("--seed", type=int, default=0, help="of the random weights (default: 0)")
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")

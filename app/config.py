@@ -122,6 +122,8 @@ class Settings(BaseModel):
                 v = [int(x) for x in v.replace(" ", "").split(",") if x]
             except ValueError:
                 raise ValueError(f"cuda_graphs must be comma-separated batch sizes, got {v!r}") from None
+        if isinstance(v, int) and not isinstance(v, bool):  # a config file's `cuda_graphs: 8` (or 0)
+            v = [v]
         if isinstance(v, list) and v == [0]:
             return []
         if isinstance(v, list) and any(not isinstance(x, int) or x <= 0 for x in v):

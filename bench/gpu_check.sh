@@ -2,7 +2,7 @@
 # GPU check, one script: the engine and cache tests on CUDA (float32, compared with transformers; CUDA
 # graphs captured and replayed), then the engine benchmark in bf16 (with the transformers variants on the
 # same GPU, and the engine without CUDA graphs beside it), then a prefill-heavy variant of it (4,096-token
-# shared prefixes, 16 output tokens), then the same on a 1.1B-parameter model with the time of each kind
+# shared prefixes, 16 output tokens), then the same on a 0.85B-parameter model with the time of each kind
 # of step (bench.step_profile), then a short table. About 3-4 minutes on an H200. Run from the
 # repository root on a CUDA machine with torch and the engine's dependencies (transformers, tokenizers,
 # safetensors, pydantic, xxhash, hypothesis, pytest) installed: `bash bench/gpu_check.sh`. Logs and the plot go
@@ -40,7 +40,7 @@ mkdir -p "$OUT/long"
 timeout "${LONG_TIMEOUT:-200}" $PY -m bench.engine_bench --skip-hf --system-len 4096 --output-len 16 \
   --out "$OUT/long" ${BENCH_ARGS:-} >"$OUT/bench_long.log" 2>&1
 grep -E '^\||^###|^- |^\{' "$OUT/bench_long.log"
-echo "== a 1.1B-parameter model (bench-1b), engine only; then where each kind of step's time goes"
+echo "== a 0.85B-parameter model (bench-1b), engine only; then where each kind of step's time goes"
 timeout "${BIG_TIMEOUT:-200}" bash -c "$PY -c \"from engine.model_init import write_model; write_model('/tmp/bench-1b', 'bench-1b')\" \
   && mkdir -p '$OUT/1b' && $PY -m bench.engine_bench --skip-hf --model-dir /tmp/bench-1b --out '$OUT/1b' ${BENCH_ARGS:-} \
   && $PY -m bench.step_profile --model-dir /tmp/bench-1b --profile-steps 0" >"$OUT/bench_1b.log" 2>&1

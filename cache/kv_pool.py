@@ -139,6 +139,7 @@ class KVPool:
         return self._data[layer, 0], self._data[layer, 1]
 
     def set_scales(self, k_scale: torch.Tensor | list[float], v_scale: torch.Tensor | list[float]) -> None:
+        """Per-layer fp8 scales. Before CUDA graphs are captured: a graph keeps the values it saw."""
         self.k_scale = torch.as_tensor(k_scale, dtype=torch.float32).reshape(self.shape.num_layers).clone()
         self.v_scale = torch.as_tensor(v_scale, dtype=torch.float32).reshape(self.shape.num_layers).clone()
 

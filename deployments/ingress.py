@@ -32,6 +32,7 @@ from app.schemas import TGI_FINISH, ChatRequest, CompletionRequest, TGIRequest, 
 from cache.hashing import block_hashes
 from deployments.logs import show_our_info_logs
 from deployments.metrics import HubClient, render
+from routing import in_process
 from routing.prefix_router import avoid_replica, request_ended
 
 log = logging.getLogger("radixserve.ingress")
@@ -391,11 +392,12 @@ class Ingress:
         return True
 
     def _heartbeat(self) -> None:
-        """Twice a second: this replica's requests in flight to the hub, the hub's drain back."""
+        """Twice a second: this replica's requests in flight and its routers' counts to the hub, the
+        hub's drain back."""
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                told = self._hub.call("ingress_poll", self._replica_id, InFlight.count, timeout=HEALTH_TIMEOUT_S,
-                                      renew=False)
+                told = self._hub.call("ingress_poll", self._replica_id, InFlight.count, dict(in_process.ROUTED),
+                                      timeout=HEALTH_TIMEOUT_S, renew=False)
                 # the hub's word (a drain whose CLI died ends when its renewals lapse), or drain()'s own
                 InFlight.draining = bool(told) or time.monotonic() < self._drained_until
             except Exception as e:  # noqa: BLE001 - the hub is restarting: keep the last word

@@ -56,7 +56,7 @@ class LLMServer:
             # replicas share the machine's cores; oversubscribed torch threads only slow everyone down
             cfg.num_threads = max(1, int(self.settings.replica_num_cpus) or 1)
         self.engine = LLMEngine(cfg)
-        self.engine.capture_graphs()  # CUDA: every decode graph before traffic (no-op elsewhere)
+        self.engine.capture_graphs()  # CUDA: every step graph before traffic (no-op elsewhere)
         self.block_size = cfg.block_size
         if self.engine.kv.cache is not None:
             self.engine.kv.cache.record_events = True  # drained by _collect_events
@@ -174,7 +174,7 @@ class LLMServer:
     def _snapshot(self, engine: LLMEngine) -> dict[str, Any]:
         s = engine.kv_stats()
         st = engine.stats
-        for key, src in (("ttft", st.ttft_s), ("itl", st.itl_s)):
+        for key, src in (("ttft", st.ttft_s), ("itl", st.itl_s), ("e2e", st.e2e_s)):
             while src:
                 self._hists[key].observe(src.popleft())
         return {**s, "blocks_used": s["blocks_total"] - s["blocks_free"],

@@ -16,10 +16,11 @@ from typing import Any
 import ray
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STALE_AFTER_S = 30.0
 RETIRED_MERGE_S = 600.0
-HUB_VERSION = 4  # in the hub's name: a detached hub of older code (without `cut`) is not reused
+HUB_VERSION = 5  # in the hub's name: a detached hub of older code (without the routers' counts) is not reused
 HUNG_AFTER_TIMEOUTS = 2  # calls in a row that time out before a client restarts the hub
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,14 @@ COUNTERS = {
     "radixserve_preemptions_total": ("preemptions", "Sequences preempted for lack of KV blocks."),
     "radixserve_directory_errors_total": ("directory_errors",
                                           "Hot-prefix directory (Redis) calls that failed; serving went on."),
+    # the ingress replicas' prefix routers (replica="all" only): routing happens before any replica
+    "radixserve_router_affinity_hits_total": ("router_affinity_hits",
+                                              "Requests the prefix router sent to a replica it believed held at "
+                                              "least a block of their prompt."),
+    "radixserve_router_cold_routes_total": ("router_cold_routes",
+                                            "Requests the prefix router placed without such a match (a new "
+                                            "prefix, a spill off a busy holder; the pow2 and round_robin "
+                                            "routers count none)."),
 }
 GAUGES = {
     "radixserve_cache_blocks_used": ("blocks_used", "KV blocks in use or cached (not free)."),
@@ -57,9 +66,14 @@ GAUGES = {
     "radixserve_queue_depth": ("waiting", "Requests waiting for admission."),
 }
 PER_REPLICA_ONLY = frozenset({"radixserve_first_request_cached_tokens"})  # a fleet sum would mean nothing
+FLEET_ONLY = frozenset({"radixserve_router_affinity_hits_total", "radixserve_router_cold_routes_total"})
+ROUTER_KEYS = ("router_affinity_hits", "router_cold_routes")
 HISTOGRAMS = {
     "radixserve_time_to_first_token_seconds": ("ttft", "Time to first token.", TTFT_BUCKETS),
     "radixserve_inter_token_latency_seconds": ("itl", "Time between generated tokens.", ITL_BUCKETS),
+    "radixserve_request_latency_seconds": ("e2e", "Time from a request's arrival at its replica to its end "
+                                           "(waiting, prefill and generation; cancelled ones not counted).",
+                                           E2E_BUCKETS),
 }
 
 
@@ -121,7 +135,8 @@ def render(snapshots: dict[str, dict[str, Any]], retired: dict[str, Any] | None 
     lines: list[str] = []
     for name, (key, help_) in COUNTERS.items():
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter"]
-        lines += [f'{name}{{replica="{_esc(r)}"}} {float(s.get(key, 0))}' for r, s in snaps.items()]
+        lines += [f'{name}{{replica="{_esc(r)}"}} {float(s.get(key, 0))}' for r, s in snaps.items()
+                  if r == "all" or name not in FLEET_ONLY]
     for name, (key, help_) in GAUGES.items():
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge"]
         lines += [f'{name}{{replica="{_esc(r)}"}} {float(s.get(key, 0))}' for r, s in snaps.items()
@@ -167,6 +182,9 @@ class SnapshotStore:
         self._draining_until = float("-inf")  # the CLI's drain, refreshed while it lasts (see drain)
         # ingress replica -> (when, requests in flight, whether it was told of the drain then)
         self._ingress: dict[str, tuple[float, int, bool]] = {}
+        # ingress replica -> its routers' counters (cumulative); those of ingress replicas gone, summed
+        self._routing: dict[str, dict[str, int]] = {}
+        self._routing_gone: dict[str, Any] = {}
         self._cut: set[str] = set()  # replicas told to end what still runs (see cut)
 
     def push(self, replica: str, snapshot: dict) -> bool:
@@ -202,6 +220,9 @@ class SnapshotStore:
         live = self.snapshots()
         retired: dict[str, Any] = {}
         _add(retired, self._merged)
+        _add(retired, self._routing_gone)
+        for counts in self._routing.values():
+            _add(retired, counts)
         for _, totals in self._retired.values():
             _add(retired, totals)
         return live, retired
@@ -241,13 +262,17 @@ class SnapshotStore:
         drains, so a drain whose CLI died does not outlive it)."""
         self._draining_until = max(self._draining_until, self._clock() + for_s)
 
-    def ingress_poll(self, replica: str, in_flight: int) -> bool:
-        """An ingress replica's heartbeat: its requests in flight in; whether to drain out."""
+    def ingress_poll(self, replica: str, in_flight: int, routing: dict[str, int] | None = None) -> bool:
+        """An ingress replica's heartbeat: its requests in flight (and its routers' counters) in; whether
+        to drain out."""
         now = self._clock()
         told = now < self._draining_until
         self._ingress[replica] = (now, in_flight, told)
+        if routing is not None:
+            self._routing[replica] = {k: int(routing.get(k, 0)) for k in ROUTER_KEYS}
         for r in [r for r, (at, *_) in self._ingress.items() if now - at >= STALE_AFTER_S]:
             del self._ingress[r]  # bounded: replicas gone long ago
+            _add(self._routing_gone, self._routing.pop(r, {}))  # its counts stay in the sums
         return told
 
     def ingress_in_flight(self, within_s: float) -> int:

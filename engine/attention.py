@@ -69,15 +69,15 @@ class PagedBatch:
     flash: dict | None = None
 
 
-def decode_metadata(groups: list[tuple[torch.Tensor, torch.Tensor | None]], num_kv_heads: int,
-                    rows: int | None = None, width: int | None = None, pad_slot: int = 0
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``PagedBatch.decode_slots`` and ``decode_mask`` (on the host): one row per query, each over its
-    own context gathered from the pool. ``groups`` are the chunks in row order: the flat slots of their
-    context ``[L]`` and a mask ``[n, L]`` of what each of their ``n`` queries sees (None: one query that
-    sees it all, a decode). Padded to ``rows`` x ``width`` (default: just enough); padding reads
-    ``pad_slot``, masked off, and rows past the queries attend to that slot alone (a row with nothing
-    to attend to would make NaNs)."""
+def decode_metadata(groups: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int | None = None,
+                    width: int | None = None, pad_slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat context slots ``[rows, width]`` and ``decode_mask`` (on the host) of queries attended
+    one by one, each over its own context gathered from the pool (``head_slots`` makes
+    ``PagedBatch.decode_slots`` of the slots, on the device). ``groups`` are the chunks in row order:
+    the flat slots of their context ``[L]`` and a mask ``[n, L]`` of what each of their ``n`` queries
+    sees (None: one query that sees it all, a decode). Padded to ``rows`` x ``width`` (default: just
+    enough); padding reads ``pad_slot``, masked off, and rows past the queries attend to that slot
+    alone (a row with nothing to attend to would make NaNs)."""
     rows = rows or sum(1 if m is None else m.shape[0] for _, m in groups)
     width = width or max(len(ctx) for ctx, _ in groups)
     slots = torch.full((rows, width), pad_slot, dtype=torch.long)
@@ -89,8 +89,14 @@ def decode_metadata(groups: list[tuple[torch.Tensor, torch.Tensor | None]], num_
         mask[r:r + n, 0, 0, : len(ctx)] = True if m is None else m
         r += n
     mask[r:, 0, 0, 0] = True
-    head_slots = slots[:, None, :] * num_kv_heads + torch.arange(num_kv_heads)[None, :, None]  # [rows, Hkv, width]
-    return head_slots, mask
+    return slots, mask
+
+
+def head_slots(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[rows, width]`` flat slots -> ``[rows, Hkv, width]`` rows of the pool's per-head layout
+    (``slot * Hkv + head``): built where the slots are, so only the slots cross to the device."""
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    return slots[:, None, :] * num_kv_heads + heads[None, :, None]
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -98,11 +104,14 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
 
 
-def _grouped(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """K, V and SDPA's keyword for grouped-query attention (torch < 2.5 has none: K/V repeated)."""
+def _grouped(k: torch.Tensor, v: torch.Tensor, groups: int, masked: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """K, V and SDPA's keyword for grouped-query attention. K/V are repeated instead where torch < 2.5
+    has no keyword, and for a masked call on CUDA: there flash takes no mask and the memory-efficient
+    kernel no grouped heads, so ``enable_gqa`` would leave only the math kernel."""
     if groups == 1:
         return k, v, {}
-    if _SDPA_GQA:
+    if _SDPA_GQA and not (masked and k.is_cuda):
         return k, v, {"enable_gqa": True}
     return _expand_kv(k, groups), _expand_kv(v, groups), {}
 
@@ -154,7 +163,7 @@ def _prefill_attention(b: PagedBatch, layer: int, query: torch.Tensor, key: torc
         else:
             kc, vc = b.pool.read_slots(layer, g.ctx_slots)  # [ctx, Hkv, Dh]
             kp, vp = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)
-        kp, vp, gqa = _grouped(kp, vp, groups)
+        kp, vp, gqa = _grouped(kp, vp, groups, masked=g.mask is not None)
         if g.mask is None:
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, **gqa)
         else:
@@ -172,7 +181,7 @@ def _batched_prefill_attention(b: PagedBatch, layer: int, q: torch.Tensor, group
     k, v = b.pool.read_slots(layer, p.ctx_slots.reshape(-1))  # [C * Lmax, Hkv, Dh]
     k = k.view(c, lmax, *k.shape[1:]).transpose(1, 2)  # [C, Hkv, Lmax, Dh]
     v = v.view(c, lmax, *v.shape[1:]).transpose(1, 2)
-    k, v, gqa = _grouped(k, v, groups)
+    k, v, gqa = _grouped(k, v, groups, masked=True)
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=p.mask, scale=scaling, **gqa)  # [C, H, Qmax, Dh]
     return out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])[p.real]
 

@@ -17,6 +17,7 @@ Steps with more tokens than the largest size, contexts over ``MAX_GRAPH_CONTEXT`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -24,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from cache.kv_pool import KVPool
-from engine.attention import PagedBatch, decode_metadata
-from engine.model_support import rope_type
+from engine.attention import PagedBatch, decode_metadata, head_slots
+from engine.model_support import LONGROPE, rope_type
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ MIN_GRAPH_CONTEXT = 256
 # decodes over 8,192 tokens, or 128 rows over 2,048
 MAX_ROW_CONTEXT = 32 * 8192
 # RoPE types whose transformers update reads the positions on the host: a sync, which capture forbids
-HOST_ROPE_TYPES = ("dynamic", "longrope", "su")
+HOST_ROPE_TYPES = ("dynamic", *LONGROPE)
 
 
 def graphs_blocker(config) -> str | None:
@@ -58,6 +59,7 @@ class GraphStats:
     steps: int = 0  # engine steps run through a bucket (graph replays; padded eager runs without capture)
     capture_s: float = 0.0
     disabled: str | None = None  # why graphs are no longer used (a capture failed), else None
+    skipped: int = 0  # buckets left eager: their capture ran out of device memory
 
 
 @dataclass
@@ -67,7 +69,7 @@ class _Bucket:
     input_ids: torch.Tensor  # [1, B]
     position_ids: torch.Tensor  # [1, B]
     slot_mapping: torch.Tensor  # [B]
-    decode_slots: torch.Tensor  # [B, Hkv, L]
+    ctx_slots: torch.Tensor  # [B, L] flat slots of each row's context (per KV head: inside the graph)
     decode_mask: torch.Tensor  # [B, 1, 1, L]
     logits: torch.Tensor | None = None  # [B, V], written by the replay
     graph: torch.cuda.CUDAGraph | None = None
@@ -84,7 +86,17 @@ class StepGraphs:
         self.capture = capture
         self.stats = GraphStats()
         self._buckets: dict[tuple[int, int], _Bucket] = {}
-        self._mempool = torch.cuda.graph_pool_handle() if capture else None
+        self._skipped: set[tuple[int, int]] = set()
+        self._mempool = None
+        if capture:
+            with self._on_device():
+                self._mempool = torch.cuda.graph_pool_handle()
+
+    def _on_device(self):
+        """CUDA calls on the pool's device (``cuda:1`` need not be the current one: a graph captured on
+        another device's stream would be empty)."""
+        dev = self.pool.device
+        return torch.cuda.device(dev) if self.capture and dev.type == "cuda" else contextlib.nullcontext()
 
     def takes(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens may fit a graph (checked before its rows are built)."""
@@ -96,7 +108,8 @@ class StepGraphs:
             return None
         size = next(s for s in self.sizes if s >= rows)
         width = min(self.max_context, max(MIN_GRAPH_CONTEXT, next_pow2(context)))
-        return (size, width) if size * width <= MAX_ROW_CONTEXT else None
+        key = (size, width)
+        return key if size * width <= MAX_ROW_CONTEXT and key not in self._skipped else None
 
     def run(self, ids: list[int], positions: torch.Tensor, slots: torch.Tensor,
             groups: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor | None:
@@ -117,7 +130,8 @@ class StepGraphs:
             for name, value in host.items():
                 getattr(b, name).copy_(value)
         if b.graph is not None:
-            b.graph.replay()
+            with self._on_device():
+                b.graph.replay()
         else:
             b.logits = self._forward(b)
         self.stats.steps += 1
@@ -132,8 +146,9 @@ class StepGraphs:
             for width in reversed(sorted(set(widths))):
                 if self.stats.disabled is not None:
                     return self.stats.captured - before
-                if size * width <= MAX_ROW_CONTEXT and (size, width) not in self._buckets:  # padding rows only: they write the spare slot alone
-                    empty = torch.empty(0, dtype=torch.long)
+                key = (size, width)
+                if size * width <= MAX_ROW_CONTEXT and key not in self._buckets and key not in self._skipped:
+                    empty = torch.empty(0, dtype=torch.long)  # padding rows only: they write the spare slot
                     self._new_bucket((size, width), self._host([], empty, empty, [], size, width))
         return self.stats.captured - before
 
@@ -141,16 +156,17 @@ class StepGraphs:
               groups: list[tuple[torch.Tensor, torch.Tensor | None]], size: int, width: int) -> dict[str, torch.Tensor]:
         """A bucket's inputs on the host: the rows given, then padding rows up to ``size``."""
         pad = self.pool.pad_slot
-        head_slots, mask = decode_metadata(groups, self.pool.shape.num_kv_heads, size, width, pad)
+        ctx_slots, mask = decode_metadata(groups, size, width, pad)
         filler = size - len(ids)
         return {"input_ids": torch.tensor([ids + [0] * filler], dtype=torch.long),
                 "position_ids": torch.cat([positions, positions.new_zeros(filler)]).unsqueeze(0),
                 "slot_mapping": torch.cat([slots, slots.new_full((filler,), pad)]),
-                "decode_slots": head_slots, "decode_mask": mask}
+                "ctx_slots": ctx_slots, "decode_mask": mask}
 
     def _forward(self, b: _Bucket) -> torch.Tensor:
         batch = PagedBatch(pool=self.pool, slot_mapping=b.slot_mapping, num_decodes=b.input_ids.shape[1],
-                           decode_slots=b.decode_slots, decode_mask=b.decode_mask)
+                           decode_slots=head_slots(b.ctx_slots, self.pool.shape.num_kv_heads),
+                           decode_mask=b.decode_mask)
         out = self.model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False, logits_to_keep=0,
                          paged_batch=batch)
         return out.logits[0]
@@ -163,21 +179,31 @@ class StepGraphs:
             return b
         t0 = time.perf_counter()
         try:
-            # a first eager run on a side stream, as PyTorch asks: lazy initialisations (cuBLAS workspaces)
-            # must not happen during capture; it writes the same K/V the replay will write
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                self._forward(b)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the async engine's other threads may touch CUDA while this one captures
-            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                b.logits = self._forward(b)
+            with self._on_device():
+                # a first eager run on a side stream, as PyTorch asks: lazy initialisations (cuBLAS
+                # workspaces) must not happen during capture; it writes the same K/V the replay will write
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    self._forward(b)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the async engine's other threads may touch CUDA while this one captures
+                with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                    b.logits = self._forward(b)
             b.graph = graph
+        except torch.cuda.OutOfMemoryError:  # this bucket alone stays eager; smaller ones may still fit
+            self._skipped.add(key)
+            self.stats.skipped += 1
+            log.warning("no CUDA graph for %d rows x %d context tokens: out of device memory (eager instead)", *key)
+            return None
         except Exception as e:  # noqa: BLE001 - serve eagerly rather than fail: said once, in the log and /info
             self.stats.disabled = f"capture failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             log.warning("CUDA graphs off, every step runs eagerly: %s", self.stats.disabled)
+            self._buckets.clear()  # the graphs, their inputs and their memory pool go back
+            self._mempool = None
+            with self._on_device():
+                torch.cuda.empty_cache()
             return None
         self._buckets[key] = b
         self.stats.captured += 1
@@ -189,4 +215,4 @@ class StepGraphs:
     def info(self) -> dict:
         s = self.stats
         return {"batch_sizes": self.sizes, "max_context": self.max_context, "captured": s.captured,
-                "steps": s.steps, "capture_s": round(s.capture_s, 3), "disabled": s.disabled}
+                "skipped": s.skipped, "steps": s.steps, "capture_s": round(s.capture_s, 3), "disabled": s.disabled}

@@ -46,6 +46,7 @@ class EngineStats:
     prefill_tokens_computed: int = 0
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=4096))
     itl_s: deque = field(default_factory=lambda: deque(maxlen=4096))
+    e2e_s: deque = field(default_factory=lambda: deque(maxlen=4096))  # arrival to end, finished requests
     steps: int = 0
 
 
@@ -303,6 +304,7 @@ class LLMEngine:
             self.stats.warmups_finished += 1
         else:
             self.stats.requests_finished += 1
+            self.stats.e2e_s.append(time.monotonic() - seq.arrival)
         return TokenEvent(seq.request_id, None, take_delta(seq, final=True), None, True, reason,
                           num_prompt_tokens=len(seq.prompt_ids), num_cached_tokens=seq.num_cached_prompt_tokens,
                           num_output_tokens=len(seq.output_ids))

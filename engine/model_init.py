@@ -28,7 +28,7 @@ PRESETS: dict[str, dict] = {
     # The benchmark model of the project's design notes.
     "bench": dict(architecture="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=2, vocab_size=32000, max_position_embeddings=8192),
-    # For GPUs: a 1.1B-parameter Llama (4.4 GB on disk), big enough that prefill arithmetic shows
+    # For GPUs: a 0.85B-parameter Llama (3.4 GB on disk), big enough that prefill arithmetic shows
     "bench-1b": dict(architecture="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                      num_attention_heads=16, num_key_value_heads=4, vocab_size=32000, max_position_embeddings=8192),
     # Sliding-window and Qwen variants, for architecture coverage in tests.

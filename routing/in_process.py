@@ -10,3 +10,6 @@ import weakref
 ROUTERS: weakref.WeakSet = weakref.WeakSet()  # live PrefixAwareRequestRouter instances
 # Replicas whose engine failed while their actor lives on: replica id -> time.monotonic() deadline.
 FAILED: dict[str, float] = {}
+# What this process's prefix routers decided, cumulative (routers come and go with their handles): sent to
+# the metrics hub by the ingress heartbeat
+ROUTED: dict[str, int] = {"router_affinity_hits": 0, "router_cold_routes": 0}

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from engine.attention import decode_metadata
+from engine.attention import decode_metadata, head_slots
 from engine.cuda_graphs import StepGraphs, graphs_blocker, next_pow2
 from engine.sequence import SamplingParams
 from tests.engine.conftest import DEVICE, hf_greedy
@@ -45,7 +45,8 @@ def test_buckets_pad_the_batch_to_a_listed_size_and_the_context_to_a_power_of_tw
 def test_rows_are_one_per_query_each_over_its_own_context_and_padding_sees_the_spare_slot():
     decode_a, decode_b = (torch.tensor([3, 4, 5]), None), (torch.tensor([7]), None)
     chunk = (torch.tensor([20, 21, 22]), torch.tensor([[True, True, False], [True, True, True]]))  # 2 queries
-    slots, mask = decode_metadata([decode_a, decode_b, chunk], 2, rows=6, width=4, pad_slot=99)
+    flat, mask = decode_metadata([decode_a, decode_b, chunk], rows=6, width=4, pad_slot=99)
+    slots = head_slots(flat, 2)
     assert slots.shape == (6, 2, 4) and mask.shape == (6, 1, 1, 4)
     assert slots[0, 1].tolist() == [7, 9, 11, 199]  # slot * heads + head; padding reads the spare slot
     assert slots[3, 0].tolist() == slots[2, 0].tolist() == [40, 42, 44, 198]
@@ -53,7 +54,7 @@ def test_rows_are_one_per_query_each_over_its_own_context_and_padding_sees_the_s
                                       [True, True, False, False], [True, True, True, False],
                                       [True, False, False, False], [True, False, False, False]]
     assert slots[5, 0].tolist() == [198] * 4
-    assert decode_metadata([decode_a, chunk], 1)[0].shape == (3, 1, 3)  # default: just enough
+    assert decode_metadata([decode_a, chunk])[0].shape == (3, 3)  # default: just enough
 
 
 @pytest.mark.parametrize("preset,ahead", [("tiny", False), ("tiny-mistral", False), ("tiny-qwen3", True)])
@@ -112,10 +113,10 @@ def test_models_whose_rope_reads_positions_on_the_host_are_not_captured():
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
 def test_on_cuda_the_engine_captures_by_default_and_matches_its_eager_self(make_engine):
     batch = prompts(1000)
-    ref = make_engine("tiny", cuda_graphs=())
+    ref = make_engine("tiny", cuda_graphs=(), attention_backend="sdpa")
     assert ref.runner.graphs is None
     eager = [s.output_ids for s in ref.generate(batch, SamplingParams(max_new_tokens=16, ignore_eos=True))]
-    engine = make_engine("tiny")
+    engine = make_engine("tiny", attention_backend="sdpa")  # the flash backend turns graphs off
     g = engine.runner.graphs
     assert g is not None and g.sizes == [1, 2, 4, 8, 16, 32, 64, 128]
     out = [s.output_ids for s in engine.generate(batch, SamplingParams(max_new_tokens=16, ignore_eos=True))]
@@ -125,7 +126,7 @@ def test_on_cuda_the_engine_captures_by_default_and_matches_its_eager_self(make_
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
 def test_a_capture_that_fails_leaves_the_engine_serving_eagerly(make_engine, monkeypatch):
-    engine = make_engine("tiny")
+    engine = make_engine("tiny", attention_backend="sdpa")
     g = engine.runner.graphs
 
     def broken(*a, **kw):
@@ -135,3 +136,25 @@ def test_a_capture_that_fails_leaves_the_engine_serving_eagerly(make_engine, mon
     seqs = engine.generate(prompts(1000)[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert all(len(s.output_ids) == 8 for s in seqs)
     assert g.stats.disabled and "capture failed" in g.stats.disabled and g.stats.captured == 0
+    assert not g._buckets  # nothing kept of it
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
+def test_a_bucket_out_of_device_memory_stays_eager_and_the_others_replay(make_engine, monkeypatch):
+    engine = make_engine("tiny", attention_backend="sdpa")
+    g = engine.runner.graphs
+    real, made = torch.cuda.CUDAGraph, []
+
+    def short_of_memory_at_first(*a, **kw):  # largest first: sizes 128 (4 contexts) and 64 (5) fail
+        made.append(1)
+        if len(made) <= 9:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", short_of_memory_at_first)
+    engine.capture_graphs()
+    assert g.stats.disabled is None and g.stats.skipped == 9 and g.stats.captured > 0
+    assert all(size < 64 for size, _ in g._buckets)
+    assert g.bucket(100, 300) is None and g.bucket(8, 300) == (8, 512)
+    seqs = engine.generate(prompts(1000)[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert all(len(s.output_ids) == 8 for s in seqs) and g.stats.steps > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine.sequence import SamplingParams
 from tests.engine.conftest import hf_greedy
@@ -32,8 +33,6 @@ def assert_matches_hf(engine, hf, batch, n=NEW):
         ref_tokens, ref_logits = hf_greedy(hf, prompt, n)
         mine = engine.capture_logits[seq.request_id]
         assert len(mine) == n
-        import torch
-
         diff = (torch.stack(mine).cpu() - ref_logits).abs().max().item()
         worst = max(worst, diff)
         assert diff < TOL, f"logits differ by {diff}"
@@ -128,3 +127,35 @@ def test_cache_hits_prefilled_together_in_one_padded_call_match_hf(preset, make_
     seqs, _ = assert_matches_hf(eng, hf_model(preset), batch)
     assert [s.num_cached_prompt_tokens for s in seqs] == [64] * 4
     assert {tuple(b.batched.q_rows.shape) for b in calls} == {(4, 40)}
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral"])
+def test_batched_cache_hits_beside_decodes_and_a_fresh_prompt_match_hf(preset, make_engine, hf_model, monkeypatch):
+    """One step with two running decodes, a prompt that starts its sequence and three cache hits (the
+    batched call comes last in the packed row): every output as transformers' ``generate``."""
+    from engine import attention
+
+    steps = []
+    real = attention._batched_prefill_attention
+    monkeypatch.setattr(attention, "_batched_prefill_attention",
+                        lambda b, *a: steps.append((b.num_decodes, len(b.prefills))) or real(b, *a))
+    eng = make_engine(preset, cuda_graphs=())
+    eng.runner.batch_prefills = True
+    eng.capture_logits = {}
+    rng = random.Random(11)
+    base = [rng.randrange(3, 255) for _ in range(64)]
+    eng.generate([base], SamplingParams(max_new_tokens=1))
+    p = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    first = [[rng.randrange(3, 255) for _ in range(n)] for n in (20, 33)]
+    later = [[rng.randrange(3, 255) for _ in range(27)]] + [base + [100 + i] + [7] * n for i, n in enumerate((2, 30, 11))]
+    rids = [eng.add_request(x, p) for x in first]
+    eng.step()  # the first two prefill; from the next step on they decode
+    rids += [eng.add_request(x, p) for x in later]
+    while eng.has_work():
+        eng.step()
+    assert (2, 1) in {(d, n) for d, n in steps}  # two decodes and one fresh prompt beside the batched hits
+    for rid, prompt in zip(rids, first + later, strict=True):
+        ref_tokens, ref_logits = hf_greedy(hf_model(preset), prompt, NEW)
+        mine = torch.stack(eng.capture_logits[rid]).cpu()
+        assert (mine - ref_logits).abs().max().item() < TOL
+        assert mine.argmax(-1).tolist() == ref_tokens

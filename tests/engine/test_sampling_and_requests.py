@@ -363,3 +363,17 @@ def test_aborted_requests_are_counted(make_engine):
     eng.step()
     assert eng.abort(rid) and not eng.abort(rid)
     assert eng.stats.requests_aborted == 1 and eng.stats.requests_finished == 0
+
+
+def test_request_latency_is_sampled_for_finished_requests_only(make_engine):
+    eng = make_engine("tiny")
+    gone = eng.add_request(PROMPT, SamplingParams(max_new_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.abort(gone)
+    seqs = eng.generate([PROMPT, PROMPT[:20]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    eng.add_request(PROMPT, prefill_only=True)  # a warm-up prefill is no request
+    while eng.has_work():
+        eng.step()
+    assert len(eng.stats.e2e_s) == 2
+    assert all(e2e >= ttft > 0 for e2e, ttft in zip(eng.stats.e2e_s, list(eng.stats.ttft_s)[-2:], strict=True))
+    assert all(s.finish_reason == "length" for s in seqs)

@@ -87,13 +87,18 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         m = metrics(client)
-        if m.get(("radixserve_prefix_cache_hits_total", "all"), 0.0) > before:
+        if m.get(("radixserve_prefix_cache_hits_total", "all"), 0.0) > before and \
+                m.get(("radixserve_router_affinity_hits_total", "all"), 0.0) > 0:
             break
         time.sleep(0.5)
     assert m[("radixserve_prefix_cache_hits_total", "all")] > before
+    # the ingress' prefix router sent the repeats to the prompt's holder, and said so (fleet-wide only)
+    assert m[("radixserve_router_affinity_hits_total", "all")] > 0
+    assert not [r for (name, r) in m if name == "radixserve_router_affinity_hits_total" and r != "all"]
     assert 0 < m[("radixserve_cache_hit_rate", "all")] <= 1
     assert m[("radixserve_cache_blocks_total", "all")] == 2 * 4096 // 16
     assert m[("radixserve_time_to_first_token_seconds_count", "all")] > 0
+    assert m[("radixserve_request_latency_seconds_count", "all")] >= 4
     replicas = {r for (name, r) in m if name == "radixserve_cache_blocks_total"}
     assert len(replicas - {"all"}) == 2
 

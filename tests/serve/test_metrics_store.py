@@ -129,3 +129,22 @@ def test_a_cut_reaches_the_replicas_running_then_and_no_later_one():
     assert store.push("a", snap(1)) is True and store.push("b", snap(1)) is True
     # a replacement Serve starts meanwhile, or a later deployment of the same name, keeps running
     assert store.push("c", snap(1)) is False
+
+
+def test_router_counts_from_ingress_heartbeats_are_summed_and_outlive_their_ingress():
+    now = [0.0]
+    store = SnapshotStore(clock=lambda: now[0])
+    store.push("a", snap(10))
+    store.ingress_poll("i1", 0, {"router_affinity_hits": 7, "router_cold_routes": 2})
+    store.ingress_poll("i2", 0, {"router_affinity_hits": 3, "router_cold_routes": 1})
+    store.ingress_poll("i1", 0, {"router_affinity_hits": 9, "router_cold_routes": 2})  # cumulative: replaces
+    m = values(render(*store.export()))
+    assert m[("radixserve_router_affinity_hits_total", "all")] == 12
+    assert m[("radixserve_router_cold_routes_total", "all")] == 3
+    assert ("radixserve_router_affinity_hits_total", "a") not in m  # decided before any replica: fleet only
+    now[0] = STALE_AFTER_S + 1
+    store.push("a", snap(10))
+    store.ingress_poll("i1", 0, {"router_affinity_hits": 11, "router_cold_routes": 2})  # i2 is gone
+    m = values(render(*store.export()))
+    assert m[("radixserve_router_affinity_hits_total", "all")] == 14  # i2's 3 kept: the sum never drops
+    assert store.ingress_poll("i1", 0) is False  # an older caller without counts still polls

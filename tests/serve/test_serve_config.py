@@ -88,6 +88,14 @@ def test_cuda_graph_sizes_come_as_tgi_takes_them():
     assert Settings.from_sources(env={"RADIXSERVE_CUDA_GRAPHS": "0"}).engine_config("m").cuda_graphs == ()
     assert Settings.from_sources(file={"cuda_graphs": [8, 16]}).cuda_graphs == [8, 16]
     assert Settings().engine_config("m").cuda_graphs == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert Settings.from_sources(file={"cuda_graphs": 0}).cuda_graphs == []
+    assert Settings.from_sources(file={"cuda_graphs": 8}).cuda_graphs == [8]
     for bad in ("1,x", "-2", [0, 4]):
         with pytest.raises(ValueError, match="cuda_graphs"):
             Settings.from_sources(cli={"cuda_graphs": bad})
+    from app.cli import build_parser
+
+    for flag, sizes in (("1,2,4", (1, 2, 4)), ("0", ()), ("8", (8,))):  # through the command line itself
+        args = build_parser().parse_args(["serve", "--cuda-graphs", flag])
+        cli = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+        assert Settings.from_sources(cli=cli, env={}).engine_config("m").cuda_graphs == sizes
