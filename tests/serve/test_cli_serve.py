@@ -57,7 +57,10 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_si
             proc.send_signal(stop_signal)
             deadline, refused = time.monotonic() + 20, None
             while refused is None and time.monotonic() < deadline:
-                r = httpx.post(url + "/generate", json={"inputs": "hi"}, timeout=10)
+                try:
+                    r = httpx.post(url + "/generate", json={"inputs": "hi"}, timeout=10)
+                except httpx.TransportError as e:  # seen once under a full suite: say what the service said
+                    pytest.fail(f"{type(e).__name__} during the drain: {e}\n{open(tmp_path / 'serve.log').read()[-3000:]}")
                 refused = r if r.status_code == 503 else None
                 time.sleep(0.2)
             assert refused is not None and "shutting down" in refused.json()["error"], "no 503 while draining"
