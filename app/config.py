@@ -118,12 +118,14 @@ class Settings(BaseModel):
     @classmethod
     def _batch_sizes(cls, v: Any) -> Any:
         if isinstance(v, str):  # a flag or an environment variable: "1,2,4,8", or "0" for none
-            try:
-                v = [int(x) for x in v.replace(" ", "").split(",") if x]
-            except ValueError:
-                raise ValueError(f"cuda_graphs must be comma-separated batch sizes, got {v!r}") from None
+            items = [x.strip() for x in v.split(",")]
+            if not all(x.isdigit() for x in items):
+                raise ValueError(f"cuda_graphs must be comma-separated batch sizes (0 for none), got {v!r}")
+            v = [int(x) for x in items]
         if isinstance(v, int) and not isinstance(v, bool):  # a config file's `cuda_graphs: 8` (or 0)
             v = [v]
+        if isinstance(v, list) and any(isinstance(x, bool) for x in v):
+            raise ValueError(f"cuda_graphs must list batch sizes, got {v}")
         if isinstance(v, list) and v == [0]:
             return []
         if isinstance(v, list) and any(not isinstance(x, int) or x <= 0 for x in v):

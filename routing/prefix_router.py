@@ -273,10 +273,12 @@ class PrefixAwareRequestRouter(RequestRouter):
                     self._loop = asyncio.get_running_loop()
                 except RuntimeError:  # called outside Serve's loop (tests): releases then wait for reports
                     pass
+            hashes = self._hashes(pending_request)
             hits, colds = self.policy.affinity_hits, self.policy.cold_routes
-            work = self.policy.on_routed(rid, self._hashes(pending_request), len(ids), max_new)
-            in_process.ROUTED["router_affinity_hits"] += self.policy.affinity_hits - hits
-            in_process.ROUTED["router_cold_routes"] += self.policy.cold_routes - colds
+            work = self.policy.on_routed(rid, hashes, len(ids), max_new)
+            if hashes:  # a prompt of a block or more: not /info, nor a prompt too short to share
+                in_process.ROUTED["router_affinity_hits"] += self.policy.affinity_hits - hits
+                in_process.ROUTED["router_cold_routes"] += self.policy.cold_routes - colds
             internal, caller = pending_request.metadata.internal_request_id, caller_request_id(pending_request)
             self._routed[internal] = _Routed(rid, work, caller, time.time())
             if caller is not None:

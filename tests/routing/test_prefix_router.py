@@ -199,3 +199,14 @@ def test_a_gone_replica_waits_for_redis_to_come_back():
         assert r._gone == ["A"]  # kept for when Redis answers again, not dropped with the failed call
     finally:
         r._stop.set()
+
+
+def test_the_process_counts_what_its_routers_decided_for_prompts_only(monkeypatch):
+    """The ingress heartbeat sends these to the metrics hub (radixserve_router_*_total): a call with no
+    prompt (/info) is no routing decision."""
+    monkeypatch.setattr(in_process, "ROUTED", {"router_affinity_hits": 0, "router_cold_routes": 0})
+    r = _router()
+    _route(r, "A", "c1", "s1")  # a new prefix: cold
+    _route(r, "A", "c2", "s2")  # its home now: a hit
+    r.on_request_routed(NS(args=[], metadata=NS(internal_request_id="s3")), NS(unique_id="A"), None)
+    assert in_process.ROUTED == {"router_affinity_hits": 1, "router_cold_routes": 1}

@@ -90,7 +90,8 @@ def test_cuda_graph_sizes_come_as_tgi_takes_them():
     assert Settings().engine_config("m").cuda_graphs == (1, 2, 4, 8, 16, 32, 64, 128)
     assert Settings.from_sources(file={"cuda_graphs": 0}).cuda_graphs == []
     assert Settings.from_sources(file={"cuda_graphs": 8}).cuda_graphs == [8]
-    for bad in ("1,x", "-2", [0, 4]):
+    assert Settings.from_sources(cli={"cuda_graphs": " 1, 2"}).cuda_graphs == [1, 2]
+    for bad in ("1,x", "-2", [0, 4], "", ",", "1,,2", "1,2,", "1.5", [True]):
         with pytest.raises(ValueError, match="cuda_graphs"):
             Settings.from_sources(cli={"cuda_graphs": bad})
     from app.cli import build_parser
