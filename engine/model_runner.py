@@ -23,10 +23,14 @@ class ModelRunner:
         # chunks over cached context in one padded SDPA call (attention.BatchedPrefills): on a GPU, where
         # launches cost more than the padding; a CPU does the padding's arithmetic instead
         self.batch_prefills = self.device.type == "cuda"
+        self._offsets = torch.arange(block_size)
 
-    def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def _slots(self, block_table: list[int]) -> torch.Tensor:
+        """The flat pool slot of every position the sequence's blocks cover (``[blocks * block_size]``):
+        built once per chunk, sliced for its new tokens and for its context. Blocks a window has given
+        back (-1) give negative slots, at positions no query reads."""
+        table = torch.tensor(block_table, dtype=torch.long)
+        return (table[:, None] * self.block_size + self._offsets).view(-1)
 
     def _ctx_start(self, first_query_pos: int) -> int:
         """First key position any query from ``first_query_pos`` on can see."""
@@ -38,11 +42,11 @@ class ModelRunner:
             m &= k_pos[None, :] > q_pos[:, None] - self.window
         return m
 
-    def _rows(self, table: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _rows(self, flat: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One chunk as attention rows (``attention.decode_metadata``): its context's slots, and which of
         them each query sees (None: one query that sees them all)."""
         ctx0 = self._ctx_start(start)
-        ctx = self._slots(table, ctx0, end)
+        ctx = flat[ctx0:end]
         if end - start == 1:
             return ctx, None
         return ctx, self._mask(torch.arange(start, end), torch.arange(ctx0, end))
@@ -57,18 +61,18 @@ class ModelRunner:
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         keep: dict[int, int] = {}
-        spans: list[tuple[torch.Tensor, int, int]] = []  # (block table, first, end) of each chunk, packed order
+        spans: list[tuple[torch.Tensor, int, int]] = []  # (slots, first, end) of each chunk, in packed order
         for i in order:
             c = chunks[i]
             seq = c.seq
             start, end = seq.num_computed, seq.num_computed + c.num_tokens
-            table = torch.tensor(seq.block_table, dtype=torch.long)
+            flat = self._slots(seq.block_table)
             if sample_mask[i]:
                 keep[i] = len(ids) + c.num_tokens - 1
             ids.extend(seq.tokens[start:end])
             positions.append(torch.arange(start, end))
-            slots.append(self._slots(table, start, end))
-            spans.append((table, start, end))
+            slots.append(flat[start:end])
+            spans.append((flat, start, end))
         rows = [keep[i] for i in range(len(chunks)) if i in keep]  # logits rows to return, in chunk order
         if self.graphs is not None and self.graphs.takes(len(ids)):
             logits = self.graphs.run(ids, torch.cat(positions), torch.cat(slots), [self._rows(*x) for x in spans])
@@ -91,8 +95,8 @@ class ModelRunner:
             if self.batch_prefills and len(cached) > 1:  # they come last in the row
                 chunks_left = chunks_left[: len(chunks_left) - len(cached)]
                 batch.batched = self._batched(cached, len(ids) - sum(end - start for _, start, end in cached))
-            for table, start, end in chunks_left:
-                batch.prefills.append(self._prefill(table, start, end, q_start))
+            for flat, start, end in chunks_left:
+                batch.prefills.append(self._prefill(flat, start, end, q_start))
                 q_start += end - start
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
         position_ids = torch.cat(positions).unsqueeze(0).to(dev)
@@ -101,7 +105,7 @@ class ModelRunner:
                          logits_to_keep=keep_idx, paged_batch=batch)
         return out.logits[0].float()
 
-    def _prefill(self, table: torch.Tensor, start: int, end: int, q_start: int) -> PrefillGroup:
+    def _prefill(self, flat: torch.Tensor, start: int, end: int, q_start: int) -> PrefillGroup:
         """A prefill chunk for SDPA: plain causal over its own K/V when it starts the sequence (and no
         window cuts in), else masked over its context read back from the pool."""
         n = end - start
@@ -111,7 +115,7 @@ class ModelRunner:
                 p = torch.arange(0, end)
                 mask = self._mask(p, p).to(self.device)
             return PrefillGroup(q_start, n, None, mask)
-        ctx, mask = self._rows(table, start, end)
+        ctx, mask = self._rows(flat, start, end)
         return PrefillGroup(q_start, n, ctx.to(self.device), mask.to(self.device))
 
     def _batched(self, spans: list[tuple[torch.Tensor, int, int]], q_start: int) -> BatchedPrefills:
