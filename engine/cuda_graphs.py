@@ -106,10 +106,12 @@ class StepGraphs:
         """(padded rows, padded context) for a step, or None: run it eagerly."""
         if not self.takes(rows) or context > self.max_context:
             return None
-        size = next(s for s in self.sizes if s >= rows)
-        width = min(self.max_context, max(MIN_GRAPH_CONTEXT, next_pow2(context)))
-        key = (size, width)
-        return key if size * width <= MAX_ROW_CONTEXT and key not in self._skipped else None
+        key = (next(s for s in self.sizes if s >= rows), self._width(context))
+        return key if key[0] * key[1] <= MAX_ROW_CONTEXT and key not in self._skipped else None
+
+    def _width(self, context: int) -> int:
+        """A context's padded length: the next power of two, at least ``MIN_GRAPH_CONTEXT``."""
+        return min(self.max_context, max(MIN_GRAPH_CONTEXT, next_pow2(context)))
 
     def run(self, ids: list[int], positions: torch.Tensor, slots: torch.Tensor,
             groups: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor | None:
@@ -141,15 +143,13 @@ class StepGraphs:
         """Capture every bucket now, largest first (smaller ones then reuse its memory), instead of on
         first use: a replica does this before it takes traffic. Returns how many it captured."""
         before = self.stats.captured
-        widths = [w for w in (MIN_GRAPH_CONTEXT << i for i in range(16)) if w < self.max_context] + [self.max_context]
+        widths = sorted({self._width(MIN_GRAPH_CONTEXT << i) for i in range(16)}, reverse=True)
         for size in reversed(self.sizes):
-            for width in reversed(sorted(set(widths))):
-                if self.stats.disabled is not None:
-                    return self.stats.captured - before
-                key = (size, width)
-                if size * width <= MAX_ROW_CONTEXT and key not in self._buckets and key not in self._skipped:
+            for width in widths:
+                key = self.bucket(size, width)  # None: over the size bound, skipped, or graphs are off
+                if key is not None and key not in self._buckets:
                     empty = torch.empty(0, dtype=torch.long)  # padding rows only: they write the spare slot
-                    self._new_bucket((size, width), self._host([], empty, empty, [], size, width))
+                    self._new_bucket(key, self._host([], empty, empty, [], *key))
         return self.stats.captured - before
 
     def _host(self, ids: list[int], positions: torch.Tensor, slots: torch.Tensor,
