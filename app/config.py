@@ -13,8 +13,9 @@ from engine.config import EngineConfig
 
 ENV_PREFIX = "RADIXSERVE_"
 # RADIXSERVE_* variables that are not settings: the model folder's home, the batch command's default URL,
-# the device the engine tests run on
-OTHER_ENV = frozenset({"RADIXSERVE_HOME", "RADIXSERVE_URL", "RADIXSERVE_TEST_DEVICE"})
+# the device the engine tests run on, the soak's length and clients
+OTHER_ENV = frozenset({"RADIXSERVE_HOME", "RADIXSERVE_URL", "RADIXSERVE_TEST_DEVICE", "RADIXSERVE_SOAK_S",
+                       "RADIXSERVE_SOAK_CLIENTS"})
 DEVICE_PATTERN = r"^(auto|cpu|mps|xpu|cuda(:\d+)?)$"
 
 

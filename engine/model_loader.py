@@ -87,7 +87,7 @@ def check_model_folder(model_id: str):
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any parse failure is the user's broken folder
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {_first_line(e)}") from e
-    check_weight_files(path)
+    check_tensor_names(path, config, check_weight_files(path))
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     try:
@@ -106,9 +106,10 @@ def _first_line(e: Exception) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def check_weight_files(path: Path) -> None:
+def check_weight_files(path: Path) -> set[str]:
     """Every weight file the folder names is there and starts with a readable safetensors header
-    (a shard left out of a download, or an empty file, fails here rather than in each replica)."""
+    (a shard left out of a download, or an empty file, fails here rather than in each replica); returns
+    the tensor names the headers list."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no .safetensors weights")
@@ -122,15 +123,44 @@ def check_weight_files(path: Path) -> None:
         if missing:
             raise ModelLoadError(f"{path} lacks {len(missing)} weight file(s) its index names: {', '.join(missing[:3])}")
         files = [path / name for name in sorted(shards)]
+    names: set[str] = set()
     for f in files:
         try:
             with f.open("rb") as fh:
                 size = struct.unpack("<Q", fh.read(8))[0]
                 if size > f.stat().st_size - 8:
                     raise ValueError("the header is longer than the file")
-                json.loads(fh.read(size))
-        except (OSError, ValueError, struct.error) as e:
+                header = json.loads(fh.read(size))
+            names.update(k for k in header if k != "__metadata__")
+        except (OSError, ValueError, struct.error, TypeError) as e:
             raise ModelLoadError(f"{f} is not a readable safetensors file (truncated or empty?): {e}") from e
+    return names
+
+
+def check_tensor_names(path: Path, config, names: set[str]) -> None:
+    """The checkpoint names every parameter the model has (a checkpoint of another layout would load
+    with random weights in their place, which ``load_model`` refuses after the replicas have spent
+    their start-up on it). The model is built on the meta device: no memory, a second for any size.
+    Only parameters count (buffers such as RoPE's are rebuilt), a tied one once, and a name may lack
+    the base model's prefix, as transformers allows."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # noqa: BLE001 - leave the verdict to the load itself
+        log.warning("cannot check the tensor names of %s: %s", path, _first_line(e))
+        return
+    prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
+    have = names | {prefix + n for n in names}
+    missing = sorted(n for n, _ in model.named_parameters() if n not in have)
+    if missing:
+        raise ModelLoadError(_missing_message(path, missing))
+
+
+def _missing_message(path: Path, missing: list[str]) -> str:
+    return (f"the weights in {path} lack {len(missing)} of the model's tensors (e.g. {', '.join(missing[:3])}): "
+            "a partial or mismatched checkpoint")
 
 
 def load_model(model_id: str, device: str = "auto", dtype: str = "auto",
@@ -148,8 +178,7 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto",
         raise ModelLoadError(f"cannot load weights from {path}: {_first_line(e)}") from e
     missing = sorted(info.get("missing_keys") or ())
     if missing:  # transformers would fill them with random values and serve that
-        raise ModelLoadError(f"the weights in {path} lack {len(missing)} of the model's tensors "
-                             f"(e.g. {', '.join(missing[:3])}): a partial or mismatched checkpoint")
+        raise ModelLoadError(_missing_message(path, missing))
     model.to(dev).eval()
     model.requires_grad_(False)
     return LoadedModel(model, tokenizer, config, str(path), dev, dt)

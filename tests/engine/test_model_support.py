@@ -91,8 +91,31 @@ def test_a_checkpoint_missing_tensors_is_refused_not_filled_with_random_values(t
     weights = tiny_folder / "model.safetensors"
     tensors = {k: v.clone() for k, v in load_file(weights).items()}  # not views of the file we rewrite
     save_file({k: v for k, v in tensors.items() if ".layers.1." not in k}, weights, metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match="lack .* of the model's tensors"):
+    with pytest.raises(ModelLoadError, match="lack 9 of the model's tensors"):
+        check_model_folder(str(tiny_folder))  # the command line's check, from the headers alone
+    with pytest.raises(ModelLoadError, match="lack 9 of the model's tensors"):
         load_model(str(tiny_folder))
+
+
+def test_tensor_names_are_checked_from_the_headers_as_transformers_would_load_them(tiny_folder):
+    weights = tiny_folder / "model.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(weights).items()}
+    reference = load_model(str(tiny_folder)).model.state_dict()
+    # a base model's names (no "model." prefix) load the same: accepted
+    save_file({k.removeprefix("model."): v for k, v in tensors.items()}, weights, metadata={"format": "pt"})
+    check_model_folder(str(tiny_folder))
+    loaded = load_model(str(tiny_folder)).model.state_dict()
+    assert all(torch.equal(loaded[k], reference[k]) for k in reference)
+    # another architecture's layout: refused before any weight is read, naming what it lacks
+    save_file({k.replace("model.layers.", "transformer.h."): v for k, v in tensors.items()}, weights,
+              metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"lack 18 of the model's tensors \(e.g. model.layers.0."):
+        check_model_folder(str(tiny_folder))
+    # a tied output layer needs no tensor of its own
+    config = json.loads((tiny_folder / "config.json").read_text())
+    (tiny_folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, weights, metadata={"format": "pt"})
+    check_model_folder(str(tiny_folder))
 
 
 def test_a_folder_without_tokenizer_gets_one_line(tiny_folder):
