@@ -86,6 +86,9 @@ def num_blocks_for(block_size: int, token_bytes: int, max_batch_total_tokens: in
     return max(1, budget // (token_bytes * block_size))
 
 
+FP16_MAX = torch.finfo(torch.float16).max
+
+
 @dataclass(frozen=True)
 class KVShape:
     num_layers: int
@@ -139,14 +142,21 @@ class KVPool:
         return self._data[layer, 0], self._data[layer, 1]
 
     def set_scales(self, k_scale: torch.Tensor | list[float], v_scale: torch.Tensor | list[float]) -> None:
-        """Per-layer fp8 scales. Before CUDA graphs are captured: a graph keeps the values it saw."""
-        self.k_scale = torch.as_tensor(k_scale, dtype=torch.float32).reshape(self.shape.num_layers).clone()
-        self.v_scale = torch.as_tensor(v_scale, dtype=torch.float32).reshape(self.shape.num_layers).clone()
+        """Per-layer fp8 scales. Before CUDA graphs are captured: a graph keeps the values it saw. Kept
+        on the host (calibrated scales often come as CUDA tensors): each read is then a number, not a
+        wait for the device, and no sync lands inside a graph's capture."""
+        n = self.shape.num_layers
+        self.k_scale = torch.as_tensor(k_scale, dtype=torch.float32).detach().cpu().reshape(n).clone()
+        self.v_scale = torch.as_tensor(v_scale, dtype=torch.float32).detach().cpu().reshape(n).clone()
 
     # ------------------------------------------------------------------ write / read
     def _encode(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if self.fp8_dtype is None:
-            return x.to(self.storage_dtype)
+            y = x.to(self.storage_dtype)
+            if self.storage_dtype == torch.float16 and x.dtype != torch.float16:  # a bf16/fp32 model's
+                # outliers past fp16's range would be stored as inf and turn scores into NaN
+                y = torch.nan_to_num(y, nan=float("nan"), posinf=FP16_MAX, neginf=-FP16_MAX)
+            return y
         y = (x.float() / scale).clamp_(-self._fp8_max, self._fp8_max)  # fp8 e4m3fn has no inf
         return y.to(self.fp8_dtype).view(torch.uint8)
 

@@ -26,6 +26,9 @@ _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  #
 # Never cuDNN: it builds a graph for each new shape on first use (0.5-0.8 s each on an H200, measured by
 # bench/gpu_check.sh), and a serving batch brings new (query, context) lengths every few steps.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# rows x padded context that decode attention gathers at once (32 decodes over 8,192 tokens): for an
+# 8B Llama about 2 GB of K/V and scores; CUDA graph buckets stay within it
+DECODE_ROW_TOKENS = 32 * 8192
 
 
 # attention arguments some transformers models pass that this function would otherwise ignore:
@@ -189,16 +192,28 @@ def _batched_prefill_attention(b: PagedBatch, layer: int, q: torch.Tensor, group
 def _decode_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, scaling: float | None
                       ) -> torch.Tensor:
     """One query per sequence over its paged context: grouped matmuls, so GQA's shared K/V heads are
-    read once instead of being repeated per query head. q ``[H, D, Dh]`` -> ``[D, H, Dh]``."""
+    read once instead of being repeated per query head. q ``[H, D, Dh]`` -> ``[D, H, Dh]``. Rows go
+    ``DECODE_ROW_TOKENS`` (rows x padded context) at a time: the gathered K/V and scores grow with
+    both, and many decodes beside one long context would otherwise ask for tens of GB at once."""
+    d, width = q.shape[1], b.decode_slots.shape[-1]
+    step = max(1, DECODE_ROW_TOKENS // width)
+    if d <= step:
+        return _decode_rows(b.pool, layer, q, b.decode_slots, b.decode_mask, groups, scaling)
+    return torch.cat([_decode_rows(b.pool, layer, q[:, i:i + step], b.decode_slots[i:i + step],
+                                   b.decode_mask[i:i + step], groups, scaling) for i in range(0, d, step)])
+
+
+def _decode_rows(pool: KVPool, layer: int, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, groups: int,
+                 scaling: float | None) -> torch.Tensor:
     h, d, dh = q.shape
-    k, v = b.pool.read_heads(layer, b.decode_slots)  # [D, Hkv, L, Dh], contiguous
+    k, v = pool.read_heads(layer, slots)  # [D, Hkv, L, Dh], contiguous
     hkv = k.shape[1]
     qg = q.transpose(0, 1).reshape(d, hkv, groups, dh)  # query heads grouped by their KV head
     # scores in float32: a bf16 matmul would round them before the softmax, as fused kernels do not
     # (costs a float32 copy of the gathered K for 16-bit models, twice the gather's own size)
     scores = torch.matmul(qg.float(), k.float().transpose(-1, -2))  # [D, Hkv, G, L]
     scores.mul_(dh ** -0.5 if scaling is None else scaling)
-    scores.masked_fill_(~b.decode_mask, float("-inf"))  # mask [D, 1, 1, L]
+    scores.masked_fill_(~mask, float("-inf"))  # mask [D, 1, 1, L]
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(d, h, dh)
 
@@ -212,6 +227,12 @@ def flash_available(device: torch.device) -> bool:
     except Exception:  # noqa: BLE001 - any import failure means: use SDPA
         return False
     return True
+
+
+def flash_fits(block_size: int, head_dim: int) -> bool:
+    """Shapes vllm-flash-attn's paged kernels take (as vLLM's own flash backend checks): blocks of a
+    multiple of 16 tokens and head sizes 32-256 in steps of 32; anything else runs on SDPA."""
+    return block_size % 16 == 0 and head_dim % 32 == 0 and 32 <= head_dim <= 256
 
 
 def _flash_attention(b: PagedBatch, layer: int, q: torch.Tensor, scaling: float | None) -> torch.Tensor:

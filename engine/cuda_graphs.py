@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from cache.kv_pool import KVPool
-from engine.attention import PagedBatch, decode_metadata, head_slots
+from engine.attention import DECODE_ROW_TOKENS, PagedBatch, decode_metadata, head_slots
 from engine.model_support import LONGROPE, rope_type
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 MAX_GRAPH_CONTEXT = 8192
 MIN_GRAPH_CONTEXT = 256
 # rows x context tokens of one bucket, bounding the gathered K/V a graph keeps in its memory pool: 32
-# decodes over 8,192 tokens, or 128 rows over 2,048
-MAX_ROW_CONTEXT = 32 * 8192
+# decodes over 8,192 tokens, or 128 rows over 2,048 (what eager decode attention gathers at once too)
+MAX_ROW_CONTEXT = DECODE_ROW_TOKENS
 # RoPE types whose transformers update reads the positions on the host: a sync, which capture forbids
 HOST_ROPE_TYPES = ("dynamic", *LONGROPE)
 
@@ -188,8 +188,10 @@ class StepGraphs:
                     self._forward(b)
                 torch.cuda.current_stream(dev).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                # thread_local: the async engine's other threads may touch CUDA while this one captures
-                with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                # thread_local: the async engine's other threads may touch CUDA while this one captures;
+                # on this device's own stream (torch's default capture stream is made once per process,
+                # on whichever device captured first, and would move a cuda:1 capture to cuda:0's)
+                with torch.cuda.graph(graph, pool=self._mempool, stream=side, capture_error_mode="thread_local"):
                     b.logits = self._forward(b)
             b.graph = graph
         except torch.cuda.OutOfMemoryError:  # this bucket alone stays eager; smaller ones may still fit

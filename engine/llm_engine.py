@@ -82,10 +82,11 @@ class LLMEngine:
                                    config.max_prefill_chunk_tokens)
         use_flash = (config.attention_backend in ("auto", "flash") and attention.flash_available(m.device)
                      and self.pool.fp8_dtype is None and m.dtype in (torch.float16, torch.bfloat16)
-                     and self.pool.storage_dtype == m.dtype)
+                     and self.pool.storage_dtype == m.dtype and attention.flash_fits(config.block_size, m.head_dim))
         if config.attention_backend == "flash" and not use_flash:
-            raise ConfigError("attention_backend=flash needs CUDA, vllm_flash_attn, an fp16/bf16 model and a KV "
-                              "cache of the same dtype")
+            raise ConfigError("attention_backend=flash needs CUDA, vllm_flash_attn, an fp16/bf16 model, a KV "
+                              "cache of the same dtype, a block_size that is a multiple of 16 and a head size "
+                              f"of 32-256 in steps of 32 (this model's: {m.head_dim})")
         self.attention_backend = "flash" if use_flash else "sdpa"
         head = m.model.get_output_embeddings()
         if head is not None and m.device.type == "cpu" and m.dtype == torch.float32:

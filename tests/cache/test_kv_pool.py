@@ -53,6 +53,15 @@ def test_fp8_scale_keeps_large_values_finite():
     assert torch.isfinite(pool2.read_slots(0, torch.tensor([0]))[0]).all()
 
 
+def test_a_float16_cache_of_a_wider_model_clamps_outliers_instead_of_storing_inf():
+    pool = KVPool(SHAPE, "float16", torch.bfloat16)
+    k = torch.tensor([1e5, -1e5, 3.0]).repeat_interleave(32).view(3, 2, 16).to(torch.bfloat16)
+    pool.write(0, torch.tensor([0, 1, 2]), k, k)
+    gk, gv = pool.read_slots(0, torch.tensor([0, 1, 2]))
+    assert torch.isfinite(gk).all() and torch.isfinite(gv).all()
+    assert gk[0, 0, 0] == 65504 and gk[1, 0, 0] == -65504 and gk[2, 0, 0] == 3.0
+
+
 def test_bytes_per_token_fp8_half_bf16_quarter_fp32():
     args = (32, 8, 128)
     fp8 = bytes_per_token(*args, "fp8_e4m3fn")

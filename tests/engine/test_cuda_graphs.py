@@ -158,3 +158,16 @@ def test_a_bucket_out_of_device_memory_stays_eager_and_the_others_replay(make_en
     assert g.bucket(100, 300) is None and g.bucket(8, 300) == (8, 512)
     seqs = engine.generate(prompts(1000)[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert all(len(s.output_ids) == 8 for s in seqs) and g.stats.steps > 0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_fp8_scales_given_on_the_device_are_kept_on_the_host():
+    # each write and read takes the layer's scale as a number: from a CUDA tensor that would be a sync
+    # per layer and step, and an error inside a graph's capture
+    from cache.kv_pool import KVPool, KVShape
+
+    pool = KVPool(KVShape(num_layers=2, num_blocks=4, block_size=4, num_kv_heads=1, head_dim=8), "fp8_e4m3fn",
+                  device=DEVICE)
+    pool.set_scales(torch.tensor([2.0, 3.0], device=DEVICE), torch.tensor([4.0, 5.0], device=DEVICE))
+    assert pool.k_scale.device.type == "cpu" and pool.k_scale.tolist() == [2.0, 3.0]
+    assert pool.v_scale.device.type == "cpu" and pool.v_scale.tolist() == [4.0, 5.0]

@@ -43,7 +43,8 @@ def test_decode_scores_are_not_rounded_to_bf16_before_the_softmax():
     q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
     scale = 1.0  # scores of std ~8 and peaks near 30: where bf16 spacing is 0.125-0.25
     pool = SimpleNamespace(read_heads=lambda layer, slots: (k, v))
-    batch = SimpleNamespace(pool=pool, decode_slots=None, decode_mask=torch.ones(d, 1, 1, length, dtype=torch.bool))
+    batch = SimpleNamespace(pool=pool, decode_slots=torch.zeros(d, hkv, length, dtype=torch.long),
+                            decode_mask=torch.ones(d, 1, 1, length, dtype=torch.bool))
     out = attention._decode_attention(batch, 0, q, groups, scale).float()  # [D, H, Dh]
 
     qg = q.float().transpose(0, 1).reshape(d, hkv, groups, dh)
@@ -51,3 +52,39 @@ def test_decode_scores_are_not_rounded_to_bf16_before_the_softmax():
     ref = (probs @ v.float()).reshape(d, hkv * groups, dh)
     err = ((out - ref).norm() / ref.norm()).item()
     assert err < 0.005, err  # bf16 probabilities and output only: 0.002 (bf16 scores: 0.014)
+
+
+def test_many_decodes_beside_a_long_context_attend_in_bounded_slices(monkeypatch):
+    """Decode rows are padded to the longest context, so rows x context bounds what one call gathers;
+    past ``DECODE_ROW_TOKENS`` the rows go in slices, with the same result as all at once."""
+    from cache.kv_pool import KVPool, KVShape
+
+    g = torch.Generator().manual_seed(0)
+    hkv, groups, dh, bs = 2, 3, 8, 16
+    pool = KVPool(KVShape(num_layers=1, num_blocks=64, block_size=bs, num_kv_heads=hkv, head_dim=dh))
+    slots = torch.randperm(64 * bs, generator=g)
+    pool.write(0, slots, torch.randn(len(slots), hkv, dh, generator=g), torch.randn(len(slots), hkv, dh, generator=g))
+    lengths = [700, 5, 33, 1, 16, 250, 9]  # one long context beside short ones
+    ctx = [slots[sum(lengths[:i]):sum(lengths[:i + 1])] for i in range(len(lengths))]
+    flat, mask = attention.decode_metadata([(c, None) for c in ctx])
+    batch = SimpleNamespace(pool=pool, decode_slots=attention.head_slots(flat, hkv), decode_mask=mask)
+    q = torch.randn(hkv * groups, len(lengths), dh, generator=g)
+    whole = attention._decode_attention(batch, 0, q, groups, None)
+    gathered: list[int] = []
+    read = pool.read_heads
+    monkeypatch.setattr(pool, "read_heads", lambda layer, s: gathered.append(s.numel()) or read(layer, s))
+    monkeypatch.setattr(attention, "DECODE_ROW_TOKENS", 2 * 700)
+    sliced = attention._decode_attention(batch, 0, q, groups, None)
+    assert gathered == [2 * hkv * 700] * 3 + [hkv * 700]  # 7 rows, 2 at a time
+    torch.testing.assert_close(sliced, whole)
+    for i, c in enumerate(ctx):  # and each row is its own context's attention
+        k, v = pool.read_slots(0, c)
+        qg = q[:, i].reshape(hkv, groups, dh)
+        ref = torch.softmax(qg @ k.transpose(0, 1).transpose(-1, -2) * dh ** -0.5, -1) @ v.transpose(0, 1)
+        torch.testing.assert_close(sliced[i], ref.reshape(hkv * groups, dh))
+
+
+def test_the_flash_backend_is_only_chosen_for_shapes_its_kernels_take():
+    assert attention.flash_fits(16, 128) and attention.flash_fits(32, 64) and attention.flash_fits(16, 256)
+    assert not attention.flash_fits(8, 128)  # blocks of a multiple of 16 tokens only
+    assert not any(attention.flash_fits(16, h) for h in (16, 80, 100, 288, 512))  # head sizes 32..256, steps of 32

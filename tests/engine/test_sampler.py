@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -94,3 +95,29 @@ def test_engine_survives_a_tiny_temperature_and_checks_bias_ids(make_engine):
     assert tiny.output_ids == greedy
     with pytest.raises(RequestError, match="logit_bias"):
         eng.add_request(PROMPT, SamplingParams(logit_bias={eng.vocab_size: 1.0}))
+
+
+def test_draws_follow_the_distribution_and_its_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0, 0.5]])
+    probs = torch.softmax(logits[0], -1).tolist()
+    s, n = seq(temperature=1.0), 4000
+    counts = Counter(sample(logits, [s])[0].token for _ in range(n))
+    for t, p in enumerate(probs):  # within 4 standard deviations of the expected count
+        assert abs(counts[t] - n * p) <= 4 * math.sqrt(n * p * (1 - p)) + 1, (t, counts[t], n * p)
+    # top-p 0.7 keeps the two best (0.56 + 0.21 crosses it), top-k 3 the three best: nothing else comes
+    nucleus, top3 = seq(temperature=1.0, top_p=0.7), seq(temperature=1.0, top_k=3)
+    assert {sample(logits, [nucleus])[0].token for _ in range(400)} == {0, 1}
+    assert {sample(logits, [top3])[0].token for _ in range(400)} == {0, 1, 5}
+
+
+def test_a_seeded_request_draws_the_same_tokens_alone_and_in_any_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 50)
+    alone, batched = seq(temperature=0.9, top_p=0.95), seq(temperature=0.9, top_p=0.95)  # both seed 0
+    neighbours = [seq(), seq(logprobs=True, top_logprobs=2), seq(temperature=1.3, frequency_penalty=0.5)]
+    a = [sample(logits[1:2], [alone])[0].token for _ in range(30)]
+    b = [sample(logits, [neighbours[0], batched, *neighbours[1:]])[1].token for _ in range(30)]
+    assert a == b and len(set(a)) > 3
+    out = sample(logits, [neighbours[0], batched, *neighbours[1:]])  # and each neighbour gets its own kind
+    assert out[0].token == int(logits[0].argmax()) and out[0].logprob is None
+    assert out[2].token == int(logits[2].argmax()) and len(out[2].top) == 2 and out[2].top[0][0] == out[2].token
