@@ -149,7 +149,9 @@ class TGIRequest(_Strict):
                     temperature=(p.temperature or 1.0) if sample else 0.0,
                     top_k=p.top_k or 0, top_p=p.top_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
                     frequency_penalty=p.frequency_penalty or 0.0, top_logprobs=p.top_n_tokens or 0,
-                    seed=p.seed, stop=p.stop, logprobs=True, cache_salt=p.cache_salt)
+                    # a greedy answer has no seed to report; TGI keeps the stop sequence in the text
+                    seed=p.seed if sample else None, stop=p.stop, include_stop_str_in_output=True, logprobs=True,
+                    cache_salt=p.cache_salt)
 
 
 TGI_FINISH = {"length": "length", "eos": "eos_token", "stop": "stop_sequence", "abort": "length"}
@@ -285,6 +287,16 @@ class CompletionRequest(_OpenAICommon):
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tool_turns(cls, data: Any) -> Any:
+        # a tool-calling client's history (an assistant turn with tool_calls and no content) would
+        # otherwise fail on its content's type, which says nothing useful; the calls cannot be dropped
+        # either (the history would read differently)
+        if isinstance(data, dict) and any(data.get(k) is not None for k in ("tool_calls", "function_call")):
+            raise ValueError("assistant messages with tool_calls are not supported by this server (no tool calling)")
+        return data
 
     def text(self) -> str:
         if isinstance(self.content, str):

@@ -50,7 +50,9 @@ VERSION = "0.1.0"
 # ignores the field), huggingface_hub's InferenceClient "dummy"; any other name must be the served one
 PLACEHOLDER_MODELS = frozenset({"tgi", "dummy"})
 
-app = FastAPI(title="RadixServe", version=VERSION)
+# no 307 from "/generate/" to "/generate": the redirect's address comes from the client's Host header
+# (wrong behind a proxy) and most clients do not follow it for a POST; an unknown path is a 404
+app = FastAPI(title="RadixServe", version=VERSION, redirect_slashes=False)
 
 
 def _byte_level_table() -> dict[str, int]:
@@ -321,6 +323,18 @@ def _distinct_tokens(prefixes: list[list[int]], block_size: int) -> int:
     return len(blocks) * block_size + sum(len(p) % block_size for p in prefixes)
 
 
+def _text_offsets(events: list[dict], start: int) -> list[int]:
+    """Where each token event's text starts in the answer's text, which has ``start`` characters before
+    the first event (an echoed prompt): a token whose text is held back (part of a character) starts
+    where the text that completes it does."""
+    out, pos = [], start
+    for ev in events:
+        if ev.get("token_id") is not None:
+            out.append(pos)
+        pos += len(ev["text"])
+    return out
+
+
 def _seeded(params: dict[str, Any]) -> dict[str, Any]:
     """A sampled TGI request without a seed gets one drawn here, so its details can report the seed that
     reproduces it (as TGI's do); greedy ones report none."""
@@ -378,7 +392,11 @@ class Ingress:
         self._hub_view: tuple | None = None  # the hub's state at the last /metrics (restored if it restarts)
         self._text_cache: dict[int, str] = {}  # bounded by the vocabulary
         self._bytes_cache: dict[int, list[int]] = {}
-        self._special = frozenset(self.tokenizer.all_special_ids)  # the property rebuilds a list per call
+        # the named special tokens and every added token marked special (<|system|>): decoding with
+        # skip_special_tokens leaves out both (the property rebuilds a list per call: kept here)
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        self._special = frozenset(self.tokenizer.all_special_ids) | {i for i, t in added.items()
+                                                                      if getattr(t, "special", False)}
         backend = getattr(self.tokenizer, "backend_tokenizer", None)  # fast tokenizers only
         # byte-level BPE (GPT-2, Llama 3, Qwen) spells bytes as characters; SentencePiece does not
         self._byte_level = "ByteLevel" in type(getattr(backend, "decoder", None)).__name__
@@ -539,6 +557,16 @@ class Ingress:
         t = req.parameters.truncate
         return ids[-t:] if t else ids  # TGI's truncate keeps the end of the prompt
 
+    def _tgi_token(self, ev: dict) -> dict:
+        """A TGI token entry of a token event, the same in ``details.tokens`` and in stream events: its
+        text is the event's, so the entries' texts add up to ``generated_text`` (a character split over
+        tokens comes whole with its last one); a special token (EOS) shows its own text unless its event
+        carries the answer's held-back end (text kept for a stop string, a cut character)."""
+        tok = ev.get("token_id")
+        special = tok in self._special if tok is not None else True
+        shown = self._token_text(tok) if special and tok is not None and not ev["text"] else ev["text"]
+        return {"id": tok if tok is not None else -1, "text": shown, "logprob": ev.get("logprob"), "special": special}
+
     def _tgi_top(self, ev: dict) -> list[dict]:
         return [{"id": t, "text": self._token_text(t), "logprob": lp, "special": t in self._special}
                 for t, lp in ev.get("top_logprobs") or ()]
@@ -556,8 +584,7 @@ class Ingress:
                 "finish_reason": TGI_FINISH.get(events[-1]["finish_reason"], "length"),
                 "generated_tokens": len(toks), "seed": params["seed"], "prefill": [],
                 "cached_tokens": events[-1]["num_cached_tokens"],
-                "tokens": [{"id": ev["token_id"], "text": self._token_text(ev["token_id"]), "logprob": ev["logprob"],
-                            "special": ev["token_id"] in self._special} for ev in toks]}
+                "tokens": [self._tgi_token(ev) for ev in toks]}
             if req.parameters.top_n_tokens:
                 out["details"]["top_tokens"] = [self._tgi_top(ev) for ev in toks]
         return out, _replica_header(events)
@@ -591,14 +618,7 @@ class Ingress:
                 if ev.get("token_id") is None and not ev["finished"]:
                     continue
                 text += ev["text"]
-                tok = ev.get("token_id")
-                special = tok in self._special if tok is not None else True
-                # a special token (EOS) shows its own text, as in details.tokens, unless its event carries
-                # the answer's held-back end (text kept for a stop string, a cut character)
-                shown = self._token_text(tok) if special and tok is not None and not ev["text"] else ev["text"]
-                token = {"id": tok if tok is not None else -1, "text": shown, "logprob": ev.get("logprob"),
-                         "special": special}
-                msg = {"index": n, "token": token, "generated_text": None, "details": None}
+                msg = {"index": n, "token": self._tgi_token(ev), "generated_text": None, "details": None}
                 if req.parameters.top_n_tokens:
                     msg["top_tokens"] = self._tgi_top(ev)
                 n += 1
@@ -692,8 +712,10 @@ class Ingress:
         room = (await self.info_cached())["max_total_tokens"] - len(ids)
         return max(1, min(max(default, req.min_tokens), room))  # (a min_tokens past the room: the engine says so)
 
-    def _oai_logprobs(self, events: list[dict], chat: bool, top: int) -> dict | None:
-        """OpenAI ``logprobs`` of these token events (chat: ``content`` entries; completions: lists)."""
+    def _oai_logprobs(self, events: list[dict], chat: bool, top: int, offset: int = 0) -> dict | None:
+        """OpenAI ``logprobs`` of these token events (chat: ``content`` entries; completions: lists, with
+        each token's ``text_offset`` in the returned text, whose first ``offset`` characters came before
+        these events)."""
         toks = [ev for ev in events if ev.get("token_id") is not None]
         if chat:
             def entry(t: int, lp: float) -> dict:
@@ -705,7 +727,7 @@ class Ingress:
                 "token_logprobs": [ev["logprob"] for ev in toks],
                 "top_logprobs": [{self._token_text(t): lp for t, lp in ev.get("top_logprobs") or ()} for ev in toks]
                 if top else None,
-                "text_offset": None}
+                "text_offset": _text_offsets(events, offset)}
 
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest):
@@ -724,7 +746,7 @@ class Ingress:
         choice = {"index": 0, "text": prefix + "".join(ev["text"] for ev in events),
                   "finish_reason": _oai_finish(last["finish_reason"]), "logprobs": None}
         if req.logprobs is not None:
-            choice["logprobs"] = self._oai_logprobs(events, False, top)
+            choice["logprobs"] = self._oai_logprobs(events, False, top, len(prefix))
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": [choice], "usage": _usage(last)}, headers=_replica_header(events))
 
@@ -767,11 +789,13 @@ class Ingress:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         want_logprobs = params["logprobs"]
         unsent: list[dict] = []  # token events since the last chunk (tokens without text are coalesced)
+        sent = [len(prefix)]  # characters of text sent before ``unsent`` (the echoed prompt first)
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
             c = _chunk(text, finish, role)
             if want_logprobs and unsent:
-                c["choices"][0]["logprobs"] = self._oai_logprobs(unsent, chat, top)
+                c["choices"][0]["logprobs"] = self._oai_logprobs(unsent, chat, top, sent[0])
+                sent[0] += sum(len(ev["text"]) for ev in unsent)
                 unsent.clear()
             return c
 

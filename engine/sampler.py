@@ -52,6 +52,7 @@ def _filter(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         sorted_logits, order = torch.sort(row, descending=True, stable=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
+        drop[0] = False  # and the best one always: a top_p below float32's range (1e-300) would drop it too
         row = row.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return row
 

@@ -74,6 +74,7 @@ def test_tiny_temperatures_sample_greedily_and_bad_rows_do_not_raise():
     best = int(logits.argmax())
     for t in (1e-300, 1e-6):
         assert sample(logits, [seq(temperature=t)])[0].token == best
+        assert sample(logits, [seq(temperature=1.0, top_p=t)])[0].token == best  # 1e-300 is 0 in float32
     nan_row = torch.full((1, 10), float("nan"))
     nan_row[0, 4] = 1.0
     assert sample(nan_row, [seq(temperature=0.7, logprobs=True)])[0].token == 4

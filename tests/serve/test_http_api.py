@@ -52,7 +52,7 @@ def test_generate_and_stream_agree(client):
     assert events[-1]["generated_text"] == "".join(ev["token"]["text"] for ev in events
                                                    if ev["token"]["text"] != "<|eos|>")
     assert events[-1]["generated_text"] == out["generated_text"]
-    assert [ev["token"]["id"] for ev in events] == [t["id"] for t in out["details"]["tokens"]]
+    assert [ev["token"] for ev in events] == out["details"]["tokens"]  # ids, texts, log-probs, special
 
 
 def test_openai_client_completions_chat_and_streaming(serve_app):
@@ -137,6 +137,9 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "best_of": 2}, 400, "best_of"),
     ("/v1/chat/completions", {"model": "tiny", "tools": [{"type": "function", "function": {"name": "f"}}],
                               "messages": [{"role": "user", "content": "x"}]}, 400, "tool"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [  # a tool-calling client's history
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "tool_calls"),
     ("/v1/chat/completions", {"model": "tiny", "response_format": {"type": "json_object"},
                               "messages": [{"role": "user", "content": "x"}]}, 400, "response_format"),
     ("/generate", {"inputs": "hi", "parameters": {"decoder_input_details": True}}, 422, "decoder_input_details"),
@@ -240,6 +243,13 @@ def test_sse_framing_tgi_stream_details_and_seeds(client):
     assert last["token"] == {**last["token"], "special": True, "text": "<|eos|>"}
     plain = client.post("/generate", json={**body, "stream": False}).json()["generated_text"]
     assert last["generated_text"] == plain == "".join(e["token"]["text"] for e in events[:-1])
+    # a stop sequence ends the answer and stays in it, as in TGI; a greedy answer reports no seed
+    stop = plain[3:5]
+    body = {"inputs": body["inputs"], "parameters": {"max_new_tokens": 12, "details": True, "stop": [stop], "seed": 5}}
+    out = client.post("/generate", json=body).json()
+    assert out["generated_text"] == plain[:plain.find(stop) + len(stop)], (plain, stop, out)
+    assert out["details"]["finish_reason"] == "stop_sequence" and out["details"]["seed"] is None
+    assert out["generated_text"] == "".join(t["text"] for t in out["details"]["tokens"])
     # sampled without a seed: the one drawn is reported, and it reproduces the answer
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 8, "do_sample": True, "details": True}}
     first = client.post("/generate", json=body).json()
@@ -255,6 +265,7 @@ def test_vllm_extensions_and_text_that_ends_mid_character(client):
             "logprobs": 0}
     out = client.post("/v1/completions", json=body).json()["choices"][0]
     assert out["text"] == "\ufffd" * 3 and out["finish_reason"] == "length"
+    assert out["logprobs"]["text_offset"] == [0, 0, 0]  # held back to the end: each starts where its text does
     # min_tokens holds back EOS; EOS's own text shows in the TGI details, not in the answer's text
     eos = 257
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "logit_bias": {str(eos): 100}, "min_tokens": 2}
@@ -265,7 +276,11 @@ def test_vllm_extensions_and_text_that_ends_mid_character(client):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20, r.text
     tgi = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "details": True,
                                                                           "temperature": 1e-6}}).json()
-    assert tgi["details"]["finish_reason"] == "eos_token" and tgi["details"]["tokens"][-1]["text"] == "<|eos|>"
+    tokens = tgi["details"]["tokens"]
+    assert tgi["details"]["finish_reason"] == "eos_token" and tokens[-1]["id"] == eos and tokens[-1]["special"]
+    # here EOS ends a cut character: its entry carries that text's end (U+FFFD), as its stream event does,
+    # so the entries' texts still make up the answer
+    assert tgi["generated_text"] == "".join(t["text"] for t in tokens) and tokens[-1]["text"] != "<|eos|>"
     # stop_token_ids end the answer without adding their text; skip_special_tokens: false shows them
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "logit_bias": {"65": 100}}
     assert client.post("/v1/completions", json={**body, "stop_token_ids": [65]}).json()["choices"][0]["text"] == ""
@@ -307,6 +322,11 @@ def test_unknown_paths_and_methods_answer_in_the_apis_format(client):
     assert r.status_code == 405 and "GET" in r.json()["error"]
     assert client.head("/health").status_code == 200
     assert client.get("/v1/models/tiny").json()["id"] == "tiny"
+    # a trailing slash is an unknown path, not a redirect built from the client's Host header
+    r = client.post("/generate/", json={"inputs": "hi"})
+    assert r.status_code == 404 and r.json()["error_type"] == "not_found"
+    r = client.post("/v1/chat/completions/", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and "no such endpoint" in r.json()["error"]["message"]
     assert client.get("/v1/models/other").status_code == 404
 
 
@@ -322,6 +342,20 @@ def test_a_tiny_temperature_is_greedy_and_the_engine_stays_up(client):
                                                  "temperature": 1e-300})
         assert r.status_code == 200, r.text
     assert client.get("/health").status_code == 200
+
+
+def test_completion_text_offsets_locate_each_token_in_the_text(client):
+    # offsets into the returned text, the same streamed or not (held-back bytes: see the next test)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 9, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "logit_bias": {"65": 5}}
+    out = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = out["logprobs"]
+    assert len(lp["text_offset"]) == len(lp["tokens"]) == 9 and lp["text_offset"][0] == 0
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] < len(out["text"])
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [ev for ev in sse_events(r) if ev != "[DONE]"]
+    offsets = [o for ev in chunks if ev["choices"][0]["logprobs"] for o in ev["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == lp["text_offset"] and "".join(ev["choices"][0]["text"] for ev in chunks) == out["text"]
 
 
 def test_logit_bias_penalties_and_top_logprobs(client):
