@@ -4,6 +4,7 @@ environment variables, the Serve config file, and defaults. Engine settings keep
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -90,6 +91,9 @@ class Settings(BaseModel):
                                           "round for this long fails its health check and is replaced")
     payload_limit: int = Field(2_000_000, gt=0, description="largest request body in bytes (TGI's flag and "
                                "default: 2000000); bigger ones get 413 before they are read")
+    cors_allow_origin: list[str] = Field([], description="origins whose web pages may call the API from a "
+                                         "browser (CORS), comma-separated, e.g. https://app.example.com; * for "
+                                         "any (TGI's flag; default: none)")
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)
     router: Literal["prefix", "pow2", "round_robin"] = "prefix"
@@ -131,6 +135,18 @@ class Settings(BaseModel):
             return []
         if isinstance(v, list) and any(not isinstance(x, int) or x <= 0 for x in v):
             raise ValueError(f"cuda_graphs must list positive batch sizes (or 0 for none), got {v}")
+        return v
+
+    @field_validator("cors_allow_origin", mode="before")
+    @classmethod
+    def _origins(cls, v: Any) -> Any:
+        if isinstance(v, str):  # a flag or an environment variable: "https://a.example,https://b.example"
+            v = [x.strip() for x in v.split(",") if x.strip()]
+        if isinstance(v, list):
+            for origin in v:
+                if not isinstance(origin, str) or not (origin == "*" or re.fullmatch(r"https?://[^/\s]+", origin)):
+                    raise ValueError(f"cors_allow_origin: {origin!r} is not an origin (scheme://host[:port], "
+                                     "no path; or *)")
         return v
 
     @field_validator("redis_url")

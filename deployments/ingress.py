@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.config import Settings
 from app.schemas import TGI_FINISH, ChatRequest, CompletionRequest, TGIRequest, WarmupRequest
 from cache.hashing import block_hashes
+from deployments.cors import Cors
 from deployments.logs import show_our_info_logs
 from deployments.metrics import HubClient, render
 from routing import in_process
@@ -216,11 +217,13 @@ def _too_large(limit: int) -> ApiError:
                     "validation", code="payload_too_large")
 
 
-# Starlette runs the last one added first: the size check, the drain check and in-flight count, then
-# the content type.
+# Starlette runs the last one added first: CORS (its headers go on every answer, refusals too, and a
+# browser's preflight is answered there), the size check, the drain check and in-flight count, then the
+# content type.
 app.add_middleware(JsonOnly)
 app.add_middleware(InFlight)
 app.add_middleware(PayloadLimit)
+app.add_middleware(Cors)
 
 
 def _is_openai(request: Request) -> bool:
@@ -376,6 +379,7 @@ class Ingress:
         # loop keeps streaming other users' tokens and answering /health meanwhile
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         PayloadLimit.max_bytes = self.settings.payload_limit
+        Cors.origins = tuple(self.settings.cors_allow_origin)
         # no token covers more characters than the longest vocabulary entry: bounds a text's token count
         self._max_token_chars = max((len(k) for k in self.tokenizer.get_vocab()), default=1)
         self._info: dict[str, Any] | None = None

@@ -666,3 +666,30 @@ def test_a_hung_metrics_hub_is_restarted(client):
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass  # killed and replaced, as it should be
+
+
+def test_cors_headers_only_for_the_origins_set(monkeypatch):
+    """The ingress app's middleware stack alone (Serve mounts the routes; a preflight and the error
+    answers are the middleware's and the app's own): no CORS unless origins are set, then a browser's
+    preflight is answered and every answer, a refusal too, names the origin."""
+    from starlette.testclient import TestClient
+
+    from deployments.cors import Cors
+    from deployments.ingress import app
+
+    preflight = {"origin": "https://app.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "content-type,authorization"}
+    with TestClient(app) as c:
+        assert "access-control-allow-origin" not in c.get("/nope", headers={"origin": "https://app.example"}).headers
+        assert c.options("/generate", headers=preflight).status_code == 405  # no CORS: not a preflight
+        monkeypatch.setattr(Cors, "origins", ("https://app.example",))
+        r = c.options("/generate", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = c.get("/nope", headers={"origin": "https://app.example"})
+        assert r.status_code == 404 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = c.options("/generate", headers={**preflight, "origin": "https://evil.example"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        monkeypatch.setattr(Cors, "origins", ("*",))
+        assert c.get("/nope", headers={"origin": "https://any.example"}).headers["access-control-allow-origin"] == "*"

@@ -100,3 +100,16 @@ def test_cuda_graph_sizes_come_as_tgi_takes_them():
         args = build_parser().parse_args(["serve", "--cuda-graphs", flag])
         cli = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
         assert Settings.from_sources(cli=cli, env={}).engine_config("m").cuda_graphs == sizes
+
+
+def test_cors_origins_come_comma_separated_and_must_be_origins():
+    from app.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--cors-allow-origin", "https://app.example, http://localhost:3000"])
+    cli = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    assert Settings.from_sources(cli=cli, env={}).cors_allow_origin == ["https://app.example", "http://localhost:3000"]
+    assert Settings.from_sources(env={"RADIXSERVE_CORS_ALLOW_ORIGIN": "*"}).cors_allow_origin == ["*"]
+    assert Settings().cors_allow_origin == []
+    for bad in ("https://app.example/", "app.example", "ftp://x.example", ["https://a.example", 3]):
+        with pytest.raises(ValueError, match="is not an origin"):
+            Settings.from_sources(cli={"cors_allow_origin": bad}, env={})
