@@ -111,8 +111,13 @@ def test_tensor_names_are_checked_from_the_headers_as_transformers_would_load_th
               metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"lack 18 of the model's tensors \(e.g. model.layers.0."):
         check_model_folder(str(tiny_folder))
-    # a tied output layer needs no tensor of its own
+    # a quantized checkpoint packs its tensors under other names: the load itself decides
     config = json.loads((tiny_folder / "config.json").read_text())
+    (tiny_folder / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}}))
+    check_model_folder(str(tiny_folder))
+    (tiny_folder / "config.json").write_text(json.dumps(config))
+    # a tied output layer needs no tensor of its own
     (tiny_folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, weights, metadata={"format": "pt"})
     check_model_folder(str(tiny_folder))
