@@ -122,3 +122,35 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_in_any_batch():
     out = sample(logits, [neighbours[0], batched, *neighbours[1:]])  # and each neighbour gets its own kind
     assert out[0].token == int(logits[0].argmax()) and out[0].logprob is None
     assert out[2].token == int(logits[2].argmax()) and len(out[2].top) == 2 and out[2].top[0][0] == out[2].token
+
+
+def _reference_top_p(row: torch.Tensor, top_p: float) -> set[int]:
+    """Top-p by a full sort, token by token: the best tokens up to the one that crosses top_p, and any
+    tied with it."""
+    probs = torch.softmax(row.double(), -1)
+    kept, mass = [], 0.0
+    for i in torch.argsort(row, descending=True, stable=True).tolist():
+        if kept and mass >= top_p:
+            break
+        kept.append(i)
+        mass += float(probs[i])
+    return set(torch.nonzero(row >= row[kept[-1]]).flatten().tolist())
+
+
+@pytest.mark.parametrize("vocab", [50, 300, 5000])
+def test_top_p_over_its_best_candidates_keeps_what_a_full_sort_keeps(vocab):
+    from engine.sampler import TOP_P_CANDIDATES, _filter
+
+    assert TOP_P_CANDIDATES < 5000  # the flat rows below need more than the first candidates
+    g = torch.Generator().manual_seed(vocab)
+    rows = torch.cat([torch.randn(4, vocab, generator=g) * 3,  # peaked
+                      torch.randn(4, vocab, generator=g) * 0.01,  # nearly flat: the cut lies far down
+                      torch.randint(0, 4, (2, vocab), generator=g).float()])  # ties everywhere
+    for top_p in (1e-9, 0.3, 0.9, 0.999):
+        out = _filter(rows, [0] * len(rows), [top_p] * len(rows))
+        for row, filtered in zip(rows, out, strict=True):
+            assert set(torch.nonzero(filtered > float("-inf")).flatten().tolist()) == _reference_top_p(row, top_p)
+    # rows with their own values in one call, top-k first
+    out = _filter(rows[:3], [0, 5, 0], [0.9, 1.0, 1.0])
+    assert set(torch.nonzero(out[0] > float("-inf")).flatten().tolist()) == _reference_top_p(rows[0], 0.9)
+    assert int((out[1] > float("-inf")).sum()) == min(5, vocab) and torch.equal(out[2], rows[2])
