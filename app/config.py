@@ -140,9 +140,12 @@ class Settings(BaseModel):
     @field_validator("cors_allow_origin", mode="before")
     @classmethod
     def _origins(cls, v: Any) -> Any:
+        if v is None:  # RADIXSERVE_CORS_ALLOW_ORIGIN=none
+            return []
         if isinstance(v, str):  # a flag or an environment variable: "https://a.example,https://b.example"
             v = [x.strip() for x in v.split(",") if x.strip()]
         if isinstance(v, list):
+            v = [x.lower() if isinstance(x, str) else x for x in v]  # browsers send scheme and host in lower case
             for origin in v:
                 if not isinstance(origin, str) or not (origin == "*" or re.fullmatch(r"https?://[^/\s]+", origin)):
                     raise ValueError(f"cors_allow_origin: {origin!r} is not an origin (scheme://host[:port], "

@@ -294,8 +294,8 @@ class ChatMessage(_Strict):
         # a tool-calling client's history (an assistant turn with tool_calls and no content) would
         # otherwise fail on its content's type, which says nothing useful; the calls cannot be dropped
         # either (the history would read differently)
-        if isinstance(data, dict) and any(data.get(k) is not None for k in ("tool_calls", "function_call")):
-            raise ValueError("assistant messages with tool_calls are not supported by this server (no tool calling)")
+        if isinstance(data, dict) and any(data.get(k) for k in ("tool_calls", "function_call")):  # [] is none
+            raise ValueError("messages with tool_calls are not supported by this server (no tool calling)")
         return data
 
     def text(self) -> str:

@@ -326,18 +326,6 @@ def _distinct_tokens(prefixes: list[list[int]], block_size: int) -> int:
     return len(blocks) * block_size + sum(len(p) % block_size for p in prefixes)
 
 
-def _text_offsets(events: list[dict], start: int) -> list[int]:
-    """Where each token event's text starts in the answer's text, which has ``start`` characters before
-    the first event (an echoed prompt): a token whose text is held back (part of a character) starts
-    where the text that completes it does."""
-    out, pos = [], start
-    for ev in events:
-        if ev.get("token_id") is not None:
-            out.append(pos)
-        pos += len(ev["text"])
-    return out
-
-
 def _seeded(params: dict[str, Any]) -> dict[str, Any]:
     """A sampled TGI request without a seed gets one drawn here, so its details can report the seed that
     reproduces it (as TGI's do); greedy ones report none."""
@@ -716,10 +704,11 @@ class Ingress:
         room = (await self.info_cached())["max_total_tokens"] - len(ids)
         return max(1, min(max(default, req.min_tokens), room))  # (a min_tokens past the room: the engine says so)
 
-    def _oai_logprobs(self, events: list[dict], chat: bool, top: int, offset: int = 0) -> dict | None:
+    def _oai_logprobs(self, events: list[dict], chat: bool, top: int, prefix: int = 0, end: int | None = None
+                      ) -> dict | None:
         """OpenAI ``logprobs`` of these token events (chat: ``content`` entries; completions: lists, with
-        each token's ``text_offset`` in the returned text, whose first ``offset`` characters came before
-        these events)."""
+        each token's ``text_offset`` in the returned text: after a ``prefix`` of that many characters (an
+        echoed prompt), at most ``end`` once the text's length is known)."""
         toks = [ev for ev in events if ev.get("token_id") is not None]
         if chat:
             def entry(t: int, lp: float) -> dict:
@@ -731,7 +720,8 @@ class Ingress:
                 "token_logprobs": [ev["logprob"] for ev in toks],
                 "top_logprobs": [{self._token_text(t): lp for t, lp in ev.get("top_logprobs") or ()} for ev in toks]
                 if top else None,
-                "text_offset": _text_offsets(events, offset)}
+                "text_offset": [prefix + ev["text_offset"] if end is None else min(prefix + ev["text_offset"], end)
+                                for ev in toks]}
 
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest):
@@ -750,7 +740,7 @@ class Ingress:
         choice = {"index": 0, "text": prefix + "".join(ev["text"] for ev in events),
                   "finish_reason": _oai_finish(last["finish_reason"]), "logprobs": None}
         if req.logprobs is not None:
-            choice["logprobs"] = self._oai_logprobs(events, False, top, len(prefix))
+            choice["logprobs"] = self._oai_logprobs(events, False, top, len(prefix), len(choice["text"]))
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": [choice], "usage": _usage(last)}, headers=_replica_header(events))
 
@@ -793,13 +783,14 @@ class Ingress:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         want_logprobs = params["logprobs"]
         unsent: list[dict] = []  # token events since the last chunk (tokens without text are coalesced)
-        sent = [len(prefix)]  # characters of text sent before ``unsent`` (the echoed prompt first)
+        sent = [0]  # characters of text sent so far (the echoed prompt included)
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
             c = _chunk(text, finish, role)
-            if want_logprobs and unsent:
-                c["choices"][0]["logprobs"] = self._oai_logprobs(unsent, chat, top, sent[0])
-                sent[0] += sum(len(ev["text"]) for ev in unsent)
+            sent[0] += len(text or "")
+            if want_logprobs and unsent:  # the last chunk knows the text's length: a stop string left out
+                c["choices"][0]["logprobs"] = self._oai_logprobs(unsent, chat, top, len(prefix),
+                                                                 sent[0] if finish else None)
                 unsent.clear()
             return c
 

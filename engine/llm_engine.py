@@ -268,7 +268,7 @@ class LLMEngine:
             reason = "eos"
         elif tok in p.stop_token_ids:
             reason = "stop"
-        before = len(seq.text)
+        before = start = len(seq.text)  # this token's text starts here (a held-back byte: where it completes)
         by_string = False
         if reason is None:  # the token that ends a request (EOS, a stop token) is not text
             update_text(self.tokenizer, seq)
@@ -290,9 +290,10 @@ class LLMEngine:
             return TokenEvent(seq.request_id, tok, take_delta(seq, final=False), s.logprob, False,
                               num_prompt_tokens=len(seq.prompt_ids),
                               num_cached_tokens=seq.num_cached_prompt_tokens,
-                              num_output_tokens=len(seq.output_ids), top_logprobs=s.top)
+                              num_output_tokens=len(seq.output_ids), top_logprobs=s.top, text_offset=start)
         ev = self._finish(seq, reason)
         ev.token_id, ev.logprob, ev.top_logprobs = tok, s.logprob, s.top
+        ev.text_offset = min(start, len(seq.text))  # a stop string left out of the text took its place
         return ev
 
     def _finish(self, seq: Sequence, reason: str) -> TokenEvent:

@@ -55,7 +55,7 @@ def _filter(dists: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.
     set on every device, whatever order a sort gives ties)."""
     s, v = dists.shape
     if any(0 < k < v for k in top_k):
-        vals = torch.topk(dists, min(max(top_k), v)).values
+        vals = torch.topk(dists, max(k for k in top_k if 0 < k < v)).values  # (a k past the vocabulary cuts nothing)
         at = torch.tensor([min(k, v) - 1 if k else 0 for k in top_k], device=dists.device).unsqueeze(1)
         kth = vals.gather(1, at)
         off = torch.tensor([not 0 < k < v for k in top_k], device=dists.device).unsqueeze(1)
@@ -103,14 +103,16 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 def _draw(dists: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row of ``dists`` ``[S, V]`` (filtered logits) by inverse transform sampling: each
-    request's own CPU generator gives one uniform number, so a seed gives the same tokens on any device
-    and in any batch, and only those numbers cross to the device (not a vocabulary of probabilities per
+    request's own CPU generator gives one uniform number, so a request's draws do not depend on the rest
+    of its batch, and only those numbers cross to the device (not a vocabulary of probabilities per
     row). Rows with no finite probability (only non-finite logits get there) take their best finite
     token rather than fail the batch."""
     probs = torch.softmax(dists, dim=-1)
-    cum = probs.cumsum(dim=-1)
+    # in float64: a float32 running sum over a large vocabulary stops moving for the smallest tokens,
+    # which could then never be drawn
+    cum = probs.double().cumsum(dim=-1)
     total = cum[:, -1:]
-    u = torch.cat([torch.rand(1, generator=g) for g in generators]).to(dists.device).unsqueeze(-1)
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]).to(dists.device).unsqueeze(-1)
     ids = torch.searchsorted(cum, u * total, right=True).squeeze(-1)  # the first token whose share covers u
     # rounding can carry u * total to the total itself: then the last token that has a share
     positive = probs > 0
@@ -123,6 +125,8 @@ def _draw(dists: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
     """One token per row of ``logits`` ``[N, V]`` (float32) for ``seqs``. Rows are batched by kind
     (plain greedy, other greedy, sampled) so a step syncs with the device a few times, not per row."""
+    if not seqs:
+        return []
     plain = [s.params.greedy and not _adjusts(s) and not s.params.logprobs for s in seqs]
     tokens = _argmax(logits) if any(plain) else None  # [N] on the device
     if all(plain):
@@ -145,7 +149,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
     if want:
         # the model's distribution after penalties and bias, before temperature and top-k/top-p: what
         # the alternatives were, not what the filters left (those would be -inf, not JSON)
-        lp = torch.log_softmax(torch.nan_to_num(torch.stack([rows[i] for i in want]), nan=float("-inf")), dim=-1)
+        stacked = torch.stack([rows[i] for i in want])  # NaN as impossible; -inf stays -inf (reported as -9999)
+        lp = torch.log_softmax(stacked.masked_fill(stacked.isnan(), float("-inf")), dim=-1)
         picked = lp.gather(1, chosen[want].unsqueeze(1)).squeeze(1).tolist()
         k = min(max(seqs[i].params.top_logprobs or 0 for i in want), lp.shape[-1])
         vals, ids = torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long())

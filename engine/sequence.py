@@ -105,6 +105,9 @@ class TokenEvent:
     # replica may run it; "engine": it failed while the engine ran it (it may be the cause: no retry)
     error_kind: str | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # the most likely alternatives, best first
+    # where the token's text starts in the request's whole text (not where this event's text starts:
+    # text that might begin a stop string is held back), at most the final text's length
+    text_offset: int = 0
 
 
 @dataclass(eq=False)

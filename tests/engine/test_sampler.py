@@ -67,6 +67,10 @@ def test_logprobs_stay_finite_and_unfiltered_under_top_k_and_nan():
     nan_row[0, 2] = 0.0
     out = sample(nan_row, [seq(logprobs=True, top_logprobs=3)])[0]
     assert out.token == 2 and math.isfinite(out.logprob) and all(math.isfinite(v) for _, v in out.top)
+    # an impossible token (a -inf logit) is reported as -9999, not as float32's lowest number
+    out = sample(torch.tensor([[0.0, float("-inf"), 1.0]]), [seq(logprobs=True, top_logprobs=3)])[0]
+    assert out.top[-1] == (1, -9999.0)
+    assert sample(torch.zeros(0, 5), []) == []
 
 
 def test_tiny_temperatures_sample_greedily_and_bad_rows_do_not_raise():
@@ -150,7 +154,8 @@ def test_top_p_over_its_best_candidates_keeps_what_a_full_sort_keeps(vocab):
         out = _filter(rows, [0] * len(rows), [top_p] * len(rows))
         for row, filtered in zip(rows, out, strict=True):
             assert set(torch.nonzero(filtered > float("-inf")).flatten().tolist()) == _reference_top_p(row, top_p)
-    # rows with their own values in one call, top-k first
+    # rows with their own values in one call, top-k first (a top-k past the vocabulary cuts nothing)
+    assert torch.equal(_filter(rows[:2], [vocab + 1, 0], [1.0, 1.0]), rows[:2])
     out = _filter(rows[:3], [0, 5, 0], [0.9, 1.0, 1.0])
     assert set(torch.nonzero(out[0] > float("-inf")).flatten().tolist()) == _reference_top_p(rows[0], 0.9)
     assert int((out[1] > float("-inf")).sum()) == min(5, vocab) and torch.equal(out[2], rows[2])

@@ -344,18 +344,34 @@ def test_a_tiny_temperature_is_greedy_and_the_engine_stays_up(client):
     assert client.get("/health").status_code == 200
 
 
+def test_a_chat_history_with_an_empty_tool_calls_list_is_served(client):
+    # what a tool-capable server's answers carry and clients send back; a non-empty list is refused
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "tool_calls": []},
+            {"role": "user", "content": "And?"}]
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
 def test_completion_text_offsets_locate_each_token_in_the_text(client):
-    # offsets into the returned text, the same streamed or not (held-back bytes: see the next test)
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 9, "temperature": 0, "ignore_eos": True, "logprobs": 0,
-            "logit_bias": {"65": 5}}
-    out = client.post("/v1/completions", json=body).json()["choices"][0]
-    lp = out["logprobs"]
-    assert len(lp["text_offset"]) == len(lp["tokens"]) == 9 and lp["text_offset"][0] == 0
-    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] < len(out["text"])
-    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        chunks = [ev for ev in sse_events(r) if ev != "[DONE]"]
-    offsets = [o for ev in chunks if ev["choices"][0]["logprobs"] for o in ev["choices"][0]["logprobs"]["text_offset"]]
-    assert offsets == lp["text_offset"] and "".join(ev["choices"][0]["text"] for ev in chunks) == out["text"]
+    # greedy among three letters (a bias over the random model's logits): each token is one character,
+    # found at its offset, streamed or not, and with a stop string whose possible start is held back
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "logit_bias": {"65": 20, "66": 20, "67": 20}}
+    for extra in ({}, {"stop": ["zzzz"]}):
+        out = client.post("/v1/completions", json={**body, **extra}).json()["choices"][0]
+        lp = out["logprobs"]
+        assert len(set(lp["tokens"])) > 1 and set(lp["tokens"]) <= {"A", "B", "C"}, lp["tokens"]
+        assert [out["text"][o] for o in lp["text_offset"]] == lp["tokens"] and lp["text_offset"] == list(range(12))
+        with client.stream("POST", "/v1/completions", json={**body, **extra, "stream": True}) as r:
+            chunks = [ev for ev in sse_events(r) if ev != "[DONE]"]
+        offsets = [o for ev in chunks if ev["choices"][0]["logprobs"] for o in ev["choices"][0]["logprobs"]["text_offset"]]
+        assert offsets == lp["text_offset"] and "".join(ev["choices"][0]["text"] for ev in chunks) == out["text"]
+    # a stop string left out of the text: its tokens point at the text's end
+    stop = out["text"][5:7]
+    out = client.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    cut = out["text"].find(stop) if stop in out["text"] else len(out["text"])
+    assert out["finish_reason"] == "stop" and all(o <= len(out["text"]) for o in out["logprobs"]["text_offset"])
+    assert out["logprobs"]["text_offset"][:cut] == list(range(cut))
 
 
 def test_logit_bias_penalties_and_top_logprobs(client):
