@@ -327,14 +327,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long to wait for a service that is starting (default: 60)")
 
 
+def _flag_problems(args: argparse.Namespace) -> list[str]:
+    """Each flag out of its range, by name; and a ``--url`` a client could not use as it is."""
+    checks = [(args.concurrency >= 1, "--concurrency must be at least 1"),
+              (args.max_tokens >= 1, "--max-tokens must be at least 1"), (args.retries >= 0, "--retries must be at least 0"),
+              (0 <= args.temperature <= 2, "--temperature must be in [0, 2]"),
+              (args.request_timeout_s > 0, "--request-timeout-s must be positive"),
+              (args.wait_s >= 0, "--wait-s must be at least 0")]
+    problems = [what for ok, what in checks if not ok]
+    url = args.url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        problems.append(f"--url {args.url!r} needs its scheme: http://{args.url}")
+    elif url.endswith("/v1"):  # an OpenAI client's base URL: this command adds /v1 itself
+        problems.append(f"--url is the service's address without /v1: {url[:-3]}")
+    return problems
+
+
 def main(args: argparse.Namespace) -> int:
-    if args.concurrency < 1 or args.retries < 0 or args.max_tokens < 1:
-        print("radixserve batch: --concurrency and --max-tokens must be at least 1, --retries at least 0",
-              file=sys.stderr)
-        return 2
-    if not 0 <= args.temperature <= 2 or not args.request_timeout_s > 0 or not args.wait_s >= 0:
-        print("radixserve batch: --temperature must be in [0, 2], --request-timeout-s positive, --wait-s at "
-              "least 0", file=sys.stderr)
+    if problems := _flag_problems(args):
+        print(f"radixserve batch: {'; '.join(problems)}", file=sys.stderr)
         return 2
     src, dst = Path(args.input), Path(args.output)
     problem = (f"{src} is a folder, not a file" if src.is_dir() else None if src.is_file() else f"no input file {src}")

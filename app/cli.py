@@ -32,6 +32,24 @@ def _flag_type(annotation) -> tuple[type | None, list[str] | None]:
     return (base if base in (int, float, str, bool) else str), None
 
 
+def _json_object(text: str) -> dict:
+    """``--autoscaling``'s value (argparse would name ``json.loads`` in its error)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'a JSON object, e.g. \'{{"min_replicas": 1, "max_replicas": 4}}\', not {text[:80]!r}')
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """A mistaken flag gets its one line and where to look, not the whole usage (40 lines for serve)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def add_settings_flags(p: argparse.ArgumentParser) -> None:
     """One ``--flag`` per setting (TGI's names with dashes); unset flags do not override env/file."""
     for name, field in Settings.model_fields.items():
@@ -46,7 +64,7 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
             p.add_argument(flag, dest=name, type=typ, choices=choices, default=None, help=help_)
-    p.add_argument("--autoscaling", dest="autoscaling", type=json.loads, default=None,
+    p.add_argument("--autoscaling", dest="autoscaling", type=_json_object, default=None,
                    help='JSON, e.g. \'{"min_replicas": 1, "max_replicas": 4}\'')
 
 
@@ -403,8 +421,8 @@ PRESET_NAMES = ["tiny", "bench", "bench-1b", "tiny-mistral", "tiny-qwen2", "tiny
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="radixserve", description="Prefix-aware LLM serving on Ray Serve.")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _Parser(prog="radixserve", description="Prefix-aware LLM serving on Ray Serve.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     # no ArgumentDefaultsHelpFormatter: flags default to None (unset flags leave the environment and
     # the config file in charge), so each flag's help names the setting's own default instead
     s = sub.add_parser("serve", help="start Ray (or join one), Redis and the HTTP service")

@@ -206,9 +206,18 @@ class Settings(BaseModel):
         try:
             return cls(**merged)
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" if err["loc"]
-                                 else str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
-            raise ValueError(f"invalid settings: {problems}") from None
+            raise ValueError(f"invalid settings: {'; '.join(_problem(err) for err in e.errors())}") from None
+
+
+def _problem(err: dict) -> str:
+    """One validation error as a user reads it: the setting, its flag, and pydantic's message without
+    its "Value error, " or a repeat of the setting's name."""
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if not err["loc"]:
+        return msg
+    name = ".".join(map(str, err["loc"]))
+    flag = f" (--{name.replace('_', '-')})" if len(err["loc"]) == 1 else ""
+    return f"{name}{flag}: {msg.removeprefix(f'{name}: ')}"
 
 
 def _parse_env(name: str, raw: str) -> Any:

@@ -73,6 +73,15 @@ def build_app(settings: Settings):
         llm, s, scales_to_zero=settings.autoscaling is not None and settings.autoscaling.min_replicas == 0)
 
 
+# where Serve listens is the Serve config's own http_options, not the application's: taken as args,
+# they would be accepted and do nothing
+HTTP_OPTIONS = frozenset({"host", "port", "request_timeout_s"})
+
+
 def app_builder(args: dict[str, Any]):
     """Entry point for ``serve run`` / ``serve deploy`` (``args`` from the Serve config file)."""
+    misplaced = sorted(HTTP_OPTIONS & dict(args or {}).keys())
+    if misplaced:
+        raise ValueError(f"{', '.join(misplaced)} under args would do nothing: in a Serve config they are "
+                         "http_options, set beside applications")
     return build_app(Settings.from_sources(file=dict(args or {})))

@@ -102,6 +102,10 @@ def write_model(path: str | Path, preset: str = "tiny", seed: int = 0, init_scal
         pad_token_id=tokenizer.pad_token_id, dtype="float32")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # written over another model (--force): its weights go first, or a stale shard index would name
+    # files that are no longer there (or shards of the old model would stay beside the new one)
+    for old in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     (path / "radixserve.json").write_text(json.dumps({"preset": preset, "seed": seed}))

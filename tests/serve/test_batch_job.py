@@ -146,8 +146,13 @@ def test_batch_without_a_service_says_so(tmp_path, capsys):
     assert not (tmp_path / "o.jsonl").exists()  # nothing was sent: no output to clean up
     assert cli(["batch", "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o.jsonl")]) == 2
     # bad settings and a missing output folder are refused before anything is sent or made
-    for extra in (["--temperature", "-1"], ["--request-timeout-s", "0"]):
+    for extra, said in ((["--temperature", "-1"], "--temperature must be in [0, 2]"),
+                        (["--request-timeout-s", "0"], "--request-timeout-s must be positive"),
+                        (["--url", "127.0.0.1:8000"], "needs its scheme: http://127.0.0.1:8000"),
+                        (["--url", "http://127.0.0.1:8000/v1/"], "without /v1: http://127.0.0.1:8000")):
         assert cli(["batch", "--input", str(src), "--output", str(tmp_path / "o.jsonl"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "--wait-s" not in err, err  # the flag that is wrong, not the whole list
     assert cli(["batch", "--input", str(src), "--output", str(tmp_path / "no" / "such" / "o.jsonl")]) == 2
     assert "no folder" in capsys.readouterr().err and not (tmp_path / "no").exists()
 

@@ -193,8 +193,18 @@ def test_init_model_does_not_overwrite_by_accident(tmp_path):
     assert _cli("init-model", str(tmp_path / "m")).returncode == 0
     r = _cli("init-model", str(tmp_path / "m"), "--preset", "tiny-qwen2")
     assert r.returncode == 2 and "--force" in r.stderr
+    # over a sharded checkpoint: its index and shards go, or the index would name missing files
+    (tmp_path / "m" / "model.safetensors.index.json").write_text('{"weight_map": {"x": "model-00002.safetensors"}}')
+    (tmp_path / "m" / "model-00002.safetensors").write_bytes(b"old")
     assert _cli("init-model", str(tmp_path / "m"), "--preset", "tiny-qwen2", "--force").returncode == 0
     assert "qwen2" in (tmp_path / "m" / "config.json").read_text()
+    assert sorted(f.name for f in (tmp_path / "m").glob("model*")) == ["model.safetensors"]
+    # a mistaken flag: its line and where to look, not the whole usage
+    r = _cli("serve", "--port", "abc")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "radixserve serve: error: argument --port: invalid int value: 'abc' (see `radixserve serve --help`)"]
+    r = _cli("serve", "--max-num-seqs", "-5")
+    assert r.returncode == 2 and "max_num_seqs (--max-num-seqs): Input should be greater than 0" in r.stderr
     r = _cli("init-model", "/proc/radixserve-nope")  # not writable: one line, not a traceback
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "cannot write" in r.stderr, r.stderr
 

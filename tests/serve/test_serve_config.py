@@ -26,6 +26,9 @@ def test_serve_config_args_are_valid_settings_and_build_the_app(model_dir):
     built = builder({**args, "model_id": model_dir("tiny")})
     assert isinstance(built, Application)
     assert cfg["http_options"]["port"] == Settings().port
+    for misplaced in ({"port": 9001}, {"host": "0.0.0.0", "request_timeout_s": 5}):  # http_options, not args
+        with pytest.raises(ValueError, match="would do nothing: in a Serve config they are http_options"):
+            builder({**args, **misplaced})
 
 
 def test_replicas_get_the_drain_timeout_and_the_autoscaling_window(model_dir):
