@@ -783,14 +783,15 @@ class Ingress:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         want_logprobs = params["logprobs"]
         unsent: list[dict] = []  # token events since the last chunk (tokens without text are coalesced)
-        sent = [0]  # characters of text sent so far (the echoed prompt included)
+        sent = 0  # characters of text sent so far (the echoed prompt included)
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+            nonlocal sent
             c = _chunk(text, finish, role)
-            sent[0] += len(text or "")
+            sent += len(text or "")
             if want_logprobs and unsent:  # the last chunk knows the text's length: a stop string left out
                 c["choices"][0]["logprobs"] = self._oai_logprobs(unsent, chat, top, len(prefix),
-                                                                 sent[0] if finish else None)
+                                                                 sent if finish else None)
                 unsent.clear()
             return c
 

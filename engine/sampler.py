@@ -53,7 +53,7 @@ def _filter(dists: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.
     """Top-k, then top-p, over the rows of ``dists`` ``[S, V]`` (logits over temperature), each row with
     its own values. Both cut at a logit value, so tokens tied with the last one kept stay too (the same
     set on every device, whatever order a sort gives ties)."""
-    s, v = dists.shape
+    v = dists.shape[-1]
     if any(0 < k < v for k in top_k):
         vals = torch.topk(dists, max(k for k in top_k if 0 < k < v)).values  # (a k past the vocabulary cuts nothing)
         at = torch.tensor([min(k, v) - 1 if k else 0 for k in top_k], device=dists.device).unsqueeze(1)
@@ -68,7 +68,7 @@ def _filter(dists: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.
 def _nucleus(dists: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     """Keep each row's best tokens up to the one whose probability crosses its ``top_p`` (the best one
     always: a top_p below float32's range would drop it too)."""
-    s, v = dists.shape
+    v = dists.shape[-1]
     p = torch.tensor(top_p, dtype=dists.dtype, device=dists.device).unsqueeze(1)
     cut = p < 1.0
     lse = torch.logsumexp(dists, dim=-1, keepdim=True)

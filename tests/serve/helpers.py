@@ -1,4 +1,4 @@
-"""Small helpers shared by the Serve tests: per-replica metrics and polling."""
+"""Small helpers shared by the Serve tests: per-replica and fleet metrics, polling."""
 
 from __future__ import annotations
 
@@ -9,14 +9,19 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 
+def _samples(c: httpx.Client):
+    for fam in text_string_to_metric_families(c.get("/metrics").text):
+        yield from fam.samples
+
+
 def per_replica(c: httpx.Client, metric: str) -> dict[str, float]:
     """One metric's value per replica (the ``replica="all"`` sum left out)."""
-    out = {}
-    for fam in text_string_to_metric_families(c.get("/metrics").text):
-        for s in fam.samples:
-            if s.name == metric and s.labels.get("replica") != "all":
-                out[s.labels["replica"]] = s.value
-    return out
+    return {s.labels["replica"]: s.value for s in _samples(c) if s.name == metric and s.labels.get("replica") != "all"}
+
+
+def fleet(c: httpx.Client) -> dict[str, float]:
+    """The fleet's (``replica="all"``) value of every metric (histograms: their sums and counts)."""
+    return {s.name: s.value for s in _samples(c) if s.labels.get("replica") == "all" and not s.labels.get("le")}
 
 
 def wait_for(fn, timeout=60.0, every=0.5):

@@ -19,7 +19,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from tests.serve.helpers import per_replica, wait_for
+from tests.serve.helpers import fleet, per_replica, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +42,6 @@ def soak(serve_app, model_dir, redis_server):
     serve.run(build_app(settings), name="soaktest", route_prefix=ROUTE)
     yield serve_app + ROUTE
     serve.delete("soaktest")
-
-
-def fleet(c: httpx.Client) -> dict[str, float]:
-    """The fleet's (``replica="all"``) value of every metric."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {s.name: s.value for fam in text_string_to_metric_families(c.get("/metrics").text)
-            for s in fam.samples if s.labels.get("replica") == "all" and not s.labels.get("le")}
 
 
 class Client:
