@@ -3,7 +3,8 @@
 The baseline is the textbook way (and this engine's until now): each row filtered on its own, top-p by
 a full sort of its vocabulary, the probabilities copied to the host and drawn with ``torch.multinomial``.
 ``engine.sampler.sample`` draws every row at once and looks for the top-p cut among the best tokens
-first. Rows are random logits (scale 3, peaked like a model's), each request with its own seed.
+first. Rows are random logits (scale 3, peaked like a model's), each request with its own seed; in
+the last kind one row is nearly flat, so its cut lies past the first candidates.
 
     python -m bench.sampler_bench [--repeats 5] [--out docs/sampler_bench.png]
 """
@@ -22,7 +23,8 @@ from engine.sequence import SamplingParams, Sequence
 
 SHAPES = ((32, 32000), (64, 128256))  # (rows, vocabulary): a Llama-2 and a Llama-3 vocabulary
 KINDS = {"greedy": {}, "temperature": {"temperature": 0.8}, "top_k 50": {"temperature": 0.8, "top_k": 50},
-         "top_p 0.95": {"temperature": 0.8, "top_p": 0.95}}
+         "top_p 0.95": {"temperature": 0.8, "top_p": 0.95}, "top_p, 1 flat row": {"temperature": 0.8, "top_p": 0.95}}
+FLAT_ROW = "top_p, 1 flat row"  # one nearly uniform row (its top-p cut lies far down) among peaked ones
 
 
 def baseline(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -76,6 +78,9 @@ def main() -> None:
     for n, vocab in SHAPES:
         logits = torch.randn(n, vocab) * 3
         for kind, params in KINDS.items():
+            if kind == FLAT_ROW:
+                logits = logits.clone()
+                logits[0] = torch.randn(vocab) * 0.01
             ours = per_step(sample, logits, requests(n, params), args.repeats)
             base = per_step(baseline, logits, requests(n, params), args.repeats)
             rows[f"{n}x{vocab // 1000}k {kind}"] = {"ours_ms": ours * 1e3, "baseline_ms": base * 1e3, "speedup": base / ours}

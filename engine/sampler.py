@@ -67,23 +67,28 @@ def _filter(dists: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.
 
 def _nucleus(dists: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     """Keep each row's best tokens up to the one whose probability crosses its ``top_p`` (the best one
-    always: a top_p below float32's range would drop it too)."""
+    always: a top_p below float32's range would drop it too). The cut is looked for among each row's
+    best ``TOP_P_CANDIDATES`` tokens; only the rows whose candidates hold less than their top_p (a flat
+    distribution) look again among eight times as many, so one flat row does not widen the batch."""
     v = dists.shape[-1]
-    p = torch.tensor(top_p, dtype=dists.dtype, device=dists.device).unsqueeze(1)
-    cut = p < 1.0
+    device = dists.device
+    rows = torch.tensor([i for i, p in enumerate(top_p) if p < 1.0], dtype=torch.long, device=device)
+    p = torch.tensor(top_p, dtype=dists.dtype, device=device).unsqueeze(1)
+    threshold = torch.full((dists.shape[0], 1), float("-inf"), dtype=dists.dtype, device=device)
     lse = torch.logsumexp(dists, dim=-1, keepdim=True)
     k = min(TOP_P_CANDIDATES, v)
-    while True:
-        vals = torch.topk(dists, k).values  # best first
-        probs = torch.exp(vals - lse)
+    while rows.numel():
+        vals = torch.topk(dists[rows], k).values  # best first
+        probs = torch.exp(vals - lse[rows])
         cum = probs.cumsum(dim=-1)
-        if k == v or bool(((cum[:, -1:] >= p) | ~cut).all()):
+        drop = cum - probs >= p[rows]  # from the token after the one that crosses top_p
+        drop[:, 0] = False
+        kept = (~drop).sum(dim=-1, keepdim=True)
+        found = (cum[:, -1:] >= p[rows]) | (k == v)
+        threshold[rows] = torch.where(found, vals.gather(1, kept - 1), threshold[rows])
+        if bool(found.all()):  # the one sync per pass
             break
-        k = min(v, k * 8)
-    drop = cum - probs >= p  # from the token after the one that crosses top_p
-    drop[:, 0] = False
-    kept = (~drop).sum(dim=-1, keepdim=True)
-    threshold = torch.where(cut, vals.gather(1, kept - 1), float("-inf"))
+        rows, k = rows[~found.squeeze(1)], min(v, k * 8)
     return dists.masked_fill(dists < threshold, float("-inf"))
 
 
