@@ -166,6 +166,7 @@ class LLMServer:
                 "max_batch_prefill_tokens": e.config.max_batch_prefill_tokens,
                 "max_batch_total_tokens": e.kv.capacity_tokens, "block_size": e.config.block_size,
                 "prefix_caching": e.config.prefix_caching, "kv_cache_dtype": e.config.kv_cache_dtype,
+                "kv_cache_scales": e.kv_scales if e.pool.fp8_dtype is not None else None,
                 "window_size": e.window, "attention_backend": e.attention_backend,
                 "cuda_graphs": e.runner.graphs.info() if e.runner.graphs is not None else None,
                 "replica": self.replica_id, "warmup": self.warmup_report}

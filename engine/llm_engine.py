@@ -8,6 +8,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,7 @@ from engine.cpu_linear import use_skinny_linear
 from engine.cuda_graphs import StepGraphs, graphs_blocker
 from engine.detokenizer import find_stop, flush_text, take_delta, update_text
 from engine.kv_manager import KVManager
+from engine.kv_scales import KVScaleError, read_kv_scales
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.model_support import serving_limits
@@ -76,6 +78,15 @@ class LLMEngine:
             m.config, config.max_input_tokens, config.max_total_tokens, num_blocks * config.block_size)
         self.pool = KVPool(KVShape(m.num_layers, num_blocks, config.block_size, m.num_kv_heads, m.head_dim),
                            config.kv_cache_dtype, m.dtype, m.device)
+        self.kv_scales = "1.0"  # where the fp8 scales came from, for the log and /info
+        if self.pool.fp8_dtype is not None and Path(m.model_id).is_dir():  # before CUDA graphs keep them
+            try:
+                scales = read_kv_scales(Path(m.model_id), m.num_layers)
+            except KVScaleError as e:
+                raise ConfigError(f"{m.model_id}: {e}") from None
+            if scales is not None:
+                self.pool.set_scales(*scales)
+                self.kv_scales = "checkpoint"
         self.kv = KVManager(num_blocks, config.block_size, config.prefix_caching,
                             config.cache_namespace or m.model_id, self.window)
         self.scheduler = Scheduler(self.kv, config.max_batch_prefill_tokens, config.max_num_seqs,
@@ -101,8 +112,8 @@ class LLMEngine:
         self._hot_walk: HotWalk | None = None  # the count in progress, a slice per step while serving
         log.info("engine ready: %s on %s/%s, %d blocks x %d tokens (%.1f MiB KV, %s), backend %s",
                  m.model_id, m.device, m.dtype, num_blocks, config.block_size, self.pool.nbytes / 2**20,
-                 self.pool.storage_dtype if self.pool.fp8_dtype is None else self.pool.fp8_dtype,
-                 self.attention_backend)
+                 self.pool.storage_dtype if self.pool.fp8_dtype is None
+                 else f"{self.pool.fp8_dtype}, scales {self.kv_scales}", self.attention_backend)
 
     def _step_graphs(self, use_flash: bool) -> StepGraphs | None:
         """CUDA graphs for small steps, where they can run (a CUDA device, the SDPA backend, a model whose

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_scales import KVScaleError, check_scale_names
 from engine.model_support import SUPPORTED, head_dim, kv_heads, sliding_window, unsupported_type
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model id that is not a folder must fail, not download
@@ -87,7 +88,12 @@ def check_model_folder(model_id: str):
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any parse failure is the user's broken folder
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {_first_line(e)}") from e
-    check_tensor_names(path, config, check_weight_files(path))
+    names = check_weight_files(path)
+    check_tensor_names(path, config, names)
+    try:
+        check_scale_names(names, config.num_hidden_layers)
+    except KVScaleError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     try:
