@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sequence import MAX_TOP_LOGPROBS
+from engine.sequence import GREEDY_BELOW, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 
 def _encodable(text: str) -> bool:
@@ -111,7 +111,7 @@ class TGIParameters(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=0)
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     truncate: int | None = Field(None, ge=1)  # keep only the last this many prompt tokens
     top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (details)
@@ -145,6 +145,7 @@ class TGIRequest(_Strict):
     def sampling(self, default_max_new_tokens: int) -> dict[str, Any]:
         p = self.parameters
         sample = p.do_sample or p.temperature not in (None, 1.0) or p.top_k is not None or p.top_p is not None
+        sample = sample and (p.temperature or 1.0) >= GREEDY_BELOW  # a tinier one is greedy in the engine
         return dict(max_new_tokens=p.max_new_tokens or default_max_new_tokens,
                     temperature=(p.temperature or 1.0) if sample else 0.0,
                     top_k=p.top_k or 0, top_p=p.top_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
@@ -216,12 +217,21 @@ class _OpenAICommon(_Strict):
             raise ValueError(f"min_tokens ({self.min_tokens}) is more than max_tokens ({asked})")
         return self
 
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences, got {len(v)}")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for k, b in (v or {}).items():
             if not (k.isascii() and k.isdigit()):  # int() would also take "²", " 5" or "1_0"
                 raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            if len(k) > 9:  # past every vocabulary (and past 4,300 digits, past what int() converts)
+                raise ValueError(f"logit_bias key {k[:12]}... ({len(k)} digits) is not a token id")
             if not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
         return v

@@ -318,8 +318,17 @@ def _replica_header(events: list[dict]) -> dict[str, str]:
     return {"x-radixserve-replica": str(events[-1].get("replica", ""))}
 
 
-def _distinct_tokens(prefixes: list[list[int]], block_size: int) -> int:
-    """KV tokens ``prefixes`` take in a radix cache: blocks they share count once."""
+def _stream_headers(first: dict) -> dict[str, str]:
+    """An event stream's: no cache or proxy (nginx) may hold its events back to send them in a batch."""
+    return {**_replica_header([first]), "cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def _distinct_tokens(prefixes: list[list[int]], block_size: int, vocab_size: int) -> int:
+    """KV tokens ``prefixes`` take in a radix cache: blocks they share count once. ``ApiError`` for an
+    id outside the vocabulary (the hashes pack ids as 32-bit numbers: they are checked first)."""
+    bad = next((t for p in prefixes for t in p if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(422, f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param="prefixes")
     blocks: set[int] = set()
     for p in prefixes:
         blocks.update(block_hashes(p, block_size, "warmup"))
@@ -453,6 +462,24 @@ class Ingress:
         if got is None:
             got = self._text_cache[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
         return got
+
+    def _listed_token(self, tid: int) -> str:
+        """A token as completions' ``tokens`` and ``top_logprobs`` keys name it: its text, or, for one that
+        holds part of a UTF-8 character (shown as U+FFFD), its bytes as OpenAI writes them
+        ("bytes:\\xe2\\x80"), and one with no text at all (an id past the tokenizer's vocabulary, in a
+        model's padded embedding) as vLLM names tokens by id ("token_id:300"): the alternatives are keyed by
+        these names, and such tokens would collide."""
+        text = self._token_text(tid)
+        if not text:
+            return f"token_id:{tid}"
+        if "\ufffd" not in text:
+            return text
+        raw = bytes(self._token_bytes(tid))
+        try:
+            raw.decode()
+            return text  # a real U+FFFD in the vocabulary
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def _token_bytes(self, tid: int) -> list[int]:
         got = self._bytes_cache.get(tid)
@@ -622,7 +649,7 @@ class Ingress:
                                           "input_length": ev["num_prompt_tokens"]}
                 yield _sse(msg)
 
-        return StreamingResponse(body(), media_type="text/event-stream", headers=_replica_header([first]))
+        return StreamingResponse(body(), media_type="text/event-stream", headers=_stream_headers(first))
 
     @app.api_route("/info", methods=["GET", "HEAD"])
     async def info(self):
@@ -716,9 +743,9 @@ class Ingress:
             return {"content": [{**entry(ev["token_id"], ev["logprob"]),
                                  "top_logprobs": [entry(t, lp) for t, lp in (ev.get("top_logprobs") or ())[:top]]}
                                 for ev in toks]}
-        return {"tokens": [self._token_text(ev["token_id"]) for ev in toks],
+        return {"tokens": [self._listed_token(ev["token_id"]) for ev in toks],
                 "token_logprobs": [ev["logprob"] for ev in toks],
-                "top_logprobs": [{self._token_text(t): lp for t, lp in ev.get("top_logprobs") or ()} for ev in toks]
+                "top_logprobs": [{self._listed_token(t): lp for t, lp in ev.get("top_logprobs") or ()} for ev in toks]
                 if top else None,
                 "text_offset": [prefix + ev["text_offset"] if end is None else min(prefix + ev["text_offset"], end)
                                 for ev in toks]}
@@ -829,7 +856,7 @@ class Ingress:
                                 "choices": [], "usage": _usage(ev)})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream", headers=_replica_header([first]))
+        return StreamingResponse(body(), media_type="text/event-stream", headers=_stream_headers(first))
 
     # ------------------------------------------------------------------ RadixServe's own
     @app.post("/warmup")
@@ -841,7 +868,7 @@ class Ingress:
         if any(not p for p in prefixes):
             raise ApiError(422, "prefixes must not be empty", param="prefixes")
         info = await self.info_cached()
-        total = await self._off_loop(_distinct_tokens, prefixes, info["block_size"])  # 2 MB of ids: not on the loop
+        total = await self._off_loop(_distinct_tokens, prefixes, info["block_size"], info["vocab_size"])  # 2 MB of ids: not on the loop
         pool = info["max_batch_total_tokens"]
         if total > pool:  # the later ones would evict the earlier ones: work for nothing
             raise ApiError(422, f"the prefixes total {total} tokens, more than one replica's KV pool holds "

@@ -116,6 +116,7 @@ def test_abort_with_cache_leaves_blocks_evictable(make_engine):
     (dict(top_k=-2), "top_k"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(stop=[""]), "stop"),
+    (dict(stop=[f"s{i}" for i in range(17)]), "at most 16 stop strings"),
     (dict(seed=2**64, temperature=0.7), "seed"),
     (dict(prompt=list(range(200)) * 3), "max_input_tokens"),
     (dict(max_new_tokens=1000), "max_total_tokens"),

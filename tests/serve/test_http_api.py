@@ -45,6 +45,8 @@ def test_generate_and_stream_agree(client):
     with client.stream("POST", "/generate_stream", json=body) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
+        # no cache or proxy (nginx buffers by default) may hold the events back
+        assert resp.headers["cache-control"] == "no-cache" and resp.headers["x-accel-buffering"] == "no"
         events = sse_events(resp)
     assert all(ev["index"] == i for i, ev in enumerate(events))
     # the tokens' texts make up the answer (here the EOS event carries the end of a cut character, as
@@ -128,6 +130,16 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    # past what int() converts (4,300 digits): was a 500
+    ("/v1/chat/completions", {"model": "tiny", "logit_bias": {"9" * 4301: 1},
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "4301 digits"),
+    # every stop string is looked for after every token on the shared engine thread: a bound
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, 400,
+     "at most 16 stop sequences"),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": [f"s{i}" for i in range(17)]}}, 422, "16"),
+    # ids are hashed (as 32-bit numbers) before the replica checks them: was a 500
+    ("/warmup", {"prefixes": [[5] * 40, [-3] * 40]}, 422, "token id -3 is outside the vocabulary"),
+    ("/warmup", {"prefixes": [[4294967296]]}, 422, "outside the vocabulary"),
     ("/v1/chat/completions", {"model": "tiny", "top_logprobs": 2,
                               "messages": [{"role": "user", "content": "x"}]}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "logprobs": True, "top_logprobs": 50,
@@ -224,6 +236,7 @@ def test_sse_framing_tgi_stream_details_and_seeds(client):
     with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3,
                                                         "stream": True}) as r:
         lines = [ln for ln in r.iter_lines() if ln]
+        assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
     assert lines and all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}
     with client.stream("POST", "/generate_stream", json=body) as r:
@@ -341,6 +354,9 @@ def test_a_tiny_temperature_is_greedy_and_the_engine_stays_up(client):
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3,
                                                  "temperature": 1e-300})
         assert r.status_code == 200, r.text
+    r = client.post("/generate", json={"inputs": PROMPT, "parameters": {  # greedy: no seed to report
+        "max_new_tokens": 2, "temperature": 1e-9, "seed": 3, "details": True}})
+    assert r.json()["details"]["seed"] is None, r.text
     assert client.get("/health").status_code == 200
 
 
@@ -381,7 +397,14 @@ def test_logit_bias_penalties_and_top_logprobs(client):
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]
     assert len(set(lp["tokens"])) == 1 and len(lp["top_logprobs"]) == 3
-    assert all(1 <= len(t) <= 2 for t in lp["top_logprobs"])
+    assert all(len(t) == 2 for t in lp["top_logprobs"])
+    # a token that holds part of a character has OpenAI's bytes: name, so the alternatives (keyed by
+    # name) do not collapse into one U+FFFD key
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1,
+                                             "logit_bias": {"228": 100}, "logprobs": 5})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["bytes:\\xe4"] and "bytes:\\xe4" in lp["top_logprobs"][0], lp
+    assert len(lp["top_logprobs"][0]) == 5 and r.json()["choices"][0]["text"] == "\ufffd"
     # a penalty on the tokens generated so far: a bias of 8 makes greedy repeat one token; a frequency
     # penalty of 2 per repeat lets other tokens through after a few
     def tokens(**kw) -> list[str]:
@@ -394,7 +417,7 @@ def test_logit_bias_penalties_and_top_logprobs(client):
     plain = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}
     # filters leave other tokens at -inf: the reported alternatives are the model's, and finite
     r = client.post("/v1/completions", json={**plain, "temperature": 0.7, "top_k": 2, "top_p": 0.5, "logprobs": 5})
-    assert r.status_code == 200 and all(len(t) >= 2 for t in r.json()["choices"][0]["logprobs"]["top_logprobs"])
+    assert r.status_code == 200 and all(len(t) == 5 for t in r.json()["choices"][0]["logprobs"]["top_logprobs"])
     nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "frequency_penalty": None,
              "presence_penalty": None, "logprobs": None, "seed": None, "stop": None, "user": None}
     r = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, **nulls,
