@@ -35,6 +35,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from app.config import Settings
+
 RETRY_STATUS = {429, 502, 503, 504}  # the service is busy or a replica is restarting: try again
 RETRY_WAITS_S = (1, 2, 4, 8, 16, 30)  # then 30 s each: the default 6 tries span a service restart
 # what says the service itself is gone (not this line's trouble: a timeout, a 429 or a proxy's 504)
@@ -347,6 +349,9 @@ def main(args: argparse.Namespace) -> int:
     if problems := _flag_problems(args):
         print(f"radixserve batch: {'; '.join(problems)}", file=sys.stderr)
         return 2
+    if unknown := Settings.unknown_env(os.environ):  # a warning: the service's own settings may be set here too
+        print(f"radixserve batch: ignoring {', '.join(unknown)}: no such setting (this command reads "
+              "RADIXSERVE_URL)", file=sys.stderr)
     src, dst = Path(args.input), Path(args.output)
     problem = (f"{src} is a folder, not a file" if src.is_dir() else None if src.is_file() else f"no input file {src}")
     problem = problem or (f"--output {dst} is a folder; name a file" if dst.is_dir() else None)

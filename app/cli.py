@@ -110,16 +110,41 @@ def preflight(settings: Settings, local_ray: bool) -> str | None:
         return str(e)
     except OSError as e:  # the built-in model's folder (RADIXSERVE_HOME) cannot be written
         return f"cannot write the built-in model to {e.filename or 'its folder'}: {e.strerror or e}"
-    if settings.port:
-        with socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET) as s:
-            # SO_REUSEADDR (as uvicorn sets) so a port in TIME_WAIT passes; no SO_REUSEPORT, so a live
-            # listener, even another Serve proxy that would share the port with us, makes this fail
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((settings.host, settings.port))
-            except OSError as e:
-                hint = " (another service there?)" if e.errno == errno.EADDRINUSE else ""
-                return f"cannot listen on {settings.host}:{settings.port}: {e.strerror}{hint}"
+    return _port_problem(settings)
+
+
+def _port_problem(settings: Settings) -> str | None:
+    if not settings.port:
+        return None
+    with socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET) as s:
+        # SO_REUSEADDR (as uvicorn sets) so a port in TIME_WAIT passes; no SO_REUSEPORT, so a live
+        # listener, even another Serve proxy that would share the port with us, makes this fail
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((settings.host, settings.port))
+        except OSError as e:
+            hint = " (another service there?)" if e.errno == errno.EADDRINUSE else ""
+            return f"cannot listen on {settings.host}:{settings.port}: {e.strerror}{hint}"
+    return None
+
+
+def _cluster_problem(settings: Settings) -> str | None:
+    """With ``--address``: what on the cluster would make this start do other than it says. Serve has
+    one HTTP port per cluster (a new one is ignored, with a warning in the logs only), and an
+    application of the same name would be taken over (and deleted by this process's Ctrl-C)."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:  # Serve starts here: its proxy on this node takes the port
+        return _port_problem(settings)
+    port = client.http_config.port
+    if port != settings.port:
+        return (f"Serve already runs on this cluster and listens on port {port}, not {settings.port}: "
+                f"pass --port {port} (one HTTP port per cluster)")
+    for name, app in (client.get_serve_details().get("applications") or {}).items():
+        if name == settings.deployment_name or app.get("route_prefix") == "/":
+            return (f"the application {name!r} already serves {app.get('route_prefix') or '/'} on this cluster "
+                    "(another `radixserve serve`?): stop it first (Ctrl-C there, or `serve shutdown`)")
     return None
 
 
@@ -332,6 +357,27 @@ def _replicas(settings: Settings) -> str:
     return f"{settings.num_replicas} replica(s)"
 
 
+# "up" means a request gets answered: serve.run returns once the replicas are running, but the HTTP
+# proxy learns the routes, and /health the replicas' first reports, a moment later (1-2 s were seen)
+HEALTHY_AT_START_S = 30.0
+
+
+def _wait_healthy(settings: Settings, within_s: float) -> bool:
+    import httpx
+
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    url = f"http://{f'[{host}]' if ':' in host else host}:{settings.port}/health"
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=5, trust_env=False).status_code == 200:  # not via an HTTP_PROXY
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    return False
+
+
 def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
     import ray
     from ray import serve
@@ -352,10 +398,13 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
             signal.signal(sig, on_signal)
 
     take_signals()
-    code, ray_gone = 0, False
+    code, ray_gone, deployed = 0, False, False
     try:
         if address:
             ray.init(address=address, namespace="radixserve", logging_level=logging.WARNING)
+            if problem := _cluster_problem(settings):
+                print(f"radixserve: {problem}", file=sys.stderr)
+                return 2
         else:
             most = settings.autoscaling.max_replicas if settings.autoscaling else settings.num_replicas
             need = most * settings.replica_num_cpus + 1  # logical CPUs: every LLM replica must fit
@@ -364,13 +413,17 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
         take_signals()  # a local Ray node puts in a SIGTERM handler that exits at once: SIGTERM drains too
         serve.start(http_options={"host": settings.host, "port": settings.port,
                                   "request_timeout_s": settings.request_timeout_s})
+        deployed = True  # (from here on the hub is this application's own, to remove at the end)
         serve.run(build_app(settings), name=settings.deployment_name, route_prefix="/", blocking=False)
         take_signals()
         if interrupted.is_set():  # Ray caught the interrupt and went on: give up the start-up all the same
             raise KeyboardInterrupt
+        healthy = _wait_healthy(settings, HEALTHY_AT_START_S)
         up.set()
         print(f"RadixServe is up: http://{settings.host}:{settings.port} "
-              f"(model {settings.model_name()}, {_replicas(settings)}); Ctrl-C stops it", flush=True)
+              f"(model {settings.model_name()}, {_replicas(settings)}); Ctrl-C stops it"
+              + ("" if healthy else f" (/health did not answer 200 within {HEALTHY_AT_START_S:.0f} s: "
+                                    "see the replicas' lines above)"), flush=True)
         while not stop.wait(2.0):
             if redis is not None and not _supervise_redis(redis):
                 redis = None
@@ -406,7 +459,7 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up must finish, or Ray's processes leak
             signal.signal(sig, _during_cleanup)
-        if not ray_gone:
+        if deployed and not ray_gone:
             try:
                 ray.kill(ray.get_actor(hub_name(settings.deployment_name), namespace="radixserve"))
             except Exception:  # noqa: BLE001 - already gone
@@ -453,7 +506,11 @@ def _interrupt(*_) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser, which points to its own --help
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     # until a command takes signals over (loading torch and Ray takes seconds), SIGTERM stops it as
     # Ctrl-C does, so the clean-up (a private redis-server) still runs
     previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -106,11 +107,13 @@ class Settings(BaseModel):
                                    "take to finish while new ones get 503; also how long a replica that Serve "
                                    "removes (downscaling, redeploy) lets its streams finish (default: 20)")
     # hot-prefix directory
-    redis_url: str | None = Field(None, description="hot-prefix directory (redis://, rediss://, unix://); "
-                                  "default: a private redis-server started by `radixserve serve`")
+    redis_url: str | None = Field(None, description="hot-prefix directory (redis://, rediss://, unix://), or "
+                                  "none to serve without one; default: a private redis-server started by "
+                                  "`radixserve serve`")
     warmup_top_k: int = Field(16, ge=0)
     warmup_token_budget: int = Field(65536, ge=0)
-    deployment_name: str = "radixserve"
+    deployment_name: str = Field("radixserve", description="names the Serve application and its deployments (letters, digits, "
+                                 "_ . -; default: radixserve)")
 
     @model_validator(mode="after")
     def _one_replica_count(self):
@@ -155,9 +158,31 @@ class Settings(BaseModel):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
+        if v is None or v.lower() in ("none", "off"):
+            return None if v is None else "none"
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("redis_url must start with redis://, rediss:// or unix:// (or be none)")
+        from redis.connection import parse_url
+
+        try:  # here, not in every replica's start-up (which Serve would retry until it gives up)
+            parse_url(v)
+        except ValueError as e:  # the message names a part of the URL, not the URL (it may hold a password)
+            raise ValueError(f"redis_url cannot be parsed: {e} (a / or @ in a password must be percent-encoded: "
+                             "%2F, %40)") from None
         return v
+
+    @field_validator("deployment_name")
+    @classmethod
+    def _serve_name(cls, v: str) -> str:
+        # Serve refuses some characters only when it deploys (after Ray has started); a Redis key and an
+        # actor name are built from it too
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v):
+            raise ValueError(f"{v!r} is not a name: 1-64 letters, digits, _ . or -, starting with a letter or digit")
+        return v
+
+    def directory_url(self) -> str | None:
+        """Where the hot-prefix directory lives; None: serving without one."""
+        return None if self.redis_url == "none" else self.redis_url
 
     # ------------------------------------------------------------------ derived
     def resolved_model_id(self) -> str:
@@ -180,14 +205,18 @@ class Settings(BaseModel):
 
     # ------------------------------------------------------------------ sources
     @classmethod
+    def unknown_env(cls, env: Mapping[str, str]) -> list[str]:
+        """The ``RADIXSERVE_*`` variables in ``env`` that nothing reads: typos, most likely."""
+        return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in OTHER_ENV
+                      and k[len(ENV_PREFIX):].lower() not in cls.model_fields)
+
+    @classmethod
     def from_sources(cls, cli: dict[str, Any] | None = None, env: dict[str, str] | None = None,
                      file: dict[str, Any] | None = None) -> Settings:
         """Merge the sources (CLI > environment > file > defaults); raise ``ValueError`` with every
         problem named."""
         env = os.environ if env is None else env
-        unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in OTHER_ENV
-                         and k[len(ENV_PREFIX):].lower() not in cls.model_fields)
-        if unknown:  # a typo would otherwise be ignored while the same one in a config file is refused
+        if unknown := cls.unknown_env(env):  # a typo would be ignored, while the same one in a file is refused
             raise ValueError(f"unknown environment variable(s) {', '.join(unknown)}: the settings are "
                              f"{ENV_PREFIX}<NAME> for the names in `radixserve serve --help`")
         env_set = {}
@@ -216,6 +245,8 @@ def _problem(err: dict) -> str:
     if not err["loc"]:
         return msg
     name = ".".join(map(str, err["loc"]))
+    if err.get("type") == "extra_forbidden":  # (a config file's key: there is no such flag to name)
+        return f"{name}: no such setting (see `radixserve serve --help`; a flag --x-y is the setting x_y)"
     flag = f" (--{name.replace('_', '-')})" if len(err["loc"]) == 1 else ""
     return f"{name}{flag}: {msg.removeprefix(f'{name}: ')}"
 
@@ -228,6 +259,6 @@ def _parse_env(name: str, raw: str) -> Any:
             return json.loads(raw)
         except ValueError as e:
             raise ValueError(f"{ENV_PREFIX}AUTOSCALING is not JSON ({e}): {raw[:80]!r}") from None
-    if raw.lower() in ("none", "null"):
+    if raw.lower() in ("none", "null") and name != "redis_url":  # (redis_url's none: no directory)
         return None
     return raw  # pydantic coerces "8", "true", "0.5"

@@ -54,7 +54,7 @@ def request_router_config(settings: Settings):
     return RequestRouterConfig(
         request_router_class="routing.prefix_router:PrefixAwareRequestRouter",
         request_router_kwargs={"mode": settings.router, "block_size": settings.block_size,
-                               "model_id": settings.model_name(), "redis_url": settings.redis_url,
+                               "model_id": settings.model_name(), "redis_url": settings.directory_url(),
                                "deployment": settings.deployment_name},
         request_routing_stats_period_s=period)
 

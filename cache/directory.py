@@ -2,7 +2,8 @@
 
 Replicas record the prefixes their requests shared (the matched part of a prompt); a replica that
 starts reads the top-K and prefills them before taking traffic; a router that restarts reads who
-holds what. Keys live under ``radixserve:{<deployment>:<model>}:``, braces included: the part in braces
+holds what. Keys live under ``radixserve:{<deployment>:<model>:b<block size>}:``, braces included (two
+fleets of one model with other block sizes hash other chains: they keep apart): the part in braces
 is a Redis Cluster hash tag, so one deployment's keys share a slot (its Lua script and pipelines touch
 several at once). A URL that points at a node of a Redis Cluster works too: the first ``MOVED`` answer
 switches to a cluster client. The keys are:
@@ -39,9 +40,11 @@ _MAX_EXP = 60.0  # rescale scores before 2**exp loses precision
 # large, in one atomic step: two replicas that both saw the epoch as old must not rescale twice.
 # Returns the exponent as a string (Redis turns a Lua number into an integer).
 _INCREMENT_LUA = """
-local epoch = redis.call('GET', KEYS[1])
-if not epoch then redis.call('SET', KEYS[1], ARGV[1]); epoch = ARGV[1] end
-local exp = (tonumber(ARGV[1]) - tonumber(epoch)) / tonumber(ARGV[2])
+local epoch = tonumber(redis.call('GET', KEYS[1]))
+if not epoch or epoch ~= epoch or math.abs(epoch) == math.huge then  -- none yet, or garbage: from now
+  redis.call('SET', KEYS[1], ARGV[1]); epoch = tonumber(ARGV[1])
+end
+local exp = (tonumber(ARGV[1]) - epoch) / tonumber(ARGV[2])
 if exp > tonumber(ARGV[3]) then
   redis.call('ZUNIONSTORE', KEYS[2], 1, KEYS[2], 'WEIGHTS', string.format('%.17g', 2 ^ -exp))
   redis.call('SET', KEYS[1], ARGV[1])
@@ -49,6 +52,28 @@ if exp > tonumber(ARGV[3]) then
 end
 return string.format('%.17g', exp)
 """
+
+
+# what a call may raise when Redis fails or holds what it should not (another tool's value in a key):
+# counted and backed off, never passed on (the directory is a hint)
+_FAILURES = (redis.RedisError, redis.exceptions.RedisClusterException, OSError, ValueError, TypeError)
+
+
+def _refuses_scripts(e: redis.ResponseError) -> bool:
+    """Scripting is off for good (an ACL without @scripting, EVAL renamed away), not failing for now."""
+    if isinstance(e, redis.exceptions.NoPermissionError):  # NOPERM
+        return True
+    msg = str(e).lower()
+    return "unknown command" in msg or "no permissions" in msg or ("script" in msg and "disabled" in msg)
+
+
+def _number(raw) -> float | None:
+    """A stored epoch as a finite number, or None (missing or garbage)."""
+    try:
+        x = float(raw)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
 
 
 @dataclass
@@ -62,7 +87,7 @@ class HotPrefixDirectory:
     def __init__(self, url: str, deployment: str = "radixserve", model: str = "", block_size: int = 16,
                  ttl_s: float = 3600.0, half_life_s: float = 600.0, socket_timeout_s: float = 0.5,
                  max_prefix_tokens: int = 32768, max_hot: int = 10_000):
-        self.ns = f"radixserve:{{{deployment}:{model}}}:"
+        self.ns = f"radixserve:{{{deployment}:{model}:b{block_size}}}:"
         self.deployment, self.model = deployment, model
         self.block_size = block_size
         self.ttl_s = ttl_s
@@ -98,13 +123,13 @@ class HotPrefixDirectory:
                     raise
                 self._to_cluster()
                 out = fn(self._r)
-        except (redis.RedisError, OSError) as e:
+        except _FAILURES as e:
             with self._lock:
                 self.errors += 1
                 self._down_until = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2, 30.0)
             if not self._warned:
-                log.warning("hot-prefix directory unavailable (%s); serving goes on without it", e)
+                log.warning("hot-prefix directory unavailable (%s: %s); serving goes on without it", type(e).__name__, e)
                 self._warned = True
             return default
         with self._lock:
@@ -134,15 +159,17 @@ class HotPrefixDirectory:
                 return 2.0 ** float(exp)
             except redis.exceptions.AskError:  # a cluster redirection (MOVED too): not a refusal
                 raise
-            except redis.ResponseError as e:  # NOPERM (an ACL without @scripting) or EVAL disabled
+            except redis.ResponseError as e:
+                if not _refuses_scripts(e):  # OOM, CLUSTERDOWN, BUSY...: a failure like any other
+                    raise
                 log.warning("hot-prefix directory: Lua scripts refused (%s); rescaling without them", e)
                 self._scripting = False
         # the same steps one command at a time (two writers may then both rescale: old hits weigh less)
-        epoch = r.get(self.ns + "epoch")
-        if epoch is None:
-            r.set(self.ns + "epoch", now, nx=True)
-            epoch = r.get(self.ns + "epoch")
-        exp = (now - float(epoch)) / self.half_life_s
+        epoch = _number(r.get(self.ns + "epoch"))
+        if epoch is None:  # none yet, or garbage: decay from now
+            r.set(self.ns + "epoch", now)
+            epoch = now
+        exp = (now - epoch) / self.half_life_s
         if exp > _MAX_EXP:
             r.zunionstore(self.ns + "hot", {self.ns + "hot": 2.0 ** -exp})
             r.set(self.ns + "epoch", now)
@@ -201,7 +228,7 @@ class HotPrefixDirectory:
             held = r.smembers(self.ns + f"r:{replica}")
             p = r.pipeline(transaction=False)
             for h in held:
-                p.zrem(self.ns + f"h:{h.decode()}", replica)
+                p.zrem(self.ns + f"h:{h.decode(errors='replace')}", replica)
             p.delete(self.ns + f"r:{replica}")
             p.execute()
             return len(held)
@@ -225,10 +252,8 @@ class HotPrefixDirectory:
         if not got:
             return []
         ranked, entries, epoch = got
-        try:  # report decayed hit counts as of now
-            scale = 2.0 ** -((time.time() - float(epoch)) / self.half_life_s) if epoch else 1.0
-        except ValueError:
-            scale = 1.0
+        epoch = _number(epoch)  # report decayed hit counts as of now
+        scale = 2.0 ** -((time.time() - epoch) / self.half_life_s) if epoch is not None else 1.0
         out: list[HotPrefix] = []
         used = 0
         stale: list[bytes] = []

@@ -74,8 +74,8 @@ class LLMServer:
         self._pending_records: collections.deque = collections.deque(maxlen=10_000)
         self._recorded: set[int] = set()  # prefix hashes this replica put in the directory
         self.directory: HotPrefixDirectory | None = None
-        if self.settings.redis_url and self.engine.kv.cache is not None:
-            self.directory = HotPrefixDirectory(self.settings.redis_url, self.settings.deployment_name,
+        if self.settings.directory_url() and self.engine.kv.cache is not None:
+            self.directory = HotPrefixDirectory(self.settings.directory_url(), self.settings.deployment_name,
                                                 cfg.cache_namespace or cfg.model_id, cfg.block_size)
         self.first_request_cached_tokens: int | None = None
         self.warmup_report = self._warm_up()  # before Serve marks this replica ready
@@ -83,6 +83,7 @@ class LLMServer:
         self._hists = {spec[0]: Histogram(spec[2]) for spec in HISTOGRAMS.values()}
         self._hub = HubClient(self.settings.deployment_name)
         self._stop = threading.Event()
+        self._flush_warned_at = float("-inf")
         self._cut = False  # the service is stopping and told this replica to end what it runs
         self._background = threading.Thread(target=self._background_loop, name="replica-background", daemon=True)
         self._background.start()
@@ -271,8 +272,10 @@ class LLMServer:
                 log.debug("metrics push failed: %s", e)
             try:
                 self._flush_directory()
-            except Exception as e:  # noqa: BLE001
-                log.debug("directory flush failed: %s", e)
+            except Exception:  # noqa: BLE001 - the directory is a hint: say so, at most once a minute
+                if time.monotonic() - self._flush_warned_at > 60:
+                    self._flush_warned_at = time.monotonic()
+                    log.warning("hot-prefix directory: records lost", exc_info=True)
 
     def _flush_directory(self) -> None:
         if self.directory is None:

@@ -309,13 +309,26 @@ def hub_handle(deployment_name: str):
                               get_if_exists=True, lifetime="detached").remote()
 
 
+def hub_scope(deployment_name: str) -> str:
+    """Whose hub a replica's is: its application's (two applications of one Serve config, each with
+    the default deployment name, must not count each other's replicas in /health and /metrics). The
+    application `radixserve serve` deploys is named after the deployment: its hub keeps that name."""
+    from ray import serve
+
+    try:
+        app = serve.get_replica_context().app_name
+    except Exception:  # noqa: BLE001 - not in a replica (tests, tools)
+        app = ""
+    return deployment_name if not app or app == deployment_name else f"{app}.{deployment_name}"
+
+
 class HubClient:
-    """The deployment's hub, found (or created) again when the actor is gone for good (``ray.kill``, a
+    """The application's hub, found (or created) again when the actor is gone for good (``ray.kill``, a
     lost node): a dead handle must not leave ``/health`` failing until every replica restarts."""
 
     def __init__(self, deployment_name: str):
-        self._name = deployment_name
-        self.handle = hub_handle(deployment_name)
+        self._name = hub_scope(deployment_name)
+        self.handle = hub_handle(self._name)
         self._timeouts = 0
 
     def renew(self, create: bool = True) -> None:

@@ -127,7 +127,12 @@ class PrefixAwareRequestRouter(RequestRouter):
     def _sync_directory(self, url: str, deployment: str, period: float, top_k: int) -> None:
         from cache.directory import HotPrefixDirectory  # redis stays out of routing's import path
 
-        directory = HotPrefixDirectory(url, deployment, self.model_id, self.policy.cfg.block_size)
+        try:
+            directory = HotPrefixDirectory(url, deployment, self.model_id, self.policy.cfg.block_size)
+        except Exception:  # noqa: BLE001 - an unusable URL: route on without the directory
+            log.warning("router: no hot-prefix directory at this URL", exc_info=True)
+            self._gone = None
+            return
         while not self._stop.wait(period):
             try:
                 # a crashed replica never says goodbye: its entries would stand for their TTL; while Redis

@@ -189,3 +189,45 @@ def test_a_redis_user_without_scripting_still_records(redis_server, d):
         assert scores[str(old).encode()] == pytest.approx(2.0 ** -61, rel=1e-6)
     finally:
         d._r.execute_command("ACL", "DELUSER", "noscript")
+
+
+@pytest.mark.parametrize("scripting", [True, False])
+def test_a_garbage_epoch_is_replaced_and_recording_goes_on(d, scripting):
+    """Another tool's value in the epoch key once failed every write for good, uncounted."""
+    d._scripting = scripting
+    for garbage in (b"garbage", b"nan", b"inf"):
+        d._r.set(d.ns + "epoch", garbage)
+        now = time.time()
+        h = d.record("r1", toks(50), now=now)
+        assert h is not None and d.errors == 0 and d._scripting == scripting, garbage
+        assert float(d._r.get(d.ns + "epoch")) == pytest.approx(now)
+    assert d.top_k(1)[0].hash == h
+
+
+def test_a_passing_redis_refusal_does_not_turn_scripting_off(redis_server, d):
+    """Out of memory (or CLUSTERDOWN, BUSY) is a failure like a lost connection: counted, backed off, and
+    the atomic script is used again once Redis is well; only an ACL or a disabled EVAL turns it off."""
+    r = d._r
+    before = {k: r.config_get(k)[k] for k in ("maxmemory", "maxmemory-policy")}
+    try:
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", 1)
+        assert d.record("r1", toks(51)) is None and d.errors == 1 and d._scripting
+    finally:
+        for k, v in before.items():
+            r.config_set(k, v)
+    d._down_until = 0.0  # past the back-off
+    assert d.record("r1", toks(51)) is not None and d._scripting
+
+
+def test_fleets_of_other_block_sizes_keep_apart(redis_server, d):
+    """Same deployment and model, other block size: other hashes. They used to share keys, and each
+    dropped the other's entries from the ranking as foreign."""
+    other = HotPrefixDirectory(redis_server.url, deployment=d.deployment, model="m", block_size=2 * BS)
+    try:
+        h = d.record("r1", toks(52))
+        other.record("r9", toks(53))
+        assert [p.hash for p in other.top_k(5)] != [h] and other.skipped == 0
+        assert [p.hash for p in d.top_k(5)] == [h] and d.skipped == 0
+    finally:
+        other.clear()

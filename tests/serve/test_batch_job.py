@@ -69,7 +69,7 @@ def test_resume_keeps_answers_drops_failures_and_a_cut_last_line(tmp_path):
     assert foreign.read_text().count("\n") == 3  # untouched
 
 
-def test_batch_refuses_its_input_as_output_and_a_finished_job_needs_no_service(tmp_path, capsys):
+def test_batch_refuses_its_input_as_output_and_a_finished_job_needs_no_service(tmp_path, capsys, monkeypatch):
     src = tmp_path / "in.jsonl"
     write(src, [{"id": "q", "prompt": "hi"}])
     assert cli(["batch", "--input", str(src), "--output", str(src)]) == 2
@@ -77,8 +77,13 @@ def test_batch_refuses_its_input_as_output_and_a_finished_job_needs_no_service(t
     out = tmp_path / "out.jsonl"
     write(out, [{"id": "q", "output": "hello"}])
     dead = f"http://127.0.0.1:{free_port()}"
+    # a misspelt variable is named (the service's own settings may be set in the same shell: not those)
+    monkeypatch.setenv("RADIXSERVE_ULR", dead)
+    monkeypatch.setenv("RADIXSERVE_MAX_BATCH_TOTAL_TOKENS", "4096")
     assert cli(["batch", "--input", str(src), "--output", str(out), "--url", dead, "--wait-s", "0"]) == 0
-    assert json.loads(capsys.readouterr().out)["skipped"] == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["skipped"] == 1
+    assert "ignoring RADIXSERVE_ULR: no such setting" in captured.err and "MAX_BATCH" not in captured.err
 
 
 def write(path, rows):

@@ -30,16 +30,11 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_si
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
-        ok = False
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                ok = httpx.get(url + "/health", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                pass
-            if ok:
-                break
-            time.sleep(1)
-        assert ok, open(tmp_path / "serve.log").read()[-3000:]
+        while time.monotonic() < deadline and "RadixServe is up" not in open(tmp_path / "serve.log").read():
+            assert proc.poll() is None, open(tmp_path / "serve.log").read()[-3000:]
+            time.sleep(0.2)
+        # "up" means answering: a load balancer or script may start at once (it used to 503 for a second)
+        assert httpx.get(url + "/health", timeout=5).status_code == 200, open(tmp_path / "serve.log").read()[-3000:]
         info = httpx.get(url + "/info", timeout=10).json()
         assert info["max_batch_total_tokens"] == 4096
         r = httpx.post(url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 4}}, timeout=30)
@@ -165,6 +160,9 @@ def test_serve_refuses_bad_settings_in_seconds_before_starting_anything(model_di
         (["--model-id", tiny, "--num-replicas", "3", "--autoscaling", '{"max_replicas": 2}'], "both set"),
         ({"RADIXSERVE_HOME": "/proc/radixserve-nope"}, "cannot write the built-in model"),
         ({"RADIXSERVE_BLOKC_SIZE": "8"}, "RADIXSERVE_BLOKC_SIZE"),
+        # both once failed in every replica after Ray had started (a password's / splits the URL)
+        (["--model-id", tiny, "--redis-url", "redis://:pa/ss@127.0.0.1:6380/0"], "percent-encoded"),
+        (["--model-id", tiny, "--deployment-name", "a#b"], "'a#b' is not a name"),
         ({"RADIXSERVE_AUTOSCALING": "{bad"}, "RADIXSERVE_AUTOSCALING is not JSON"),
     ]
     if not _flash_importable():
@@ -203,6 +201,9 @@ def test_init_model_does_not_overwrite_by_accident(tmp_path):
     r = _cli("serve", "--port", "abc")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "radixserve serve: error: argument --port: invalid int value: 'abc' (see `radixserve serve --help`)"]
+    r = _cli("serve", "--bogus")  # the command's own help, not the top level's
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "radixserve serve: error: unrecognized arguments: --bogus (see `radixserve serve --help`)"]
     r = _cli("serve", "--max-num-seqs", "-5")
     assert r.returncode == 2 and "max_num_seqs (--max-num-seqs): Input should be greater than 0" in r.stderr
     r = _cli("init-model", "/proc/radixserve-nope")  # not writable: one line, not a traceback
@@ -264,3 +265,23 @@ def test_the_gcs_check_says_gone_only_when_refused(monkeypatch):
         srv.close()
         assert not gcs(f"{shown}:{port}")  # refused twice: gone
     assert gcs("not an address")  # cannot tell: drain as usual
+
+
+def test_joining_a_cluster_refuses_another_port_or_a_taken_application(serve_app, model_dir):
+    """Serve keeps its first HTTP port (a new one was ignored while the CLI said it listened there), and
+    a second `radixserve serve` took over the first's application, which its Ctrl-C then deleted."""
+    import ray
+
+    from deployments.metrics import hub_name
+
+    address = ray.get_runtime_context().gcs_address
+    port = int(serve_app.rsplit(":", 1)[1])
+    for args, said in ((["--port", str(free_port())], f"listens on port {port}, not"),
+                       (["--port", str(port)], "the application 'radixserve' already serves / on this cluster")):
+        r = _cli("serve", "--address", address, "--model-id", model_dir("tiny"), "--redis-url", "none", *args,
+                 timeout=120, env={"RAY_AUTH_MODE": "token"})  # (as the test session's Ray has it)
+        assert r.returncode == 2 and said in r.stderr, (r.stdout[-1000:], r.stderr[-2000:])
+        assert "RadixServe is up" not in r.stdout
+    # the application there is untouched, its metrics hub included
+    assert ray.get_actor(hub_name("radixserve"), namespace="radixserve") is not None
+    assert httpx.get(serve_app + "/health", timeout=10).status_code == 200

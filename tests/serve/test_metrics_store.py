@@ -148,3 +148,18 @@ def test_router_counts_from_ingress_heartbeats_are_summed_and_outlive_their_ingr
     m = values(render(*store.export()))
     assert m[("radixserve_router_affinity_hits_total", "all")] == 14  # i2's 3 kept: the sum never drops
     assert store.ingress_poll("i1", 0) is False  # an older caller without counts still polls
+
+
+def test_each_application_has_its_own_hub(monkeypatch):
+    """Two applications of one Serve config, both with the default deployment name, shared a hub: each
+    one's /health counted the other's replicas."""
+    import types
+
+    from ray import serve
+
+    from deployments.metrics import hub_scope
+
+    assert hub_scope("radixserve") == "radixserve"  # not in a replica
+    for app, scope in (("radixserve", "radixserve"), ("chat", "chat.radixserve"), ("code", "code.radixserve")):
+        monkeypatch.setattr(serve, "get_replica_context", lambda app=app: types.SimpleNamespace(app_name=app))
+        assert hub_scope("radixserve") == scope  # `radixserve serve` names its application after it

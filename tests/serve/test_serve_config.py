@@ -29,6 +29,9 @@ def test_serve_config_args_are_valid_settings_and_build_the_app(model_dir):
     for misplaced in ({"port": 9001}, {"host": "0.0.0.0", "request_timeout_s": 5}):  # http_options, not args
         with pytest.raises(ValueError, match="would do nothing: in a Serve config they are http_options"):
             builder({**args, **misplaced})
+    with pytest.raises(ValueError, match="num_replica: no such setting") as e:  # a typo: no flag to name
+        builder({**args, "num_replica": 3})
+    assert "--num-replica" not in str(e.value)
 
 
 def test_replicas_get_the_drain_timeout_and_the_autoscaling_window(model_dir):
@@ -119,3 +122,30 @@ def test_cors_origins_come_comma_separated_and_must_be_origins():
     for bad in ("https://app.example/", "app.example", "ftp://x.example", ["https://a.example", 3]):
         with pytest.raises(ValueError, match="is not an origin"):
             Settings.from_sources(cli={"cors_allow_origin": bad}, env={})
+
+
+def test_a_redis_url_is_parsed_up_front_and_none_turns_the_directory_off():
+    for off in ("none", "NONE", "off"):
+        s = Settings.from_sources(env={"RADIXSERVE_REDIS_URL": off})
+        assert s.redis_url == "none" and s.directory_url() is None
+        assert build_app_args(s)["redis_url"] is None  # the routers get no directory either
+    assert Settings().redis_url is None  # unset: `radixserve serve` starts a private one
+    assert Settings(redis_url="redis://h:6380/0").directory_url() == "redis://h:6380/0"
+    for bad, said in (("redis://:pa/ss@127.0.0.1:6380/0", "percent-encoded"), ("redis://h:99999", "out of range"),
+                      ("http://h:6379", "must start with")):
+        with pytest.raises(ValueError, match=said) as e:
+            Settings.from_sources(cli={"redis_url": bad}, env={})
+        assert "pa/ss" not in str(e.value)  # a password is not repeated into logs
+
+
+def build_app_args(settings: Settings) -> dict:
+    from app.main import request_router_config
+
+    return request_router_config(settings).request_router_kwargs
+
+
+def test_a_deployment_name_serve_and_redis_can_use_is_checked_up_front():
+    for bad in ("a#b", "", "a b", "-x", "x" * 65, "a/b"):
+        with pytest.raises(ValueError, match="is not a name"):
+            Settings.from_sources(cli={"deployment_name": bad}, env={})
+    assert Settings(deployment_name="chat-v2.1_b").deployment_name == "chat-v2.1_b"
