@@ -94,20 +94,25 @@ def preflight(settings: Settings, local_ray: bool) -> str | None:
     replicas would otherwise fail half a minute later, deep in Ray's logs): the engine settings, and
     when it starts a local Ray, the model folder, the limits against its context and the HTTP port."""
     from engine.config import ConfigError
-    from engine.model_loader import ModelLoadError, check_model_folder
+    from engine.kv_scales import KVScaleError, read_kv_scales
+    from engine.model_loader import ModelLoadError, check_model_folder, weight_files
     from engine.model_support import serving_limits
 
     try:
         engine = settings.engine_config()
         if not local_ray:  # joining a cluster: the model folder need only exist where replicas run
             return None
-        _, config, _ = check_model_folder(settings.resolved_model_id())
+        path, config, _ = check_model_folder(settings.resolved_model_id())
         serving_limits(config, settings.max_input_tokens, settings.max_total_tokens, engine.pool_tokens())
+        if settings.kv_cache_dtype.startswith("fp8"):  # a partial or broken set fails every replica's start
+            read_kv_scales(weight_files(path), config.num_hidden_layers)
         problem = _device_problem(settings, config)
         if problem:
             return problem
     except (ModelLoadError, ConfigError) as e:
         return str(e)
+    except KVScaleError as e:
+        return f"{settings.resolved_model_id()}: {e}"
     except OSError as e:  # the built-in model's folder (RADIXSERVE_HOME) cannot be written
         return f"cannot write the built-in model to {e.filename or 'its folder'}: {e.strerror or e}"
     return _port_problem(settings)
@@ -135,8 +140,8 @@ def _cluster_problem(settings: Settings) -> str | None:
     from ray.serve.context import _get_global_client
 
     client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None:  # Serve starts here: its proxy on this node takes the port
-        return _port_problem(settings)
+    if client is None:  # Serve starts here: its proxy on every node, this one too, takes the port
+        return None if _ray_client() else _port_problem(settings)
     port = client.http_config.port
     if port != settings.port:
         return (f"Serve already runs on this cluster and listens on port {port}, not {settings.port}: "
@@ -362,6 +367,27 @@ def _replicas(settings: Settings) -> str:
 HEALTHY_AT_START_S = 30.0
 
 
+def _ray_client() -> bool:
+    """Joined through ``ray://``: this process is not on a node of the cluster."""
+    import ray
+
+    try:
+        return bool(ray.util.client.ray.is_connected())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _proxy_here() -> bool:
+    """Serve's HTTP proxy runs on this machine (so its port is this machine's to poll)."""
+    import ray
+    from ray import serve
+
+    try:
+        return not _ray_client() and ray.get_runtime_context().get_node_id() in serve.status().proxies
+    except Exception:  # noqa: BLE001 - cannot tell
+        return False
+
+
 def _wait_healthy(settings: Settings, within_s: float) -> bool:
     import httpx
 
@@ -418,9 +444,10 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
         take_signals()
         if interrupted.is_set():  # Ray caught the interrupt and went on: give up the start-up all the same
             raise KeyboardInterrupt
-        healthy = _wait_healthy(settings, HEALTHY_AT_START_S)
+        here = not address or _proxy_here()  # else the proxies are on the cluster's other machines
+        healthy = _wait_healthy(settings, HEALTHY_AT_START_S) if here else True
         up.set()
-        print(f"RadixServe is up: http://{settings.host}:{settings.port} "
+        print(f"RadixServe is up: http://{settings.host if here else '<a node of the cluster>'}:{settings.port} "
               f"(model {settings.model_name()}, {_replicas(settings)}); Ctrl-C stops it"
               + ("" if healthy else f" (/health did not answer 200 within {HEALTHY_AT_START_S:.0f} s: "
                                     "see the replicas' lines above)"), flush=True)

@@ -166,9 +166,10 @@ class Settings(BaseModel):
 
         try:  # here, not in every replica's start-up (which Serve would retry until it gives up)
             parse_url(v)
-        except ValueError as e:  # the message names a part of the URL, not the URL (it may hold a password)
-            raise ValueError(f"redis_url cannot be parsed: {e} (a / or @ in a password must be percent-encoded: "
-                             "%2F, %40)") from None
+        except ValueError as e:  # not redis' words: they quote a part of the URL, which may be a password's
+            what = "its port is not a number in 0-65535" if "port" in str(e).lower() else "it is malformed"
+            raise ValueError(f"redis_url cannot be parsed: {what} (a / or @ in a password must be "
+                             "percent-encoded: %2F, %40)") from None
         return v
 
     @field_validator("deployment_name")
@@ -259,6 +260,6 @@ def _parse_env(name: str, raw: str) -> Any:
             return json.loads(raw)
         except ValueError as e:
             raise ValueError(f"{ENV_PREFIX}AUTOSCALING is not JSON ({e}): {raw[:80]!r}") from None
-    if raw.lower() in ("none", "null") and name != "redis_url":  # (redis_url's none: no directory)
+    if raw.lower() == "null" or (raw.lower() == "none" and name != "redis_url"):  # (redis_url's none: no directory)
         return None
     return raw  # pydantic coerces "8", "true", "0.5"

@@ -41,7 +41,8 @@ _MAX_EXP = 60.0  # rescale scores before 2**exp loses precision
 # Returns the exponent as a string (Redis turns a Lua number into an integer).
 _INCREMENT_LUA = """
 local epoch = tonumber(redis.call('GET', KEYS[1]))
-if not epoch or epoch ~= epoch or math.abs(epoch) == math.huge then  -- none yet, or garbage: from now
+-- none yet, or garbage (not a number, or further ahead than a clock could be off): from now
+if not epoch or epoch ~= epoch or math.abs(epoch) == math.huge or epoch > tonumber(ARGV[1]) + tonumber(ARGV[2]) then
   redis.call('SET', KEYS[1], ARGV[1]); epoch = tonumber(ARGV[1])
 end
 local exp = (tonumber(ARGV[1]) - epoch) / tonumber(ARGV[2])
@@ -67,13 +68,14 @@ def _refuses_scripts(e: redis.ResponseError) -> bool:
     return "unknown command" in msg or "no permissions" in msg or ("script" in msg and "disabled" in msg)
 
 
-def _number(raw) -> float | None:
-    """A stored epoch as a finite number, or None (missing or garbage)."""
+def _epoch(raw, now: float, half_life_s: float) -> float | None:
+    """A stored epoch, or None when it is missing or garbage: not a number, or further ahead than a
+    host's clock could be off (2 ** -(now - epoch) would overflow, and every new hit weigh nothing)."""
     try:
         x = float(raw)
     except (TypeError, ValueError):
         return None
-    return x if math.isfinite(x) else None
+    return x if math.isfinite(x) and x <= now + half_life_s else None
 
 
 @dataclass
@@ -165,7 +167,7 @@ class HotPrefixDirectory:
                 log.warning("hot-prefix directory: Lua scripts refused (%s); rescaling without them", e)
                 self._scripting = False
         # the same steps one command at a time (two writers may then both rescale: old hits weigh less)
-        epoch = _number(r.get(self.ns + "epoch"))
+        epoch = _epoch(r.get(self.ns + "epoch"), now, self.half_life_s)
         if epoch is None:  # none yet, or garbage: decay from now
             r.set(self.ns + "epoch", now)
             epoch = now
@@ -252,8 +254,9 @@ class HotPrefixDirectory:
         if not got:
             return []
         ranked, entries, epoch = got
-        epoch = _number(epoch)  # report decayed hit counts as of now
-        scale = 2.0 ** -((time.time() - epoch) / self.half_life_s) if epoch is not None else 1.0
+        now = time.time()  # report decayed hit counts as of now
+        epoch = _epoch(epoch, now, self.half_life_s)
+        scale = 2.0 ** -max(0.0, (now - epoch) / self.half_life_s) if epoch is not None else 1.0
         out: list[HotPrefix] = []
         used = 0
         stale: list[bytes] = []

@@ -1,10 +1,10 @@
 """Per-layer fp8 KV-cache scales shipped in a checkpoint (value = stored * scale, as the pool keeps them).
 
 Quantization tools write them beside the attention weights, under one of a few names (one scalar per
-layer, or per head): ``layers.N.self_attn.{k_scale,v_scale}``, the older one-for-both ``kv_scale``, or
-``k_proj``/``v_proj`` with ``output_scale``, ``k_scale`` or ``v_scale``. transformers' models have no
-such parameters and leave them out of the load, so they are read here, from the safetensors files.
-Without them an fp8 pool stores values as they are (scale 1.0), clamping those past fp8's range.
+layer, or per head): ``layers.N.self_attn.{k_scale,v_scale}``, the older one-for-both ``kv_scale``,
+``k_proj``/``v_proj`` with ``output_scale``, ``k_scale`` or ``v_scale``, or a fused ``qkv_proj`` with
+``k_scale``/``v_scale`` (Phi-3). transformers' models have no such parameters and leave them out of the
+load, so they are read here, from the safetensors files, for fp8 pools only. Without them an fp8 pool stores values as they are (scale 1.0), clamping those past fp8's range.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:([kv])_proj\.)?(k_scale|v_scale|kv_scale|output_scale)$")
+SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:(k|v|qkv)_proj\.)?(k_scale|v_scale|kv_scale|output_scale)$")
 
 
 class KVScaleError(ValueError):
@@ -27,8 +27,10 @@ def scale_targets(name: str) -> tuple[int, str] | None:
     if m is None:
         return None
     layer, proj, kind = int(m[1]), m[2], m[3]
-    if kind == "output_scale":  # an output scale of k_proj or v_proj is its K or V scale
-        return (layer, proj) if proj else None
+    if proj in ("k", "v"):  # a scale on k_proj or v_proj is that projection's (its output_scale too)
+        return layer, proj
+    if kind == "output_scale":  # of the fused qkv_proj, or of the attention: not a K or V scale
+        return None
     return layer, {"k_scale": "k", "v_scale": "v", "kv_scale": "kv"}[kind]
 
 
@@ -48,13 +50,14 @@ def check_scale_names(names: set[str], num_layers: int) -> None:
                                f"{num_layers} layers (none for layer {missing[0]}): all or none")
 
 
-def read_kv_scales(path: Path, num_layers: int) -> tuple[list[float], list[float]] | None:
-    """``(k_scales, v_scales)`` per layer from the safetensors files in ``path``, or None when it has
-    none. A per-head scale counts as its largest head's, so no head's values are clamped."""
+def read_kv_scales(files: list[Path], num_layers: int) -> tuple[list[float], list[float]] | None:
+    """``(k_scales, v_scales)`` per layer from a checkpoint's safetensors ``files`` (the shards its
+    index names), or None when it has none. A per-head scale counts as its largest head's, and a layer
+    named twice as its larger value, so no values are clamped."""
     from safetensors import safe_open
 
     found: dict[str, dict[int, float]] = {"k": {}, "v": {}}
-    for f in sorted(path.glob("*.safetensors")):
+    for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if (target := scale_targets(name)) is None:
@@ -63,7 +66,7 @@ def read_kv_scales(path: Path, num_layers: int) -> tuple[list[float], list[float
                 if not (value > 0 and value < float("inf")):
                     raise KVScaleError(f"{f.name}: {name} is {value}; a KV scale must be a positive number")
                 for which in target[1]:
-                    found[which][target[0]] = value
+                    found[which][target[0]] = max(value, found[which].get(target[0], 0.0))
     if not found["k"] and not found["v"]:
         return None
     check_scale_names({f"layers.{i}.self_attn.{w}_scale" for w in "kv" for i in found[w]}, num_layers)

@@ -21,7 +21,7 @@ from engine.cuda_graphs import StepGraphs, graphs_blocker
 from engine.detokenizer import find_stop, flush_text, take_delta, update_text
 from engine.kv_manager import KVManager
 from engine.kv_scales import KVScaleError, read_kv_scales
-from engine.model_loader import LoadedModel, load_model
+from engine.model_loader import LoadedModel, load_model, weight_files
 from engine.model_runner import ModelRunner
 from engine.model_support import serving_limits
 from engine.sampler import Sampled, make_generator, sample
@@ -81,7 +81,7 @@ class LLMEngine:
         self.kv_scales = "1.0"  # where the fp8 scales came from, for the log and /info
         if self.pool.fp8_dtype is not None and Path(m.model_id).is_dir():  # before CUDA graphs keep them
             try:
-                scales = read_kv_scales(Path(m.model_id), m.num_layers)
+                scales = read_kv_scales(weight_files(Path(m.model_id)), m.num_layers)
             except KVScaleError as e:
                 raise ConfigError(f"{m.model_id}: {e}") from None
             if scales is not None:

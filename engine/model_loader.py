@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_scales import KVScaleError, check_scale_names
 from engine.model_support import SUPPORTED, head_dim, kv_heads, sliding_window, unsupported_type
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model id that is not a folder must fail, not download
@@ -88,12 +87,7 @@ def check_model_folder(model_id: str):
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any parse failure is the user's broken folder
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {_first_line(e)}") from e
-    names = check_weight_files(path)
-    check_tensor_names(path, config, names)
-    try:
-        check_scale_names(names, config.num_hidden_layers)
-    except KVScaleError as e:
-        raise ModelLoadError(f"{path}: {e}") from None
+    check_tensor_names(path, config, check_weight_files(path))
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     try:
@@ -112,10 +106,9 @@ def _first_line(e: Exception) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def check_weight_files(path: Path) -> set[str]:
-    """Every weight file the folder names is there and starts with a readable safetensors header
-    (a shard left out of a download, or an empty file, fails here rather than in each replica); returns
-    the tensor names the headers list."""
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files transformers loads: the shards the index names when there is one (a file
+    beside them, from an older revision, is not read), else every one in the folder."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no .safetensors weights")
@@ -129,8 +122,15 @@ def check_weight_files(path: Path) -> set[str]:
         if missing:
             raise ModelLoadError(f"{path} lacks {len(missing)} weight file(s) its index names: {', '.join(missing[:3])}")
         files = [path / name for name in sorted(shards)]
+    return files
+
+
+def check_weight_files(path: Path) -> set[str]:
+    """Every weight file the folder names is there and starts with a readable safetensors header
+    (a shard left out of a download, or an empty file, fails here rather than in each replica); returns
+    the tensor names the headers list."""
     names: set[str] = set()
-    for f in files:
+    for f in weight_files(path):
         try:
             with f.open("rb") as fh:
                 size = struct.unpack("<Q", fh.read(8))[0]

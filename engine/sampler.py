@@ -69,27 +69,45 @@ def _nucleus(dists: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     """Keep each row's best tokens up to the one whose probability crosses its ``top_p`` (the best one
     always: a top_p below float32's range would drop it too). The cut is looked for among each row's
     best ``TOP_P_CANDIDATES`` tokens; only the rows whose candidates hold less than their top_p (a flat
-    distribution) look again among eight times as many, so one flat row does not widen the batch."""
+    distribution) look again among eight times as many, so one flat row does not widen the batch. One
+    sync with the device per pass."""
     v = dists.shape[-1]
-    device = dists.device
-    rows = torch.tensor([i for i, p in enumerate(top_p) if p < 1.0], dtype=torch.long, device=device)
-    p = torch.tensor(top_p, dtype=dists.dtype, device=device).unsqueeze(1)
-    threshold = torch.full((dists.shape[0], 1), float("-inf"), dtype=dists.dtype, device=device)
+    # compared in the logits' dtype: a top_p of 0.99999999 is 1.0 there, and cuts nothing
+    p_host = torch.tensor(top_p, dtype=dists.dtype).unsqueeze(1)
+    cut = p_host[:, 0] < 1.0
+    if not bool(cut.any()):  # (on the host: no sync)
+        return dists
+    p = _to_device(p_host, dists.device)
+    rows = None if bool(cut.all()) else _to_device(cut.nonzero().squeeze(1), dists.device)  # None: every row
     lse = torch.logsumexp(dists, dim=-1, keepdim=True)
+    threshold = torch.full_like(lse, float("-inf"))
     k = min(TOP_P_CANDIDATES, v)
-    while rows.numel():
-        vals = torch.topk(dists[rows], k).values  # best first
-        probs = torch.exp(vals - lse[rows])
+    while True:
+        sub, sub_p, sub_lse = (dists, p, lse) if rows is None else (dists[rows], p[rows], lse[rows])
+        vals = torch.topk(sub, k).values  # best first
+        probs = torch.exp(vals - sub_lse)
         cum = probs.cumsum(dim=-1)
-        drop = cum - probs >= p[rows]  # from the token after the one that crosses top_p
+        drop = cum - probs >= sub_p  # from the token after the one that crosses top_p
         drop[:, 0] = False
         kept = (~drop).sum(dim=-1, keepdim=True)
-        found = (cum[:, -1:] >= p[rows]) | (k == v)
-        threshold[rows] = torch.where(found, vals.gather(1, kept - 1), threshold[rows])
-        if bool(found.all()):  # the one sync per pass
+        # (a row not found yet is written again on a later pass; at k == v every row is found)
+        found = (cum[:, -1:] >= sub_p) | (k == v)
+        if rows is None:
+            threshold = vals.gather(1, kept - 1)
+        else:
+            threshold[rows] = vals.gather(1, kept - 1)
+        left = (~found[:, 0]).nonzero().squeeze(1)  # the pass's one sync
+        if not left.numel():
             break
-        rows, k = rows[~found.squeeze(1)], min(v, k * 8)
+        rows, k = (left if rows is None else rows[left]), min(v, k * 8)
     return dists.masked_fill(dists < threshold, float("-inf"))
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without waiting for it (pinned, asynchronous) on CUDA."""
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 def _finite(x: float) -> float:

@@ -195,13 +195,15 @@ def test_a_redis_user_without_scripting_still_records(redis_server, d):
 def test_a_garbage_epoch_is_replaced_and_recording_goes_on(d, scripting):
     """Another tool's value in the epoch key once failed every write for good, uncounted."""
     d._scripting = scripting
-    for garbage in (b"garbage", b"nan", b"inf"):
+    for garbage in (b"garbage", b"nan", b"inf", b"1e20"):  # (far ahead: a warm-up's top_k once overflowed)
         d._r.set(d.ns + "epoch", garbage)
         now = time.time()
         h = d.record("r1", toks(50), now=now)
         assert h is not None and d.errors == 0 and d._scripting == scripting, garbage
         assert float(d._r.get(d.ns + "epoch")) == pytest.approx(now)
     assert d.top_k(1)[0].hash == h
+    d._r.set(d.ns + "epoch", b"1e20")
+    assert d.top_k(1)[0].hash == h  # read before any write repaired it
 
 
 def test_a_passing_redis_refusal_does_not_turn_scripting_off(redis_server, d):

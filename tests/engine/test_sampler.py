@@ -154,6 +154,12 @@ def test_top_p_over_its_best_candidates_keeps_what_a_full_sort_keeps(vocab):
         out = _filter(rows, [0] * len(rows), [top_p] * len(rows))
         for row, filtered in zip(rows, out, strict=True):
             assert set(torch.nonzero(filtered > float("-inf")).flatten().tolist()) == _reference_top_p(row, top_p)
+    # a top_p that float32 rounds to 1.0 cuts nothing (it once looked through the whole vocabulary for
+    # a cut, and its float32 sums dropped the tail)
+    assert torch.equal(_filter(rows, [0] * len(rows), [0.99999999] * len(rows)), rows)
+    out = _filter(rows[:2], [0, 0], [0.99999999, 0.3])
+    assert torch.equal(out[0], rows[0]) and set(torch.nonzero(out[1] > float("-inf")).flatten().tolist()) == \
+        _reference_top_p(rows[1], 0.3)
     # rows with their own values in one call, top-k first (a top-k past the vocabulary cuts nothing)
     assert torch.equal(_filter(rows[:2], [vocab + 1, 0], [1.0, 1.0]), rows[:2])
     out = _filter(rows[:3], [0, 5, 0], [0.9, 1.0, 1.0])
