@@ -110,7 +110,8 @@ def read_lines(path: Path, done: set[str]) -> Plan:
             except json.JSONDecodeError as e:
                 plan.errors.append({"line": n, "error": f"not JSON ({e.msg})"})
                 continue
-            if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
+            # (a null prompt is no prompt: a null field means the default, as in OpenAI's API)
+            if not isinstance(obj, dict) or (obj.get("prompt") is None) == (obj.get("messages") is None):
                 plan.errors.append({"line": n, "error": "needs an object with one of `prompt` and `messages`"})
                 continue
             rid = obj.pop("id", None)
@@ -123,7 +124,7 @@ def read_lines(path: Path, done: set[str]) -> Plan:
             if key in done:
                 plan.skipped += 1
             else:  # a null field means the default, as in OpenAI's API
-                plan.todo.append(Line(ref, {k: v for k, v in obj.items() if v is not None}, "messages" in obj))
+                plan.todo.append(Line(ref, {k: v for k, v in obj.items() if v is not None}, obj.get("messages") is not None))
     return plan
 
 
@@ -135,33 +136,38 @@ class NotOurs(ValueError):
     """The output file holds something other than this command's records: it is not touched."""
 
 
-def resume(output: Path) -> set[str]:
-    """Id keys already answered in ``output``. Its failed records and a last line cut by an interruption
-    are dropped (those lines are tried again); the file is rewritten line by line."""
+def resume(output: Path, rewrite: bool = True) -> set[str]:
+    """Id keys already answered in ``output``. With ``rewrite``, its failed records and a last line cut by
+    an interruption are dropped (those lines are tried again), line by line; without, it is only read
+    (before the service is found: a run that cannot start leaves the file as it was)."""
     if not output.exists():
         return set()
     done: set[str] = set()
     tmp = output.with_name(output.name + ".tmp")
-    with output.open(encoding="utf-8", errors="replace") as src, tmp.open("w", encoding="utf-8") as dst:
+    with output.open(encoding="utf-8", errors="replace") as src, \
+            (tmp.open("w", encoding="utf-8") if rewrite else open(os.devnull, "w")) as dst:
         cut = None  # an unreadable line: fine only as the last one
         for n, raw in enumerate(src, 1):
-            if cut is not None:
-                tmp.unlink()
-                raise NotOurs(f"{output} line {cut} is not a result of `radixserve batch`; "
-                              "pass another --output")
             try:
-                rec = json.loads(raw)
-            except json.JSONDecodeError:
-                cut = n
-                continue
-            if not (isinstance(rec, dict) and ("error" in rec or "output" in rec) and ("id" in rec or "line" in rec)):
-                tmp.unlink()
-                raise NotOurs(f"{output} line {n} is not a result of `radixserve batch`; pass another --output")
+                if cut is not None:
+                    raise NotOurs(f"{output} line {cut} is not a result of `radixserve batch`; pass another --output")
+                try:
+                    rec = json.loads(raw)
+                except json.JSONDecodeError:
+                    cut = n
+                    continue
+                if not (isinstance(rec, dict) and ("error" in rec or "output" in rec) and ("id" in rec or "line" in rec)):
+                    raise NotOurs(f"{output} line {n} is not a result of `radixserve batch`; pass another --output")
+            except NotOurs:
+                if rewrite:
+                    tmp.unlink()
+                raise
             key = ref_key(rec)
             if "output" in rec and key not in done:
                 done.add(key)
                 dst.write(raw if raw.endswith("\n") else raw + "\n")
-    os.replace(tmp, output)
+    if rewrite:
+        os.replace(tmp, output)
     return done
 
 
@@ -193,8 +199,8 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
     for attempt in range(retries + 1):
         try:
             r = await client.post(path, json=body)
-        except httpx.TransportError as e:
-            problem = f"{type(e).__name__}: {e}"
+        except httpx.TransportError as e:  # (a timeout's own message is empty)
+            problem = f"{type(e).__name__}: {e or ('no answer within --request-timeout-s' if isinstance(e, httpx.TimeoutException) else 'no connection')}"
             gone = gone and isinstance(e, GONE_ERRORS)
         else:
             if r.status_code == 200:
@@ -224,7 +230,43 @@ async def run(args: argparse.Namespace, totals: dict) -> None:
     """Send the input's lines, write each result as it comes, and keep ``totals`` up to date (the caller
     still has them when the run is interrupted)."""
     output = Path(args.output)
-    done = resume(output)
+    # SIGTERM (`ray job stop`) ends the run as Ctrl-C does: by cancelling it, so every request task ends
+    # where it is (raised from a signal handler, it surfaced in one of them as an unretrieved exception)
+    terminated = _cancel_on_sigterm()
+    try:
+        await _run(args, totals, output)
+    except asyncio.CancelledError:
+        if terminated:
+            raise Terminated from None
+        raise
+    finally:
+        _leave_sigterm()
+
+
+def _cancel_on_sigterm() -> list:
+    """Cancel the running task on SIGTERM; returns a list that gets an item when it did."""
+    seen: list = []
+    task = asyncio.current_task()
+
+    def on_term() -> None:
+        seen.append(True)
+        task.cancel()
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread: leave signals alone
+        pass
+    return seen
+
+
+def _leave_sigterm() -> None:
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _interrupt)  # (main's own, until it restores the one before)
+
+
+async def _run(args: argparse.Namespace, totals: dict, output: Path) -> None:
+    done = resume(output, rewrite=False)
     plan = read_lines(Path(args.input), done)
     todo = plan.todo if args.keep_order else prefix_order(plan.todo)
     totals.update({"to_send": len(todo), "ok": 0, "failed": 0, "retryable": 0, "refused": len(plan.errors),
@@ -234,6 +276,7 @@ async def run(args: argparse.Namespace, totals: dict) -> None:
     async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout_s, limits=limits) as client:
         # a finished job's rerun needs no service; any other finds it before the output is touched
         model = await _model(client, args.wait_s) if todo else ""
+        resume(output)  # now the failed records go (their lines are sent again)
         with output.open("a", encoding="utf-8") as out:
             for rec in plan.errors:
                 out.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -303,8 +346,8 @@ async def _model(client: httpx.AsyncClient, wait_s: float) -> str:
             if r.status_code == 200:
                 return r.json()["data"][0]["id"]
             problem = _error_message(r)
-        except httpx.TransportError as e:
-            problem = f"{type(e).__name__}: {e}"
+        except httpx.TransportError as e:  # (a timeout's own message is empty)
+            problem = f"{type(e).__name__}: {e or ('no answer within --request-timeout-s' if isinstance(e, httpx.TimeoutException) else 'no connection')}"
         if time.monotonic() >= deadline:
             raise ConnectionError(f"no service answering at {client.base_url} ({problem}); "
                                   "start one with `radixserve serve` or pass --url")

@@ -48,9 +48,12 @@ def test_input_lines_ids_and_encodings(tmp_path):
     assert plan.skipped == 1 and plan.todo[0].body == {"prompt": "first line, after a byte order mark"}
     assert [(e["line"], e["error"].split(" (")[0]) for e in plan.errors] == [(6, "not UTF-8")]
     dup = tmp_path / "dup.jsonl"
-    write(dup, [{"id": "x", "prompt": "a"}, {"id": "x", "prompt": "b"}, {"prompt": "a", "messages": []}])
-    assert [e["error"] for e in read_lines(dup, set()).errors] == [
-        'id "x" is used by an earlier line', "needs an object with one of `prompt` and `messages`"]
+    write(dup, [{"id": "x", "prompt": "a"}, {"id": "x", "prompt": "b"}, {"prompt": "a", "messages": []},
+                {"prompt": None}, {"prompt": "a", "messages": None}])  # null is no prompt: refused, not sent
+    plan = read_lines(dup, set())
+    assert [e["error"] for e in plan.errors] == [
+        'id "x" is used by an earlier line'] + ["needs an object with one of `prompt` and `messages`"] * 2
+    assert [(x.ref, x.chat) for x in plan.todo] == [({"id": "x"}, False), ({"line": 5}, False)]
     # null fields mean the default
     assert read_lines(src, set()).todo[3].body == {"prompt": "no id: line 4"}
 
@@ -149,6 +152,13 @@ def test_batch_without_a_service_says_so(tmp_path, capsys):
                 "--wait-s", "0"]) == 2
     assert "no service answering" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()  # nothing was sent: no output to clean up
+    # a rerun that finds no service leaves the last run's records as they were (failures included)
+    earlier = tmp_path / "earlier.jsonl"
+    write(earlier, [{"line": 1, "error": "HTTP 503: no replica"}, {"line": 2, "output": "x"}])
+    before = earlier.read_text()
+    write(src, [{"prompt": "hi"}, {"prompt": "there"}])
+    assert cli(["batch", "--input", str(src), "--output", str(earlier), "--url", url, "--wait-s", "0"]) == 2
+    assert earlier.read_text() == before
     assert cli(["batch", "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o.jsonl")]) == 2
     # bad settings and a missing output folder are refused before anything is sent or made
     for extra, said in ((["--temperature", "-1"], "--temperature must be in [0, 2]"),
@@ -164,7 +174,7 @@ def test_batch_without_a_service_says_so(tmp_path, capsys):
 
 class _DownService:
     """A real HTTP server that names its model, then answers every request ``status`` (503: replicas
-    gone; 504: a proxy that gave up on this one request)."""
+    gone; 504: a proxy that gave up on this one request; 200: an answer)."""
 
     def __init__(self, status: int = 503):
         self.status = status
@@ -189,6 +199,10 @@ class _DownService:
 
             def do_POST(self):
                 self.rfile.read(int(self.headers["content-length"]))
+                if status == 200:  # a fast service: an answer at once
+                    self._send(200, json.dumps({"choices": [{"text": "ok", "finish_reason": "length"}],
+                                                "usage": {"prompt_tokens": 2, "completion_tokens": 1}}))
+                    return
                 self._send(status, json.dumps({"error": {"message": "no replica" if status == 503 else "timeout"}}))
 
             def log_message(self, *_):
@@ -237,3 +251,31 @@ def test_an_error_page_that_is_not_an_api_answer_is_reported_in_one_line():
     page = httpx.Response(404, text="<html>\n<body><h1>Not Found</h1>" + "x" * 5000, headers={"content-type": "text/html"})
     msg = _error_message(page)  # (a wrong --url: the whole page used to be the line's error)
     assert msg.startswith("HTTP 404: not an OpenAI-style API answer (text/html): <html>") and len(msg) < 200
+
+
+def test_sigterm_ends_a_run_with_its_summary_and_no_traceback(tmp_path):
+    """`ray job stop` sends SIGTERM: raised from a signal handler it once surfaced in a request's task,
+    and a 100-line traceback followed the summary."""
+    import signal
+    import subprocess
+    import sys
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": i, "prompt": f"line {i}"} for i in range(100_000)])
+    for _ in range(3):  # (where the signal lands varies: busy in the requests' own code is the case)
+        start = out.stat().st_size if out.exists() else 0
+        with _DownService(200) as url:
+            proc = subprocess.Popen([sys.executable, "-m", "app.cli", "batch", "--input", str(src), "--output",
+                                     str(out), "--url", url, "--concurrency", "64"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            while not out.exists() or out.stat().st_size < start + 20_000:  # answering
+                assert proc.poll() is None
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            stdout, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 143, stderr[-2000:]
+        assert json.loads(stdout.strip().splitlines()[-1])["ok"] > 0
+        assert "Traceback" not in stderr and "never retrieved" not in stderr, stderr[-3000:]
+        assert "interrupted; the answers so far are in" in stderr
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len({r["id"] for r in lines}) == len(lines)  # each answer once, across the three runs
