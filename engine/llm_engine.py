@@ -67,6 +67,9 @@ class LLMEngine:
         self.eos_ids = self._eos_ids()
 
         self.window = config.window_size or m.sliding_window
+        if config.window_size and config.window_size != m.sliding_window:  # a choice that changes the answers
+            log.warning("window_size %d: attention sees the last %d tokens only (the model's own window: %s)",
+                        config.window_size, config.window_size, m.sliding_window or "none, it attends to all")
         token_bytes = bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, config.kv_cache_dtype, m.dtype)
         num_blocks = num_blocks_for(config.block_size, token_bytes, config.max_batch_total_tokens,
                                     config.kv_memory_fraction, m.device)

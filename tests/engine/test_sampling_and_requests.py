@@ -378,3 +378,14 @@ def test_request_latency_is_sampled_for_finished_requests_only(make_engine):
     assert len(eng.stats.e2e_s) == 2
     assert all(e2e >= ttft > 0 for e2e, ttft in zip(eng.stats.e2e_s, list(eng.stats.ttft_s)[-2:], strict=True))
     assert all(s.finish_reason == "length" for s in seqs)
+
+
+def test_a_window_the_model_does_not_have_is_said_at_start(make_engine, caplog):
+    with caplog.at_level("WARNING", logger="engine.llm_engine"):
+        eng = make_engine("tiny", window_size=32)  # a Llama: it attends to everything
+    assert eng.window == 32
+    assert "window_size 32: attention sees the last 32 tokens only (the model's own window: none" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="engine.llm_engine"):
+        make_engine("tiny")
+    assert "window_size" not in caplog.text
