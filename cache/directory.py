@@ -198,6 +198,9 @@ class HotPrefixDirectory:
             p.expire(self.ns + f"p:{h}", int(self.ttl_s))
             p.zincrby(self.ns + "hot", inc * hits, str(h))
             p.zadd(self.ns + f"h:{h}", {replica: now + self.ttl_s})
+            # holders whose own entry expired (gone without a goodbye): a prefix that stays hot keeps its
+            # set alive, which would otherwise collect every replica that ever held it
+            p.zremrangebyscore(self.ns + f"h:{h}", "-inf", now)
             p.expire(self.ns + f"h:{h}", int(self.ttl_s))
             p.sadd(self.ns + f"r:{replica}", str(h))
             p.expire(self.ns + f"r:{replica}", int(self.ttl_s))

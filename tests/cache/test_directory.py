@@ -233,3 +233,11 @@ def test_fleets_of_other_block_sizes_keep_apart(redis_server, d):
         assert [p.hash for p in d.top_k(5)] == [h] and d.skipped == 0
     finally:
         other.clear()
+
+
+def test_a_hot_prefixs_holder_set_does_not_keep_expired_holders(d):
+    now = time.time()
+    h = d.record("old", toks(60), now=now)
+    d.record("new", toks(60), now=now + 2 * d.ttl_s)  # "old" never came back: its holding expired
+    assert d._r.zrange(d.ns + f"h:{h}", 0, -1) == [b"new"]
+    assert d.holders(h, now=now + 2 * d.ttl_s) == ["new"]
