@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -14,6 +16,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _prctl():
+    try:
+        return ctypes.CDLL(None).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _prctl()  # found here, not in the forked child (where another thread may hold a lock it needs)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux's
+    PR_SET_PDEATHSIG, 1; elsewhere nothing)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)
 
 
 class LocalRedis:
@@ -32,7 +51,11 @@ class LocalRedis:
         self._start()
 
     def _start(self) -> None:
-        self.proc = subprocess.Popen(self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # its own session: a terminal's Ctrl-C goes to the whole foreground group, and a redis-server
+        # that quit at once left the drain that follows without its directory (a warning per replica);
+        # it goes when this process does, however that ends (stop(), or the parent-death signal)
+        self.proc = subprocess.Popen(self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         self._wait_ready()
 
     def restart_if_dead(self) -> bool:

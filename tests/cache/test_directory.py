@@ -241,3 +241,41 @@ def test_a_hot_prefixs_holder_set_does_not_keep_expired_holders(d):
     d.record("new", toks(60), now=now + 2 * d.ttl_s)  # "old" never came back: its holding expired
     assert d._r.zrange(d.ns + f"h:{h}", 0, -1) == [b"new"]
     assert d.holders(h, now=now + 2 * d.ttl_s) == ["new"]
+
+
+def test_the_private_redis_server_outlives_a_terminals_ctrl_c_but_not_its_parent():
+    """A terminal's Ctrl-C reaches the whole foreground process group: the redis-server went at once,
+    and the drain that `radixserve serve` then runs had no directory. It must still go when its parent
+    does, however that ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    parent = ("import signal, sys, time\nfrom app.local_redis import LocalRedis\nr = LocalRedis()\n"
+              "signal.signal(signal.SIGINT, lambda *_: None)  # (the CLI drains on Ctrl-C)\n"
+              "print(r.proc.pid, flush=True)\nsys.stdin.readline()\nprint(r.proc.poll(), flush=True)\ntime.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", parent], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        pid = int(p.stdout.readline())
+        os.killpg(p.pid, signal.SIGINT)
+        time.sleep(1)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "None"  # still running
+    finally:
+        p.kill()
+        p.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    assert not _alive(pid), "the redis-server outlived its parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
