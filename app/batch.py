@@ -171,6 +171,12 @@ def resume(output: Path, rewrite: bool = True) -> set[str]:
     return done
 
 
+def _transport_problem(e: httpx.TransportError) -> str:
+    """A failed call in one line (a timeout's own message is empty)."""
+    what = str(e) or ("no answer within --request-timeout-s" if isinstance(e, httpx.TimeoutException) else "no connection")
+    return f"{type(e).__name__}: {what}"
+
+
 def _error_message(r: httpx.Response) -> str:
     try:
         body = r.json()
@@ -199,8 +205,8 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
     for attempt in range(retries + 1):
         try:
             r = await client.post(path, json=body)
-        except httpx.TransportError as e:  # (a timeout's own message is empty)
-            problem = f"{type(e).__name__}: {e or ('no answer within --request-timeout-s' if isinstance(e, httpx.TimeoutException) else 'no connection')}"
+        except httpx.TransportError as e:
+            problem = _transport_problem(e)
             gone = gone and isinstance(e, GONE_ERRORS)
         else:
             if r.status_code == 200:
@@ -346,8 +352,8 @@ async def _model(client: httpx.AsyncClient, wait_s: float) -> str:
             if r.status_code == 200:
                 return r.json()["data"][0]["id"]
             problem = _error_message(r)
-        except httpx.TransportError as e:  # (a timeout's own message is empty)
-            problem = f"{type(e).__name__}: {e or ('no answer within --request-timeout-s' if isinstance(e, httpx.TimeoutException) else 'no connection')}"
+        except httpx.TransportError as e:
+            problem = _transport_problem(e)
         if time.monotonic() >= deadline:
             raise ConnectionError(f"no service answering at {client.base_url} ({problem}); "
                                   "start one with `radixserve serve` or pass --url")
