@@ -74,8 +74,8 @@ class LLMServer:
         self._pending_records: collections.deque = collections.deque(maxlen=10_000)
         self._recorded: set[int] = set()  # prefix hashes this replica put in the directory
         self.directory: HotPrefixDirectory | None = None
-        if self.settings.directory_url() and self.engine.kv.cache is not None:
-            self.directory = HotPrefixDirectory(self.settings.directory_url(), self.settings.deployment_name,
+        if (url := self.settings.directory_url()) and self.engine.kv.cache is not None:
+            self.directory = HotPrefixDirectory(url, self.settings.deployment_name,
                                                 cfg.cache_namespace or cfg.model_id, cfg.block_size)
         self.first_request_cached_tokens: int | None = None
         self.warmup_report = self._warm_up()  # before Serve marks this replica ready

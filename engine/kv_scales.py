@@ -4,7 +4,8 @@ Quantization tools write them beside the attention weights, under one of a few n
 layer, or per head): ``layers.N.self_attn.{k_scale,v_scale}``, the older one-for-both ``kv_scale``,
 ``k_proj``/``v_proj`` with ``output_scale``, ``k_scale`` or ``v_scale``, or a fused ``qkv_proj`` with
 ``k_scale``/``v_scale`` (Phi-3). transformers' models have no such parameters and leave them out of the
-load, so they are read here, from the safetensors files, for fp8 pools only. Without them an fp8 pool stores values as they are (scale 1.0), clamping those past fp8's range.
+load, so they are read here, from the safetensors files, for fp8 pools only. Without them an fp8 pool
+stores values as they are (scale 1.0), clamping those past fp8's range.
 """
 
 from __future__ import annotations
@@ -37,11 +38,16 @@ def scale_targets(name: str) -> tuple[int, str] | None:
 def check_scale_names(names: set[str], num_layers: int) -> None:
     """Scales for every layer's K and V, or none at all: a partial set would scale some layers and clamp
     the others (a checkpoint from a tool of another layout, or a shard left out)."""
-    covered = {"k": set(), "v": set()}
+    covered: dict[str, set[int]] = {"k": set(), "v": set()}
     for name in names:
         if (target := scale_targets(name)) is not None:
             for which in target[1]:
                 covered[which].add(target[0])
+    _all_or_none(covered, num_layers)
+
+
+def _all_or_none(covered: dict[str, set[int]], num_layers: int) -> None:
+    """``covered``: the layers with a K and with a V scale."""
     if not covered["k"] and not covered["v"]:
         return
     for which, layers in covered.items():
@@ -69,5 +75,5 @@ def read_kv_scales(files: list[Path], num_layers: int) -> tuple[list[float], lis
                     found[which][target[0]] = max(value, found[which].get(target[0], 0.0))
     if not found["k"] and not found["v"]:
         return None
-    check_scale_names({f"layers.{i}.self_attn.{w}_scale" for w in "kv" for i in found[w]}, num_layers)
+    _all_or_none({w: set(found[w]) for w in "kv"}, num_layers)
     return [found["k"][i] for i in range(num_layers)], [found["v"][i] for i in range(num_layers)]

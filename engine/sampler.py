@@ -56,9 +56,9 @@ def _filter(dists: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.
     v = dists.shape[-1]
     if any(0 < k < v for k in top_k):
         vals = torch.topk(dists, max(k for k in top_k if 0 < k < v)).values  # (a k past the vocabulary cuts nothing)
-        at = torch.tensor([min(k, v) - 1 if k else 0 for k in top_k], device=dists.device).unsqueeze(1)
+        at = _to_device(torch.tensor([min(k, v) - 1 if k else 0 for k in top_k]), dists.device).unsqueeze(1)
         kth = vals.gather(1, at)
-        off = torch.tensor([not 0 < k < v for k in top_k], device=dists.device).unsqueeze(1)
+        off = _to_device(torch.tensor([not 0 < k < v for k in top_k]), dists.device).unsqueeze(1)
         dists = dists.masked_fill((dists < kth) & ~off, float("-inf"))
     if any(p < 1.0 for p in top_p):
         dists = _nucleus(dists, top_p)
@@ -135,7 +135,7 @@ def _draw(dists: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
     # which could then never be drawn
     cum = probs.double().cumsum(dim=-1)
     total = cum[:, -1:]
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]).to(dists.device).unsqueeze(-1)
+    u = _to_device(torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]), dists.device).unsqueeze(-1)
     ids = torch.searchsorted(cum, u * total, right=True).squeeze(-1)  # the first token whose share covers u
     # rounding can carry u * total to the total itself: then the last token that has a share
     positive = probs > 0
@@ -163,7 +163,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
     if greedy:
         chosen[greedy] = _argmax(torch.stack([rows[i] for i in greedy]))
     if drawn:
-        temps = torch.tensor([seqs[i].params.temperature for i in drawn], dtype=logits.dtype, device=logits.device)
+        temps = _to_device(torch.tensor([seqs[i].params.temperature for i in drawn], dtype=logits.dtype), logits.device)
         dists = _filter(torch.stack([rows[i] for i in drawn]) / temps.unsqueeze(1),
                         [seqs[i].params.top_k for i in drawn], [seqs[i].params.top_p for i in drawn])
         chosen[drawn] = _draw(dists, [seqs[i].generator for i in drawn])
