@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -199,9 +200,11 @@ def _serve(args: argparse.Namespace) -> int:
     redis = None
     if settings.redis_url is None:
         try:
-            redis = LocalRedis()
+            # loopback only, but any local user could read the hot prompts from it: a password, kept
+            # out of what is printed (the replicas get it in their settings)
+            redis = LocalRedis(password=secrets.token_hex(16))
             settings = settings.model_copy(update={"redis_url": redis.url})
-            print(f"started a local redis-server at {redis.url}")
+            print(f"started a local redis-server at {redis.shown_url}")
             if args.address:
                 print("radixserve: warning: the local redis-server listens on this machine only: replicas on "
                       "other nodes serve without the hot-prefix directory; pass --redis-url (cluster.yaml "
@@ -302,7 +305,7 @@ def _supervise_redis(redis) -> bool:
     False once a restart failed: serving goes on without the directory (no retry every 2 s)."""
     try:
         if redis.restart_if_dead():
-            print(f"radixserve: the local redis-server had stopped; restarted it at {redis.url}",
+            print(f"radixserve: the local redis-server had stopped; restarted it at {redis.shown_url}",
                   file=sys.stderr, flush=True)
         return True
     except RuntimeError as e:

@@ -71,6 +71,11 @@ class LocalRedis:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
+    @property
+    def shown_url(self) -> str:
+        """``url`` without the password, to print."""
+        return f"redis://127.0.0.1:{self.port}/0" + (" (with a generated password)" if self.password else "")
+
     def _wait_ready(self, timeout: float = 10.0) -> None:
         """Until our redis-server answers: the one that answers must be this process (on a restart,
         another program may have taken the port meanwhile)."""

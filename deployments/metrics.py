@@ -130,7 +130,9 @@ def render(snapshots: dict[str, dict[str, Any]], retired: dict[str, Any] | None 
     if retired:
         _add(total, retired)
     if snaps or retired:
-        total["block_size"] = max((s.get("block_size", 0) for s in snaps.values()), default=0)
+        # a constant of the deployment: while autoscaling holds no replica, the last one's (not 0)
+        total["block_size"] = max((s.get("block_size", 0) for s in snaps.values()), default=0) or (
+            retired or {}).get("block_size", 0)
         snaps["all"] = total
     lines: list[str] = []
     for name, (key, help_) in COUNTERS.items():
@@ -186,11 +188,13 @@ class SnapshotStore:
         self._routing: dict[str, dict[str, int]] = {}
         self._routing_gone: dict[str, Any] = {}
         self._cut: set[str] = set()  # replicas told to end what still runs (see cut)
+        self._block_size = 0  # the last one a replica reported, rendered while none is live
 
     def push(self, replica: str, snapshot: dict) -> bool:
         """A replica's snapshot in; True when it must stop its engine now (``cut``)."""
         self._retired.pop(replica, None)
         self._snaps[replica] = (self._clock(), snapshot)
+        self._block_size = snapshot.get("block_size") or self._block_size
         return replica in self._cut
 
     def cut(self) -> None:
@@ -225,13 +229,16 @@ class SnapshotStore:
             _add(retired, counts)
         for _, totals in self._retired.values():
             _add(retired, totals)
+        if self._block_size:
+            retired["block_size"] = self._block_size
         return live, retired
 
     def export_state(self) -> tuple[dict[str, dict], dict[str, Any], str, dict[str, dict], dict[str, Any]]:
         """``export`` plus what a restarted store needs back (``restore``): (live snapshots, retired
         sum, incarnation, retired totals per replica, merged totals)."""
         live, retired = self.export()
-        return live, retired, self.incarnation, {r: t for r, (_, t) in self._retired.items()}, dict(self._merged)
+        merged = {**self._merged, "block_size": self._block_size} if self._block_size else dict(self._merged)
+        return live, retired, self.incarnation, {r: t for r, (_, t) in self._retired.items()}, merged
 
     def restore(self, live: dict[str, dict], retired: dict[str, dict], merged: dict[str, Any]) -> bool:
         """Take back the last view a reader kept of the store before it restarted, once: replicas not
@@ -242,6 +249,8 @@ class SnapshotStore:
             return False
         self._restored = True
         now = self._clock()
+        merged = dict(merged)
+        self._block_size = self._block_size or merged.pop("block_size", 0)
         for r, s in live.items():
             if r not in self._snaps and r not in self._retired:
                 self._snaps[r] = (now, s)

@@ -7,6 +7,8 @@ grow into a stop string is held back until it cannot.
 
 from __future__ import annotations
 
+import os
+
 from engine.sequence import Sequence
 
 
@@ -14,26 +16,38 @@ def _decode(tokenizer, ids: list[int], skip_special: bool = True) -> str:
     return tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
 
 
-def update_text(tokenizer, seq: Sequence) -> None:
-    """Extend ``seq.text`` with what the newest output token completes."""
-    _extend(tokenizer, seq, len(seq.output_ids), final=False)
+def update_text(tokenizer, seq: Sequence) -> int | None:
+    """Extend ``seq.text`` with what the newest output token completes. Returns where in the text that
+    token's own characters start, when it completed any (see ``_extend``)."""
+    return _extend(tokenizer, seq, len(seq.output_ids), final=False)
 
 
-def flush_text(tokenizer, seq: Sequence, upto: int) -> None:
+def flush_text(tokenizer, seq: Sequence, upto: int) -> int | None:
     """At the end of a request: render ``output_ids[:upto]`` completely. Bytes held back for a
-    character that never completed become U+FFFD, as a plain ``decode`` of the tokens gives them."""
-    _extend(tokenizer, seq, upto, final=True)
+    character that never completed become U+FFFD, as a plain ``decode`` of the tokens gives them.
+    Returns where token ``upto - 1``'s own characters start, as ``update_text``."""
+    return _extend(tokenizer, seq, upto, final=True)
 
 
-def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> None:
+def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> int | None:
     if upto <= seq.read_offset:
-        return
+        return None
     ids, skip = seq.output_ids, seq.params.skip_special_tokens
     prefix_text = _decode(tokenizer, ids[seq.prefix_offset:seq.read_offset], skip)
     new_text = _decode(tokenizer, ids[seq.prefix_offset:upto], skip)
-    if final or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")):
-        seq.text += new_text[len(prefix_text):]
-        seq.prefix_offset, seq.read_offset = seq.read_offset, upto
+    if not (final or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"))):
+        return None
+    start = len(seq.text)
+    if upto - seq.read_offset > 1:
+        # tokens were held back: the text they render without the newest one and the text with it
+        # agree up to where the newest one's own characters start (after an invalid byte's U+FFFD; at
+        # the start of a character it completes)
+        before = _decode(tokenizer, ids[seq.prefix_offset:upto - 1], skip)
+        same = len(os.path.commonprefix([before, new_text]))
+        start += max(0, same - len(prefix_text))
+    seq.text += new_text[len(prefix_text):]
+    seq.prefix_offset, seq.read_offset = seq.read_offset, upto
+    return min(start, len(seq.text))
 
 
 def find_stop(seq: Sequence, after: int) -> bool:

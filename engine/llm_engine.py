@@ -285,7 +285,8 @@ class LLMEngine:
         before = start = len(seq.text)  # this token's text starts here (a held-back byte: where it completes)
         by_string = False
         if reason is None:  # the token that ends a request (EOS, a stop token) is not text
-            update_text(self.tokenizer, seq)
+            own = update_text(self.tokenizer, seq)
+            start = start if own is None else own
             # stop strings count from min_tokens on (as in vLLM), and only ones this token completes
             if len(seq.output_ids) >= p.min_tokens and find_stop(seq, before):
                 reason, by_string = "stop", True
@@ -296,7 +297,9 @@ class LLMEngine:
             # the ending token when the client asked for it (include_stop_str_in_output, as vLLM)
             before = len(seq.text)
             keep_end = reason == "length" or p.include_stop_str_in_output
-            flush_text(self.tokenizer, seq, len(seq.output_ids) - (not keep_end))
+            own = flush_text(self.tokenizer, seq, len(seq.output_ids) - (not keep_end))
+            if keep_end and own is not None:
+                start = own
             if find_stop(seq, before):
                 reason = "stop"
         if reason is None:

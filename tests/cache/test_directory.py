@@ -144,10 +144,11 @@ def test_directory_resumes_after_redis_restarts():
 
 
 def test_the_private_redis_server_is_restarted_on_its_port_when_it_dies():
-    server = LocalRedis()
+    server = LocalRedis(password="s3cret")  # as `radixserve serve` starts it: with a generated password
     try:
         d = HotPrefixDirectory(server.url, model="m")
         assert d.ping() and not server.restart_if_dead()
+        assert "s3cret" not in server.shown_url and not HotPrefixDirectory(f"redis://127.0.0.1:{server.port}/0").ping()
         server.proc.kill()  # out of memory, or killed by hand
         server.proc.wait()
         assert server.restart_if_dead()
@@ -155,6 +156,7 @@ def test_the_private_redis_server_is_restarted_on_its_port_when_it_dies():
         while not d.ping() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert d.ping() and d.record("r1", toks(1)) is not None
+        assert not HotPrefixDirectory(f"redis://127.0.0.1:{server.port}/0").ping()  # still required
     finally:
         server.stop()
 

@@ -314,6 +314,31 @@ def _feed(eng, tokens, **kw):
     return text, None
 
 
+def _offsets(eng, tokens, **kw):
+    """The text and each token's text_offset, for ``tokens`` handed over as if sampled."""
+    from engine.sampler import Sampled
+
+    rid = eng.add_request(PROMPT, SamplingParams(**{"max_new_tokens": len(tokens), "ignore_eos": True, **kw}))
+    seq, text, offsets = eng.requests[rid], "", []
+    for t in tokens:
+        ev = eng._append_token(seq, Sampled(t), time.monotonic())
+        text, offsets = text + ev.text, offsets + [ev.text_offset]
+    return text, offsets
+
+
+def test_text_offsets_after_bytes_that_were_held_back(make_engine):
+    eng = make_engine("tiny")  # byte-level: a token per byte
+    # a lone continuation byte is held back until the next token shows it never completes; that
+    # token's own text starts after its U+FFFD (it was reported one character early)
+    assert _offsets(eng, [ord("a"), 0x80, ord("x"), ord("y")]) == ("a\ufffdxy", [0, 1, 2, 3])
+    assert _offsets(eng, [0xE4, ord("x")]) == ("\ufffdx", [0, 1])  # a lead byte cut short by "x"
+    # bytes that form one character all start at it
+    assert _offsets(eng, [ord("a"), *"€".encode(), ord("b")]) == ("a€b", [0, 1, 1, 1, 2])
+    # three lead bytes that never complete: the first two went out before anything was known (at
+    # the place their text would start); the last, rendered at the end, is placed exactly
+    assert _offsets(eng, [0xE4] * 3) == ("\ufffd" * 3, [0, 0, 2])
+
+
 def test_stop_strings_count_only_once_min_tokens_is_reached(make_engine):
     eng = make_engine("tiny")
     # "AB" is complete at the third token, before min_tokens: it does not count then, nor later (vLLM's

@@ -93,6 +93,7 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_si
         assert proc.wait(90) == 0
         out = open(tmp_path / "serve.log").read()
         assert "RadixServe is up" in out and "stopped" in out and "local redis-server" in out
+        assert "with a generated password" in out and "redis://:" not in out  # the password is not shown
         assert "finishing the requests in flight" in out
         assert "engine ready" in out and "warm-up: " in out  # the replicas' INFO lines reach the console
         try:
@@ -223,7 +224,7 @@ def test_the_cli_restarts_its_redis_once_and_gives_up_after_a_failed_restart(cap
     from app.cli import _supervise_redis
 
     class Redis:
-        url = "redis://127.0.0.1:1/0"
+        shown_url = "redis://127.0.0.1:1/0"
 
         def __init__(self, outcomes):
             self.outcomes = list(outcomes)

@@ -163,3 +163,20 @@ def test_each_application_has_its_own_hub(monkeypatch):
     for app, scope in (("radixserve", "radixserve"), ("chat", "chat.radixserve"), ("code", "code.radixserve")):
         monkeypatch.setattr(serve, "get_replica_context", lambda app=app: types.SimpleNamespace(app_name=app))
         assert hub_scope("radixserve") == scope  # `radixserve serve` names its application after it
+
+
+def test_the_block_size_outlives_the_last_replica_and_a_hub_restart():
+    # autoscaling down to zero: the fleet's block size is still the deployment's, not 0
+    now = [0.0]
+    store = SnapshotStore(clock=lambda: now[0])
+    store.push("a", {**snap(5), "block_size": 16})
+    assert values(render(*store.export()))[("radixserve_cache_block_size", "all")] == 16
+    now[0] = STALE_AFTER_S + 1
+    live, retired = store.export()
+    assert not live and values(render(live, retired))[("radixserve_cache_block_size", "all")] == 16
+    assert values(render(live, retired))[("radixserve_requests_total", "all")] == 5  # not summed into counters
+    *_, by_replica, merged = store.export_state()
+    new = SnapshotStore(clock=lambda: now[0])
+    assert new.restore({}, by_replica, merged)
+    assert values(render(*new.export()))[("radixserve_cache_block_size", "all")] == 16
+    assert values(render(*new.export()))[("radixserve_requests_total", "all")] == 5
