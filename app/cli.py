@@ -516,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "OLMo 2) with a byte-level tokenizer")
     p.add_argument("path", help="folder to write (created if missing)")
     p.add_argument("--preset", default="tiny", choices=PRESET_NAMES,
-                   help="tiny: the built-in model; bench: the benchmarks' 40M-parameter Llama; bench-1b: a 0.85B-parameter "
+                   help="tiny: the built-in model; bench: the benchmarks' 57M-parameter Llama; bench-1b: a 0.85B-parameter "
                         "Llama for GPU benchmarks (3.4 GB); the others: small "
                         "models of each supported architecture (tiny-mistral has a sliding window; default: tiny)")
     p.add_argument("--seed", type=int, default=0, help="of the random weights (default: 0)")

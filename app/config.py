@@ -53,12 +53,13 @@ class Settings(BaseModel):
 
     # model
     model_id: str | None = Field(None, description="local model folder; default: the built-in tiny model")
-    served_model_name: str | None = Field(None, description="name clients pass as `model`; default: folder name")
+    served_model_name: str | None = Field(None, description="name clients pass as `model`; default: the folder's name "
+                                   "(the built-in model: radixserve-tiny)")
     # engine (TGI names)
     max_batch_prefill_tokens: int = Field(4096, gt=0)
     max_prefill_chunk_tokens: int = Field(512, gt=0, description="tokens of one prompt prefilled per step")
     max_batch_total_tokens: int | None = Field(None, gt=0, description="KV pool per replica, in tokens; default: "
-                                               "kv_memory_fraction of the free device memory")
+                                               "kv_memory_fraction of the free device memory (CPU: at most 4 GiB)")
     max_input_tokens: int | None = Field(None, gt=0, description="longest prompt; default: max_total_tokens - 1")
     max_total_tokens: int | None = Field(None, gt=0, description="prompt + generated tokens; default: the "
                                          "model's context, or the KV pool's size if smaller")

@@ -6,12 +6,14 @@ config file's ``args``; ``radixserve serve`` calls ``build_app`` directly.
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
-from app.config import Settings
+from app.config import ENV_PREFIX, Settings
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
 
@@ -82,6 +84,10 @@ def app_builder(args: dict[str, Any]):
     """Entry point for ``serve run`` / ``serve deploy`` (``args`` from the Serve config file)."""
     misplaced = sorted(HTTP_OPTIONS & dict(args or {}).keys())
     if misplaced:
-        raise ValueError(f"{', '.join(misplaced)} under args would do nothing: in a Serve config they are "
-                         "http_options, set beside applications")
+        raise ValueError(f"invalid settings: {', '.join(misplaced)} under args would do nothing: in a Serve "
+                         "config they are http_options, set beside applications")
+    ignored = sorted(ENV_PREFIX + name.upper() for name in HTTP_OPTIONS if os.environ.get(ENV_PREFIX + name.upper()))
+    if ignored:  # a variable left from `radixserve serve`: not an error, but it must not look obeyed
+        logging.getLogger("radixserve").warning(
+            "%s ignored: under a Serve config, where Serve listens is its http_options", ", ".join(ignored))
     return build_app(Settings.from_sources(file=dict(args or {})))

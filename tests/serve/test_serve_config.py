@@ -13,7 +13,7 @@ from app.config import Settings
 CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
 
 
-def test_serve_config_args_are_valid_settings_and_build_the_app(model_dir):
+def test_serve_config_args_are_valid_settings_and_build_the_app(model_dir, monkeypatch, caplog):
     from ray.serve import Application
 
     cfg = yaml.safe_load(CONFIG.read_text())
@@ -27,8 +27,14 @@ def test_serve_config_args_are_valid_settings_and_build_the_app(model_dir):
     assert isinstance(built, Application)
     assert cfg["http_options"]["port"] == Settings().port
     for misplaced in ({"port": 9001}, {"host": "0.0.0.0", "request_timeout_s": 5}):  # http_options, not args
-        with pytest.raises(ValueError, match="would do nothing: in a Serve config they are http_options"):
+        with pytest.raises(ValueError, match="invalid settings: .* would do nothing: in a Serve config they are "
+                           "http_options"):
             builder({**args, **misplaced})
+    monkeypatch.setenv("RADIXSERVE_PORT", "9001")  # left from `radixserve serve`: builds, and says it is ignored
+    with caplog.at_level("WARNING", logger="radixserve"):
+        assert isinstance(builder({**args, "model_id": model_dir("tiny")}), Application)
+    assert "RADIXSERVE_PORT ignored" in caplog.text
+    monkeypatch.delenv("RADIXSERVE_PORT")
     with pytest.raises(ValueError, match="num_replica: no such setting") as e:  # a typo: no flag to name
         builder({**args, "num_replica": 3})
     assert "--num-replica" not in str(e.value)
