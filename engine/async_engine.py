@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, RequestError
 from engine.sequence import SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ class AsyncEngine:
         params = params or SamplingParams()
         self.engine.validate(prompt_ids, params, prefill_only)  # reads config only: thread-safe
         rid = request_id or uuid.uuid4().hex
+        if rid in self._streams:  # refused here: registering it would take over the first one's stream
+            raise RequestError(f"request id {rid!r} is already in use")
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
         self._inbox.put(("add", rid, list(prompt_ids), params, prefill_only, time.monotonic()))

@@ -23,6 +23,14 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 64
@@ -55,7 +63,26 @@ class SamplingParams:
                 or bool(self.logit_bias))
 
     def validate(self) -> SamplingParams:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        # types first: the HTTP schemas check them, but a Ray handle or library caller passes anything,
+        # and a float top_k or a non-string stop would fail inside a step shared by every request
+        for name in ("top_k", "top_logprobs") + (("seed",) if self.seed is not None else ()):
+            if not _is_int(getattr(self, name)):
+                raise SamplingError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            if not _is_number(getattr(self, name)):
+                raise SamplingError(f"{name} must be a number, got {getattr(self, name)!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) for s in self.stop):
+            raise SamplingError("stop must be a list of strings")
+        if not isinstance(self.stop_token_ids, list):
+            raise SamplingError("stop_token_ids must be a list of token ids")
+        if not isinstance(self.logit_bias, dict) or any(not _is_number(b) for b in self.logit_bias.values()):
+            raise SamplingError("logit_bias must be a map of token ids to numbers")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise SamplingError(f"cache_salt must be a string, got {self.cache_salt!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what a torch generator takes
             raise SamplingError(f"seed must be a 64-bit integer, got {self.seed}")
@@ -78,10 +105,10 @@ class SamplingParams:
             raise SamplingError("stop strings must not be empty")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise SamplingError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise SamplingError(f"min_tokens must be in [0, max_new_tokens ({self.max_new_tokens})], "
                                 f"got {self.min_tokens!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise SamplingError("stop_token_ids must be token ids (integers >= 0)")
         return self
 

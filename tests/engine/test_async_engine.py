@@ -78,6 +78,44 @@ def test_bad_request_raises_before_streaming(make_engine):
         ae.shutdown()
 
 
+def test_a_request_id_in_use_is_refused_and_the_first_stream_goes_on(make_engine):
+    # the second stream used to take over the first one's queue: the first then hung for good
+    ae = AsyncEngine(make_engine("tiny"))
+
+    async def first():
+        return [ev async for ev in ae.generate(PROMPT, SamplingParams(max_new_tokens=200, ignore_eos=True),
+                                               request_id="same")]
+
+    async def second():
+        async for _ in ae.generate(PROMPT, SamplingParams(max_new_tokens=5), request_id="same"):
+            pass
+
+    async def main():
+        task = asyncio.create_task(first())
+        await asyncio.sleep(0.2)
+        with pytest.raises(RequestError, match="already in use"):
+            await second()
+        return await asyncio.wait_for(task, 60)
+
+    try:
+        events = asyncio.run(main())
+        assert events[-1].finish_reason == "length" and events[-1].num_output_tokens == 200
+    finally:
+        ae.shutdown()
+
+
+@pytest.mark.parametrize("bad", [dict(top_k=2.5, temperature=1.0), dict(top_logprobs=2.5, logprobs=True),
+                                 dict(seed=1.5), dict(stop=[5]), dict(temperature="hot"), dict(logprobs="yes"),
+                                 dict(logit_bias={3: "x"}), dict(stop_token_ids=(1,)), dict(cache_salt=7),
+                                 dict(max_new_tokens=True)])
+def test_a_mistyped_parameter_is_refused_and_does_not_reach_the_shared_step(make_engine, bad):
+    # the HTTP schemas type these; a Ray handle or library caller may not, and a float top_k used to
+    # fail inside the step every request shares: the engine stopped and every stream on it ended
+    eng = make_engine("tiny")
+    with pytest.raises(RequestError, match="must be"):
+        eng.validate(PROMPT, SamplingParams(**bad))
+
+
 def test_shutdown_ends_open_streams(make_engine):
     ae = AsyncEngine(make_engine("tiny"))
 
