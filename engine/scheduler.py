@@ -75,7 +75,8 @@ class Scheduler:
         scheduled: set[int] = set()
         # next-block keys of prompts being prefilled: a waiting request that needs the same block waits
         # for it to be published (one more step) instead of computing it twice
-        pending_keys: set[tuple[int, ...]] = set()
+        # (salted per tenant: another tenant's prefill of the same tokens publishes nothing it may hit)
+        pending_keys: set[tuple] = set()
         bs = self.kv.block_size
         dedup = self.kv.cache is not None
         # 1. running sequences, oldest first; the newest are preempted when blocks run out
@@ -99,7 +100,7 @@ class Scheduler:
                 budget -= n
                 if dedup:
                     start = seq.num_computed // bs * bs
-                    pending_keys.add(tuple(seq.tokens[: start + bs]))
+                    pending_keys.add((seq.params.cache_salt, *seq.tokens[: start + bs]))
             plan.chunks.append(Chunk(seq, n))
             scheduled.add(id(seq))
         if plan.preempted:
@@ -115,8 +116,8 @@ class Scheduler:
                 self.kv.release(seq)
                 seq.status = Status.FINISHED
                 continue
-            key = tuple(seq.tokens[: seq.num_computed + bs])
-            if dedup and len(key) == seq.num_computed + bs and key in pending_keys:
+            key = (seq.params.cache_salt, *seq.tokens[: seq.num_computed + bs])
+            if dedup and len(key) == seq.num_computed + bs + 1 and key in pending_keys:
                 self.kv.release(seq)
                 skipped.append(seq)  # next step it will hit the blocks being computed now
                 continue

@@ -414,3 +414,20 @@ def test_a_window_the_model_does_not_have_is_said_at_start(make_engine, caplog):
     with caplog.at_level("WARNING", logger="engine.llm_engine"):
         make_engine("tiny")
     assert "window_size" not in caplog.text
+
+
+def test_a_prompt_another_prefill_is_computing_waits_for_it_but_only_within_a_tenant(make_engine):
+    eng = make_engine("tiny")
+
+    def first_step(salts):
+        rids = [eng.add_request(PROMPT, SamplingParams(max_new_tokens=2, cache_salt=s)) for s in salts]
+        eng.step()
+        running = sum(eng.requests[r] in eng.scheduler.running for r in rids)
+        while eng.has_work():
+            eng.step()
+        return running
+
+    # the same tenant: the second waits a step and hits the blocks the first one computed
+    assert first_step(["a", "a"]) == 1
+    # two tenants cannot share those blocks: waiting would only delay the second (it used to wait)
+    assert first_step(["b", "c"]) == 2
