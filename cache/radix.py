@@ -120,12 +120,15 @@ class RadixCache:
     def cached_blocks(self) -> int:
         return self.evictable_blocks + self.locked_blocks
 
-    def root(self, cache_salt: str | None = None) -> Node:
+    def root(self, cache_salt: str | None = None, keep: bool = True) -> Node:
+        """The tenant's trie. ``keep=False``: a lookup does not create one to keep (an empty root that
+        nothing stores under would stay for good: one per salt a client ever sent); ``insert`` does."""
         node = self._roots.get(cache_salt)
         if node is None:
             node = Node(key=b"", blocks=[], hashes=[], parent=None,
                         seed_hash=root_hash(self.model_id, cache_salt), salt=cache_salt)
-            self._roots[cache_salt] = node
+            if keep:
+                self._roots[cache_salt] = node
         return node
 
     def match(self, token_ids: Sequence[int], cache_salt: str | None = None,
@@ -142,7 +145,7 @@ class RadixCache:
         n = len(token_ids)
         limit = (n - 1) // self.block_size if max_blocks is None else min(max_blocks, n // self.block_size)
         self._clock += 1
-        node = self.root(cache_salt)
+        node = self.root(cache_salt, keep=False)
         blocks: list[int] = []
         hashes: list[int] = []
         if limit > 0:
@@ -219,7 +222,7 @@ class RadixCache:
         if len(token_ids) < k * self.block_size:
             raise ValueError(f"{k} blocks need {k * self.block_size} tokens, got {len(token_ids)}")
         self._clock += 1
-        node = self.root(cache_salt)
+        node = self.root(cache_salt, keep=k > 0)
         canonical: list[int] = []
         redundant: list[int] = []
         new_hashes: list[int] = []

@@ -17,6 +17,7 @@ import secrets
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -529,7 +530,10 @@ class Ingress:
             status = 422 if first.get("error_kind") == "validation" else 503
             raise ApiError(status, first["error"], "validation" if status == 422 else "generation")
 
+        settled = False
+
         async def rest() -> AsyncIterator[dict]:
+            nonlocal settled
             done = first.get("finished", False)
             generated = int(first.get("token_id") is not None)
             try:
@@ -547,12 +551,22 @@ class Ingress:
                     generated += ev.get("token_id") is not None
                     yield ev
             finally:
+                settled = True
                 if not done:
                     cancel(generated=generated)  # client gone or failure: abort in the engine
                 else:  # the router counts what it really cost, not its max_new_tokens
                     request_ended(request_id, generated)
 
-        return first, rest()
+        events = rest()
+
+        def never_read(generated: int = int(first.get("token_id") is not None)) -> None:
+            # a generator that never started has no finally to run: a client that left before the
+            # response began to stream would leave its request generating to max_tokens
+            if not settled:
+                cancel(generated=generated)
+
+        weakref.finalize(events, never_read)
+        return first, events
 
     async def _collect(self, ids: list[int], params: dict[str, Any]) -> list[dict]:
         first, rest = await self._stream(ids, params)

@@ -9,6 +9,7 @@ request come back as an event with ``error`` set, never as a crash.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import contextlib
@@ -31,6 +32,9 @@ from engine.sequence import SamplingParams
 
 log = logging.getLogger("radixserve.replica")
 MAX_REPORTED_HASHES = 20_000  # per stats period; more and routers just trim to the cached count
+# directory records waiting for Redis (down, or backing off): the newest this many tokens are kept
+MAX_PENDING_RECORD_TOKENS = 4_000_000  # 16 MB as uint32
+LAST_EVENTS_KEPT = 100_000  # block hashes whose last cache event (stored/removed) is remembered
 # a block hit within this window is in the working set that scaling down must not throw away
 HOT_WINDOW_S = 60.0
 EVENTS_WAIT_S = 5.0  # how long a stats poll waits for the engine thread to hand over its cache events
@@ -70,8 +74,12 @@ class LLMServer:
         self._route_stored: list[int] = []
         self._route_removed: list[int] = []
         self._overflow = False
-        self._dir_removed: list[int] = []
-        self._pending_records: collections.deque = collections.deque(maxlen=10_000)
+        self._dir_removed: list[int] = []  # evicted block hashes, for the directory (see _flush_directory)
+        # hashes' last cache event, True for stored: a record that reaches Redis after its prefix was
+        # evicted (the eviction was seen first) is taken back at once instead of holding for good
+        self._last_event: collections.OrderedDict[int, bool] = collections.OrderedDict()
+        self._pending_records: collections.deque = collections.deque()  # uint32 token arrays
+        self._pending_tokens = 0
         self._recorded: set[int] = set()  # prefix hashes this replica put in the directory
         self.directory: HotPrefixDirectory | None = None
         if (url := self.settings.directory_url()) and self.engine.kv.cache is not None:
@@ -102,7 +110,7 @@ class LLMServer:
             except RequestError as e:  # e.g. longer than this replica's limits
                 log.warning("skipping a hot prefix at warm-up: %s", e)
                 continue
-            self._pending_records.append(hp.tokens)  # this replica holds it now
+            self._queue_record(hp.tokens)  # this replica holds it now
             report["prefixes"] += 1
             report["tokens"] += len(hp.tokens)
         while self.engine.has_work():
@@ -143,7 +151,17 @@ class LLMServer:
             return
         shared = len(prompt_ids) if prefill_only else cached  # what this request proved to be shared
         if shared >= self.block_size:
-            self._pending_records.append(prompt_ids[:shared])
+            self._queue_record(prompt_ids[:shared])
+
+    def _queue_record(self, tokens) -> None:
+        """Queue a directory record: packed (4 bytes a token, as long as the directory keeps), and only the
+        newest MAX_PENDING_RECORD_TOKENS while Redis cannot take them."""
+        toks = array.array("I", tokens[: self.directory.max_prefix_tokens])
+        with self._events_lock:
+            self._pending_records.append(toks)
+            self._pending_tokens += len(toks)
+            while self._pending_tokens > MAX_PENDING_RECORD_TOKENS and len(self._pending_records) > 1:
+                self._pending_tokens -= len(self._pending_records.popleft())
 
     async def warmup(self, prefixes: list[list[int]], cache_salt: str | None = None) -> dict[str, Any]:
         """Prefill ``prefixes`` into the radix cache without generating (and record them as hot), one at a
@@ -217,7 +235,15 @@ class LLMServer:
                     self._route_stored.extend(hashes)
                 else:
                     self._route_removed.extend(hashes)
-                    self._dir_removed.extend(h for h in hashes if h in self._recorded)
+                    if self.directory is not None:
+                        self._dir_removed.extend(hashes)
+                if self.directory is not None:
+                    last = self._last_event
+                    for h in hashes:
+                        last[h] = kind == "stored"
+                        last.move_to_end(h)
+                    while len(last) > LAST_EVENTS_KEPT:
+                        last.popitem(last=False)
             for buf in (self._route_stored, self._route_removed):
                 if len(buf) > MAX_REPORTED_HASHES:
                     del buf[:-MAX_REPORTED_HASHES]
@@ -281,15 +307,26 @@ class LLMServer:
         if self.directory is None:
             return
         self._collect_events()
-        with self._events_lock:
-            removed, self._dir_removed = self._dir_removed, []
-        if removed:
-            self.directory.drop_holder(self.replica_id, removed)
-            self._recorded.difference_update(removed)
-        while self._pending_records and self.directory.available:
-            h = self.directory.record(self.replica_id, self._pending_records.popleft())
+        gone: list[int] = []
+        # records first, then evictions: a prefix evicted since its request ended is taken back below
+        while self.directory.available:
+            with self._events_lock:
+                if not self._pending_records:
+                    break
+                toks = self._pending_records.popleft()
+                self._pending_tokens -= len(toks)
+            h = self.directory.record(self.replica_id, toks)
             if h is not None:
                 self._recorded.add(h)
+                with self._events_lock:
+                    if self._last_event.get(h) is False:  # its eviction came through before the record
+                        gone.append(h)
+        with self._events_lock:
+            removed, self._dir_removed = self._dir_removed, []
+        gone += [h for h in removed if h in self._recorded]
+        if gone:
+            self.directory.drop_holder(self.replica_id, gone)
+            self._recorded.difference_update(gone)
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: its engine thread died, or hangs in a step."""

@@ -189,11 +189,16 @@ class SnapshotStore:
         self._routing_gone: dict[str, Any] = {}
         self._cut: set[str] = set()  # replicas told to end what still runs (see cut)
         self._block_size = 0  # the last one a replica reported, rendered while none is live
+        self._swept_at = float("-inf")
 
     def push(self, replica: str, snapshot: dict) -> bool:
         """A replica's snapshot in; True when it must stop its engine now (``cut``)."""
         self._retired.pop(replica, None)
-        self._snaps[replica] = (self._clock(), snapshot)
+        now = self._clock()
+        self._snaps[replica] = (now, snapshot)
+        if now - self._swept_at >= 1.0:  # retire and fold the gone replicas even if nobody scrapes /metrics
+            self._swept_at = now
+            self.snapshots()
         self._block_size = snapshot.get("block_size") or self._block_size
         return replica in self._cut
 

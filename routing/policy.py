@@ -90,6 +90,7 @@ class PolicyConfig:
     popularity_max_scale: float = 4.0
     min_match_blocks: int = 1  # fewer matched blocks than this counts as cold
     home_memory: int = 200_000  # prefixes whose last replica is remembered (see _cold_choice)
+    popularity_memory: int = 200_000  # prefixes whose popularity is counted (the least recently seen go)
     # A prefix with less traffic than this (in fair shares) whose holders are all over its work-rate
     # bound moves to the replica it spills to: the router forgets it on the old holders instead of
     # counting on two copies (see _move_away). One that moved within move_cooldown rate half-lives
@@ -139,7 +140,8 @@ class PrefixPolicy:
         self._ring: list[tuple[int, str]] = []  # (point, replica): consistent-hash order for cold routes
         self._total_outstanding = 0.0
         self._unfilled: set[str] = set()  # replicas whose index is still small (new, restarted)
-        self._pop: dict[int, tuple[float, int]] = {}  # first-block hash -> (decayed count, at request n)
+        # first-block hash -> (decayed count, at request n), least recently counted first
+        self._pop: OrderedDict[int, tuple[float, int]] = OrderedDict()
         self._pop_total = (0.0, 0)
         self._home: OrderedDict[int, str] = OrderedDict()  # first-block hash -> replica it last went to
         self._home_counts: Counter[str] = Counter()  # replica -> entries of _home pointing at it (any id)
@@ -351,11 +353,12 @@ class PrefixPolicy:
         return min(c.popularity_max_scale, max(c.popularity_min_scale, share * len(self.replicas)))
 
     def _count(self, key: int) -> None:
-        self._pop[key] = (self._decayed(self._pop.get(key, (0.0, self._counter))) + 1.0, self._counter)
+        pop = self._pop
+        pop[key] = (self._decayed(pop.get(key, (0.0, self._counter))) + 1.0, self._counter)
+        pop.move_to_end(key)
         self._pop_total = (self._decayed(self._pop_total) + 1.0, self._counter)
-        if len(self._pop) > 200_000:  # bounded memory: forget the rarest half
-            keep = sorted(self._pop.items(), key=lambda kv: -self._decayed(kv[1]))[:100_000]
-            self._pop = dict(keep)
+        if len(pop) > self.cfg.popularity_memory:  # bounded: forget the least recently counted (one at a
+            pop.popitem(last=False)  # time: sorting them all paused routing for 150 ms)
 
     def _remember_home(self, key: int, replica_id: str) -> None:
         home, counts = self._home, self._home_counts

@@ -288,6 +288,10 @@ def test_salts_isolate_identical_prompts():
     assert cache.match(tokens).blocks == []
     assert cache.match(tokens, cache_salt="alice").blocks == mine
     assert block_hashes(tokens, BS, cache_salt="alice") != block_hashes(tokens, BS, cache_salt="bob")
+    for i in range(100):  # lookups of salts that never store a block (short prompts, aborted ones)...
+        cache.match(tokens, cache_salt=f"session-{i}")
+        cache.insert(tokens[:2], [], cache_salt=f"session-{i}")
+    assert set(cache._roots) == {"alice"}  # ...keep no trie each (they did: one per salt, for good)
     alloc.free(cache.evict(10))
     assert "alice" not in cache._roots  # an emptied tenant trie is forgotten
     alloc.check_invariants([])

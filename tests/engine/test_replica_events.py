@@ -18,9 +18,72 @@ def _replica(engine) -> LLMServer:
     r._events_lock = threading.Lock()
     r._route_stored, r._route_removed, r._dir_removed = [], [], []
     r._overflow, r._recorded, r._stats_seq = False, set(), 0
-    r._pending_records = collections.deque()
-    r._cut = False
+    r._pending_records, r._pending_tokens, r._last_event = collections.deque(), 0, collections.OrderedDict()
+    r._cut, r.directory, r.replica_id = False, None, "A"
     return r
+
+
+class FakeDirectory:
+    """What the replica calls on HotPrefixDirectory, Redis up or down, without Redis."""
+
+    max_prefix_tokens = 32768
+
+    def __init__(self, model: str, block_size: int = 16):
+        self.model, self.block_size, self.available = model, block_size, True
+        self.held: set[int] = set()
+
+    def record(self, replica, tokens):
+        from cache.hashing import block_hashes
+
+        h = block_hashes(list(tokens), self.block_size, self.model)[-1]
+        self.held.add(h)
+        return h
+
+    def drop_holder(self, replica, hashes):
+        self.held.difference_update(hashes)
+
+
+def test_a_prefix_evicted_before_its_record_reaches_the_directory_is_taken_back(make_engine):
+    # the eviction event used to be dropped when it came before the record (a 1 s flush later), and
+    # the replica stayed the prefix's holder in Redis, and in its own bookkeeping, for good
+    eng = make_engine("tiny", max_batch_total_tokens=256)
+    eng.kv.cache.record_events = True
+    r = _replica(eng)
+    r.directory = FakeDirectory(eng.kv.cache.model_id)
+    prompt = list(range(40, 110))
+    try:
+        eng.generate([prompt], SamplingParams(max_new_tokens=1))
+        r._queue_record(prompt[:64])  # the request proved 64 tokens shared: the record waits for the flush
+        r.aengine.call(lambda e: e.kv.allocator.free(e.kv.cache.evict(10**6)))  # pressure: the cache lets go
+        r._collect_events()  # the eviction is seen first (a routing stats poll)
+        r._flush_directory()
+        assert not r._recorded and not r.directory.held
+        # the usual order: recorded, then evicted, then the next flush drops it
+        eng.generate([prompt], SamplingParams(max_new_tokens=1))
+        r._queue_record(prompt[:64])
+        r._flush_directory()
+        assert len(r._recorded) == 1 and r.directory.held == r._recorded
+        r.aengine.call(lambda e: e.kv.allocator.free(e.kv.cache.evict(10**6)))
+        r._flush_directory()
+        assert not r._recorded and not r.directory.held
+    finally:
+        r.aengine.shutdown()
+
+
+def test_records_waiting_for_redis_keep_only_the_newest_tokens(make_engine, monkeypatch):
+    monkeypatch.setattr(llm_server, "MAX_PENDING_RECORD_TOKENS", 100)
+    r = _replica(make_engine("tiny"))
+    r.directory = FakeDirectory("m")
+    r.directory.available = False  # Redis down: records pile up, bounded by their tokens
+    try:
+        for i in range(10):
+            r._queue_record([i] * 32)
+        assert [t[0] for t in r._pending_records] == [7, 8, 9] and r._pending_tokens == 96
+        r.directory.available = True
+        r._flush_directory()
+        assert len(r.directory.held) == 3 and r._pending_tokens == 0 and not r._pending_records
+    finally:
+        r.aengine.shutdown()
 
 
 def test_events_drained_after_the_wait_ran_out_still_reach_the_next_report(make_engine, monkeypatch):

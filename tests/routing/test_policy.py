@@ -235,11 +235,12 @@ def test_lost_prefix_does_not_return_to_an_overloaded_home():
     assert route(p, prompt(3))[0] != home
 
 
-def test_remembered_homes_are_bounded():
-    p = fleet(2, home_memory=10)
+def test_remembered_homes_and_popularities_are_bounded():
+    p = fleet(2, home_memory=10, popularity_memory=20)
     for g in range(50):
         p.on_completed(*route(p, prompt(g)))
     assert len(p._home) == 10
+    assert list(p._pop) == [block_hashes(prompt(g), BS)[0] for g in range(30, 50)]  # the most recent stay
 
 
 @settings(max_examples=60, deadline=None)

@@ -673,6 +673,18 @@ def test_a_refused_warmup_is_a_4xx(client):
     assert r.status_code == 422 and "max_input_tokens" in r.json()["error"]
 
 
+def test_a_cache_salt_is_an_id_not_a_document(client):
+    # each salt keeps a trie on the replica while it has blocks cached: 1,024 characters at most
+    salt = "t" * 1025
+    for path, body in (("/generate", {"inputs": "hi", "parameters": {"cache_salt": salt}}),
+                       ("/v1/completions", {"model": "tiny", "prompt": "hi", "cache_salt": salt}),
+                       ("/warmup", {"prefixes": ["hi"], "cache_salt": salt})):
+        r = client.post(path, json=body)
+        assert r.status_code == 422 and "cache_salt" in r.text, (path, r.text)
+    ok = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1, "cache_salt": salt[1:]})
+    assert ok.status_code == 200
+
+
 def test_a_hung_metrics_hub_is_restarted(client):
     """Ray restarts dead actors only: a hub that hangs (here: stopped) must be restarted by its callers,
     not leave /health failing while the service works."""

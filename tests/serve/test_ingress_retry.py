@@ -82,6 +82,26 @@ def test_a_request_that_ran_when_the_engine_failed_or_was_refused_is_not_retried
     assert err.value.status == status and fake.calls == 1 and not in_process.FAILED
 
 
+def test_a_stream_the_client_left_before_it_began_is_cancelled():
+    # the rest of the events is a generator the response reads; one that never started has no finally
+    # to run, so a client that left before the body was read left its request generating to the end
+    import gc
+
+    long = FakeResponse([{"token_id": i, "text": "x", "finished": i == 99, "replica": "B"} for i in range(100)])
+
+    async def go():
+        first, rest = await _stream(FakeIngress(long), [1, 2, 3], {})
+        del rest  # the response is dropped unread
+        gc.collect()
+        return first
+
+    assert asyncio.run(go())["token_id"] == 0 and long.cancelled
+    done = FakeResponse(OK)  # read to the end: nothing to cancel
+    _run(FakeIngress(done))
+    gc.collect()
+    assert not done.cancelled
+
+
 def test_a_second_failure_is_a_503():
     gone = [{"error": "stopping", "error_kind": "unavailable", "finished": True, "replica": r} for r in "AB"]
     fake = FakeIngress(FakeResponse(gone[:1]), FakeResponse(gone[1:]))

@@ -180,3 +180,16 @@ def test_the_block_size_outlives_the_last_replica_and_a_hub_restart():
     assert new.restore({}, by_replica, merged)
     assert values(render(*new.export()))[("radixserve_cache_block_size", "all")] == 16
     assert values(render(*new.export()))[("radixserve_requests_total", "all")] == 5
+
+
+def test_replicas_that_are_gone_are_folded_away_without_a_scrape():
+    # nothing scrapes /metrics: an autoscaled fleet's dead replicas must not pile up in the hub
+    now = [0.0]
+    store = SnapshotStore(clock=lambda: now[0])
+    for i in range(500):
+        now[0] += 60.0
+        store.push(f"r{i}", snap(1))
+        if i % 2:
+            store.forget(f"r{i}")  # a graceful stop; the others just stop pushing (crashed)
+    assert len(store._snaps) <= 2 and len(store._retired) <= 11  # what RETIRED_MERGE_S (600 s) keeps
+    assert values(render(*store.export()))[("radixserve_requests_total", "all")] == 500
