@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.sequence import GREEDY_BELOW, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
-# a tenant's id, not data: each salt keeps its own trie on the replicas while it has cached blocks
+# a tenant's id, not data: each salt keeps its own trie on the replicas while it has cached blocks.
+# Not empty (as vLLM): "" would read as unsalted in the hashes and the directory, and as a tenant elsewhere
 MAX_CACHE_SALT_CHARS = 1024
 
 
@@ -127,7 +128,7 @@ class TGIParameters(_Strict):
     grammar: Any = None
     typical_p: float | None = None
     adapter_id: str | None = None
-    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @model_validator(mode="after")
     def _supported(self):
@@ -200,7 +201,7 @@ class _OpenAICommon(_Strict):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None
-    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)  # tenant isolation (as vLLM's field)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # tenant isolation (as vLLM's field)
     ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens even past EOS
     # extensions, as vLLM's
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
@@ -351,4 +352,4 @@ class ChatRequest(_OpenAICommon):
 # ----------------------------------------------------------------------------- warm-up
 class WarmupRequest(_Strict):
     prefixes: list[str | list[int]] = Field(..., min_length=1, max_length=256)
-    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)

@@ -123,6 +123,7 @@ class RadixCache:
     def root(self, cache_salt: str | None = None, keep: bool = True) -> Node:
         """The tenant's trie. ``keep=False``: a lookup does not create one to keep (an empty root that
         nothing stores under would stay for good: one per salt a client ever sent); ``insert`` does."""
+        cache_salt = cache_salt or None  # "" hashes as unsalted (cache.hashing): it is unsalted here too
         node = self._roots.get(cache_salt)
         if node is None:
             node = Node(key=b"", blocks=[], hashes=[], parent=None,

@@ -40,6 +40,18 @@ HOT_WINDOW_S = 60.0
 EVENTS_WAIT_S = 5.0  # how long a stats poll waits for the engine thread to hand over its cache events
 
 
+def _note_events(last: collections.OrderedDict, hashes: list[int], stored: bool, keep: int) -> bool:
+    """Each hash's latest cache event (True: stored), newest last; only the newest ``keep``. True when
+    older ones were dropped."""
+    for h in hashes:
+        last[h] = stored
+        last.move_to_end(h)
+    dropped = len(last) > keep
+    while len(last) > keep:
+        last.popitem(last=False)
+    return dropped
+
+
 def _cached_tokens(engine: LLMEngine, prefixes: list[list[int]], cache_salt: str | None) -> int:
     """KV tokens of ``prefixes`` the radix cache holds now (whole blocks; a block they share counts once)."""
     cache, bs = engine.kv.cache, engine.config.block_size
@@ -71,8 +83,10 @@ class LLMServer:
         self._stats_seq = 0
         self._autoscaling_prev: tuple[float, dict] | None = None  # last autoscaling poll (for rates)
         self._events_lock = threading.Lock()
-        self._route_stored: list[int] = []
-        self._route_removed: list[int] = []
+        # block hash -> True if its last event since the routers' last report was "stored", else "removed":
+        # the net change (a block stored and evicted within one period is not held; reported as two
+        # lists, the routers would apply the eviction before the store and keep it)
+        self._route_events: collections.OrderedDict[int, bool] = collections.OrderedDict()
         self._overflow = False
         self._dir_removed: list[int] = []  # evicted block hashes, for the directory (see _flush_directory)
         # hashes' last cache event, True for stored: a record that reaches Redis after its prefix was
@@ -231,23 +245,12 @@ class LLMServer:
         with self._events_lock:
             self._overflow |= overflow
             for kind, hashes in events:
-                if kind == "stored":
-                    self._route_stored.extend(hashes)
-                else:
-                    self._route_removed.extend(hashes)
-                    if self.directory is not None:
-                        self._dir_removed.extend(hashes)
+                stored = kind == "stored"
+                self._overflow |= _note_events(self._route_events, hashes, stored, 2 * MAX_REPORTED_HASHES)
                 if self.directory is not None:
-                    last = self._last_event
-                    for h in hashes:
-                        last[h] = kind == "stored"
-                        last.move_to_end(h)
-                    while len(last) > LAST_EVENTS_KEPT:
-                        last.popitem(last=False)
-            for buf in (self._route_stored, self._route_removed):
-                if len(buf) > MAX_REPORTED_HASHES:
-                    del buf[:-MAX_REPORTED_HASHES]
-                    self._overflow = True
+                    if not stored:
+                        self._dir_removed.extend(hashes)
+                    _note_events(self._last_event, hashes, stored, LAST_EVENTS_KEPT)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve every stats period and handed to every router: load, capacity, and the
@@ -255,8 +258,10 @@ class LLMServer:
         self._collect_events()
         s = self.aengine.call(lambda e: e.kv_stats(), timeout=5)
         with self._events_lock:
-            stored, removed, overflow = self._route_stored, self._route_removed, self._overflow
-            self._route_stored, self._route_removed, self._overflow = [], [], False
+            events, overflow = self._route_events, self._overflow
+            self._route_events, self._overflow = collections.OrderedDict(), False
+        stored = [h for h, kept in events.items() if kept]
+        removed = [h for h, kept in events.items() if not kept]
         self._stats_seq += 1
         return {"queue": s["running"] + s["waiting"], "kv_free_blocks": s["blocks_free"] + s["blocks_evictable"],
                 "kv_total_blocks": s["blocks_total"], "cached_blocks": s["blocks_cached"],

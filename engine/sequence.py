@@ -27,6 +27,14 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate: the cache's hashes could not take it
+        return False
+    return True
+
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -80,8 +88,9 @@ class SamplingParams:
             raise SamplingError("stop_token_ids must be a list of token ids")
         if not isinstance(self.logit_bias, dict) or any(not _is_number(b) for b in self.logit_bias.values()):
             raise SamplingError("logit_bias must be a map of token ids to numbers")
-        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
-            raise SamplingError(f"cache_salt must be a string, got {self.cache_salt!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or not _encodable(self.cache_salt)):
+            raise SamplingError(f"cache_salt must be a non-empty string of valid Unicode, got {self.cache_salt!r}")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what a torch generator takes

@@ -50,6 +50,11 @@ class BlockIndex:
             self.probation[h] = None
         return True
 
+    def add(self, h: int) -> bool:
+        """Index ``h`` if it is not (a report that the replica stored it: not a second use, so a block
+        the router already counted stays where it is); True when it was not indexed before."""
+        return h not in self and self.touch(h)
+
     def discard(self, h: int) -> bool:
         if self.probation.pop(h, 0) is None or self.protected.pop(h, 0) is None:
             self._remember(h)

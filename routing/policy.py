@@ -128,6 +128,7 @@ class ReplicaView:
     # prefixes behind the emptiest one, not at zero (old replicas' counts include every prefix the
     # router still remembers, most long gone from their caches)
     home_base: int = 0
+    home_raw: float | None = None  # home_base before rounding and the floor at 0 (joined a running fleet)
 
 
 class PrefixPolicy:
@@ -158,8 +159,8 @@ class PrefixPolicy:
             view = ReplicaView(replica_id, cap, BlockIndex(ghost_limit=GHOST_POOLS * cap))
             if self.replicas:  # joins a running fleet: one cache's worth of prefixes behind the emptiest
                 fill = cap / max(self._prompt_blocks, 1.0)
-                view.home_base = max(0, round(min(self.homes(r) for r in self.replicas) - fill)
-                                     - self._home_counts[replica_id])
+                view.home_raw = min(self.homes(r) for r in self.replicas) - fill - self._home_counts[replica_id]
+                view.home_base = max(0, round(view.home_raw))
                 # and at the fleet's mean work rate: at zero, every holder would be over the rate bound
                 # at once and the newcomer would take all traffic (recomputing each prefix while the
                 # warm caches idle) until its rate caught up; cold placement still fills it first
@@ -208,10 +209,12 @@ class PrefixPolicy:
             self.add_replica(rid)
 
     # ------------------------------------------------------------------ index upkeep
-    def _touch(self, view: ReplicaView, hashes: Sequence[int]) -> None:
+    def _touch(self, view: ReplicaView, hashes: Sequence[int], use: bool = True) -> None:
+        """Index ``hashes`` on the replica; ``use``: as used again (else known ones stay as they are)."""
         idx = view.index
+        index = idx.touch if use else idx.add
         for h in hashes:
-            if idx.touch(h):
+            if index(h):
                 self.holders.setdefault(h, set()).add(view.replica_id)
         self._trim(view)
         self._update_fill(view)
@@ -253,7 +256,10 @@ class PrefixPolicy:
         prefix without a live home (never placed, or its replica is gone) gets this replica as home."""
         view = self.replicas.get(replica_id)
         if view is not None:
-            self._touch(view, hashes)
+            # a replica's report of what it stored is no second use of what the router already sent there
+            # (promoted, those blocks would outlive the ones the replica protects); a chain from the root
+            # (warm-up, the directory) is hot: the replica protects it
+            self._touch(view, hashes, use=from_root)
             if from_root and hashes and self._home.get(hashes[0]) not in self.replicas:
                 self._remember_home(hashes[0], replica_id)
 
@@ -264,6 +270,11 @@ class PrefixPolicy:
         if view is None:
             return
         if capacity_blocks:
+            if capacity_blocks != view.capacity_blocks and view.home_raw is not None:
+                # it joined before its pool size was known (Serve adds replicas before their first report):
+                # its head start was one default-sized cache of prefixes, now one of its own
+                view.home_raw += (view.capacity_blocks - capacity_blocks) / max(self._prompt_blocks, 1.0)
+                view.home_base = max(0, round(view.home_raw))
             view.capacity_blocks = capacity_blocks
             view.index.ghost_limit = GHOST_POOLS * capacity_blocks
         # the replica caches no more than it says: trim the oldest guesses beyond that
@@ -332,12 +343,15 @@ class PrefixPolicy:
 
     def rank(self, hashes: Sequence[int], prompt_tokens: int, max_new_tokens: int = 0,
              candidates: Sequence[str] | None = None) -> list[str]:
-        """All candidates, best first (for small fleets: the Serve router)."""
+        """All candidates, best first (for small fleets: the Serve router). Serve tries the next one when
+        one is at its ``max_ongoing_requests``: the other holders of the prefix come first, longest match
+        first, then the rest, least loaded first."""
         cands = list(self.replicas) if candidates is None else [c for c in candidates if c in self.replicas]
         best = self.choose(hashes, prompt_tokens, max_new_tokens, cands)
         if best is None:
             return []
-        return [best] + sorted((c for c in cands if c != best), key=self._cold_key)
+        matched = self.matches(hashes, cands) if hashes else {}
+        return [best] + sorted((c for c in cands if c != best), key=lambda c: (-matched.get(c, 0), self._cold_key(c)))
 
     def _decayed(self, entry: tuple[float, int], half_life: float | None = None) -> float:
         value, at = entry

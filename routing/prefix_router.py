@@ -63,7 +63,7 @@ def request_ended(request_id: str, generated: int) -> None:
         log.debug("request_ended failed", exc_info=True)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # entries are told apart by identity (see _finish)
 class _Routed:
     replica: str
     ticket: Routed
@@ -105,8 +105,11 @@ class PrefixAwareRequestRouter(RequestRouter):
             cfg.load_weight = load_weight
         self.policy = PrefixPolicy(cfg)
         self._rr = itertools.count()
-        self._routed: dict[str, _Routed] = {}  # Serve's internal request id -> what the policy was told
-        self._by_caller: dict[str, str] = {}  # caller's request id -> Serve's internal id
+        # (Serve's internal request id, replica) -> what the policy was told, oldest first. Not the id
+        # alone: the calls one HTTP request makes share it (/info, then generate; a retry on another
+        # replica), and Serve reports each attempt's end, rejected ones too
+        self._routed: dict[tuple[str, str], list[_Routed]] = {}
+        self._by_caller: dict[str, tuple[str, str]] = {}  # caller's request id -> its key in _routed
         self._ended: OrderedDict[str, _Routed] = OrderedDict()  # completed, awaiting the caller's count
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop Serve runs this router on
         in_process.ROUTERS.add(self)
@@ -173,6 +176,10 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _choose(self, candidates: list[RunningReplica], pending: PendingRequest | None
                 ) -> list[list[RunningReplica]]:
+        if (context := getattr(pending, "routing_context", None)) is not None:
+            # the ranks hold every candidate: if none takes the request (all at max_ongoing_requests),
+            # Serve must back off before asking again, not poll them all in a loop (its default: False)
+            context.should_backoff = True
         if not candidates:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidates}
@@ -229,19 +236,30 @@ class PrefixAwareRequestRouter(RequestRouter):
         """The replica was idle at ``idle_at`` (its clock): whatever was routed there well before has
         ended, whether or not its end reached this router (a backstop for any path that misses it)."""
         cutoff = idle_at - STALE_AFTER_IDLE_S
-        for key in [k for k, e in self._routed.items() if e.replica == replica_id and e.at < cutoff]:
-            self._finish(key)
+        for key, entries in [(k, list(v)) for k, v in self._routed.items() if k[1] == replica_id]:
+            for entry in entries:
+                if entry.at < cutoff:
+                    self._finish(key, entry)
 
-    def _finish(self, internal_id: str) -> None:
-        entry = self._routed.pop(internal_id, None)
-        if entry is not None:
-            if entry.caller_id is not None:
-                self._by_caller.pop(entry.caller_id, None)
-                # Serve's report can come before the caller's: keep the ticket for its token count
-                self._ended[entry.caller_id] = entry
-                while len(self._ended) > ENDED_MEMORY:
-                    self._ended.popitem(last=False)
-            self.policy.on_completed(entry.replica, entry.ticket)
+    def _finish(self, key: tuple[str, str], entry: _Routed | None = None) -> None:
+        """The request at ``key`` ended: ``entry`` (a caller's), else the oldest routed there."""
+        entries = self._routed.get(key)
+        if not entries:
+            return
+        if entry is None:
+            entry = entries[0]
+        elif entry not in entries:
+            return
+        entries.remove(entry)
+        if not entries:
+            del self._routed[key]
+        if entry.caller_id is not None:
+            self._by_caller.pop(entry.caller_id, None)
+            # Serve's report can come before the caller's: keep the ticket for its token count
+            self._ended[entry.caller_id] = entry
+            while len(self._ended) > ENDED_MEMORY:
+                self._ended.popitem(last=False)
+        self.policy.on_completed(entry.replica, entry.ticket)
 
     def end_soon(self, caller_id: str, generated: int) -> None:
         """``request_ended`` from the caller's thread: it runs on this router's loop."""
@@ -254,9 +272,9 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _end(self, caller_id: str, generated: int) -> None:
         try:
-            internal = self._by_caller.get(caller_id)
-            if internal is not None:
-                self._finish(internal)
+            key = self._by_caller.get(caller_id)
+            if key is not None:
+                self._finish(key, next((e for e in self._routed.get(key, ()) if e.caller_id == caller_id), None))
             entry = self._ended.pop(caller_id, None)
             if entry is not None:
                 self.policy.on_generated(entry.replica, entry.ticket, generated)
@@ -284,10 +302,10 @@ class PrefixAwareRequestRouter(RequestRouter):
             if hashes:  # a prompt of a block or more: not /info, nor a prompt too short to share
                 in_process.ROUTED["router_affinity_hits"] += self.policy.affinity_hits - hits
                 in_process.ROUTED["router_cold_routes"] += self.policy.cold_routes - colds
-            internal, caller = pending_request.metadata.internal_request_id, caller_request_id(pending_request)
-            self._routed[internal] = _Routed(rid, work, caller, time.time())
+            key, caller = (pending_request.metadata.internal_request_id, rid), caller_request_id(pending_request)
+            self._routed.setdefault(key, []).append(_Routed(rid, work, caller, time.time()))
             if caller is not None:
-                self._by_caller[caller] = internal
+                self._by_caller[caller] = key
         except Exception:  # noqa: BLE001
             self.errors += 1
             log.exception("on_request_routed failed")
@@ -296,7 +314,7 @@ class PrefixAwareRequestRouter(RequestRouter):
     # Serve from handling a finished request or a dead replica.
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         try:
-            self._finish(internal_request_id)
+            self._finish((internal_request_id, replica_id.unique_id))
         except Exception:  # noqa: BLE001
             self.errors += 1
             log.exception("on_request_completed failed")

@@ -292,6 +292,8 @@ def test_salts_isolate_identical_prompts():
         cache.match(tokens, cache_salt=f"session-{i}")
         cache.insert(tokens[:2], [], cache_salt=f"session-{i}")
     assert set(cache._roots) == {"alice"}  # ...keep no trie each (they did: one per salt, for good)
+    plain = publish(cache, alloc, list(range(20, 29)), salt="")  # "" hashes as unsalted: it is unsalted
+    assert cache.match(list(range(20, 29))).blocks == plain and set(cache._roots) == {"alice", None}
     alloc.free(cache.evict(10))
     assert "alice" not in cache._roots  # an emptied tenant trie is forgotten
     alloc.check_invariants([])

@@ -107,7 +107,7 @@ def test_a_request_id_in_use_is_refused_and_the_first_stream_goes_on(make_engine
 @pytest.mark.parametrize("bad", [dict(top_k=2.5, temperature=1.0), dict(top_logprobs=2.5, logprobs=True),
                                  dict(seed=1.5), dict(stop=[5]), dict(temperature="hot"), dict(logprobs="yes"),
                                  dict(logit_bias={3: "x"}), dict(stop_token_ids=(1,)), dict(cache_salt=7),
-                                 dict(max_new_tokens=True)])
+                                 dict(max_new_tokens=True), dict(cache_salt=""), dict(cache_salt="\ud800")])
 def test_a_mistyped_parameter_is_refused_and_does_not_reach_the_shared_step(make_engine, bad):
     # the HTTP schemas type these; a Ray handle or library caller may not, and a float top_k used to
     # fail inside the step every request shares: the engine stopped and every stream on it ended

@@ -16,7 +16,7 @@ def _replica(engine) -> LLMServer:
     r = object.__new__(LLMServer)  # the parts of __init__ the event hand-over uses
     r.engine, r.aengine = engine, AsyncEngine(engine)
     r._events_lock = threading.Lock()
-    r._route_stored, r._route_removed, r._dir_removed = [], [], []
+    r._route_events, r._dir_removed = collections.OrderedDict(), []
     r._overflow, r._recorded, r._stats_seq = False, set(), 0
     r._pending_records, r._pending_tokens, r._last_event = collections.deque(), 0, collections.OrderedDict()
     r._cut, r.directory, r.replica_id = False, None, "A"
@@ -101,7 +101,25 @@ def test_events_drained_after_the_wait_ran_out_still_reach_the_next_report(make_
         r._collect_events()  # times out: the engine is busy
         time.sleep(1.5)  # the engine gets to the drain and fills the buffers itself
         with r._events_lock:
-            assert len(r._route_stored) == 4 and not r._overflow
+            assert list(r._route_events.values()) == [True] * 4 and not r._overflow
+    finally:
+        r.aengine.shutdown()
+
+
+def test_a_report_carries_each_blocks_net_change_since_the_last(make_engine):
+    # stored then evicted within one stats period: reported as two lists, the routers applied the
+    # eviction first and the store after, and counted on blocks the replica no longer had
+    eng = make_engine("tiny", max_batch_total_tokens=256)
+    eng.kv.cache.record_events = True
+    r = _replica(eng)
+    try:
+        eng.generate([list(range(40, 110))], SamplingParams(max_new_tokens=1))  # stores 4 blocks
+        r.aengine.call(lambda e: e.kv.allocator.free(e.kv.cache.evict(10**6)))
+        report = r.record_routing_stats()
+        assert report["stored"] == [] and len(report["removed"]) == 4
+        eng.generate([list(range(40, 110))], SamplingParams(max_new_tokens=1))  # and back again
+        report = r.record_routing_stats()
+        assert len(report["stored"]) == 4 and report["removed"] == []
     finally:
         r.aengine.shutdown()
 

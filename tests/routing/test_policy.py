@@ -98,6 +98,17 @@ def test_candidates_restrict_the_choice():
     assert ranked[0] == r and sorted(ranked) == sorted(p.replicas)
 
 
+def test_the_fallbacks_after_the_best_are_the_other_holders_first():
+    # Serve tries rank 2 when rank 1 is at max_ongoing_requests: a second copy of the prefix, not the
+    # least loaded replica (a full prefill) while a copy exists
+    p = fleet(4)
+    h = block_hashes(prompt(5), BS)
+    p.learn_hashes("r2", h)
+    p.learn_hashes("r3", h[:2])
+    ranked = p.rank(h, 128, 0)
+    assert ranked[:2] == ["r2", "r3"] and sorted(ranked) == sorted(p.replicas)
+
+
 def test_reported_evictions_stop_the_affinity():
     p = fleet(2, load_weight=0.0)
     r, _ = route(p, prompt(8))
@@ -380,3 +391,19 @@ def test_warm_replica_keeps_its_prefixes_when_a_new_one_joins():
     assert chosen[:40].count("r0") == 40  # (was: all 40 to the newcomer)
     assert 40 <= chosen[:200].count("new") <= 120  # a hot prefix is copied within the first half-life
     assert 80 <= chosen[600:800].count("new") <= 120
+
+
+def test_a_replica_whose_pool_size_comes_later_gets_the_head_start_of_its_own_pool():
+    # Serve adds a replica before its first report: its head start was sized by the default capacity
+    def grown() -> PrefixPolicy:
+        p = fleet(2)
+        for g in range(40):
+            p.on_completed(*route(p, prompt(g)))
+        return p
+
+    known, late = grown(), grown()
+    known.add_replica("new", capacity_blocks=64)
+    late.add_replica("new")  # size unknown yet: the default's head start (4,096 blocks: none here)
+    assert late.replicas["new"].home_base == 0 < known.replicas["new"].home_base
+    late.report("new", capacity_blocks=64)
+    assert late.replicas["new"].home_base == known.replicas["new"].home_base

@@ -49,7 +49,7 @@ def test_a_missed_report_bounds_the_index_by_what_the_replica_caches():
 def test_hooks_never_raise():
     r = _router()
     r.policy.add_replica("A")
-    r._routed["x"] = _Routed("A", "not a ticket", None, 0.0)  # a corrupt entry: the policy raises on it
+    r._routed[("x", "A")] = [_Routed("A", "not a ticket", None, 0.0)]  # corrupt: the policy raises on it
     r.on_request_completed(NS(unique_id="A"), "x")
     assert r.errors == 1
 
@@ -156,14 +156,41 @@ def test_an_idle_replica_ends_what_was_routed_there_long_before(monkeypatch):
 
     r = _router()
     _route(r, "A", "old", "serve-old")
-    r._routed["serve-old"].at -= pr.STALE_AFTER_IDLE_S + 1  # routed long ago, never reported done
+    r._routed[("serve-old", "A")][0].at -= pr.STALE_AFTER_IDLE_S + 1  # routed long ago, never reported done
     _route(r, "A", "new", "serve-new")  # routed just now: may not have reached the replica yet
     r._absorb_stats([_replica("A", seq=1, queue=0, at=time.time() - 60)])  # a report from before either
-    assert set(r._routed) == {"serve-old", "serve-new"}
+    assert set(r._routed) == {("serve-old", "A"), ("serve-new", "A")}
     r._absorb_stats([_replica("A", seq=2, queue=0, at=time.time())])
-    assert set(r._routed) == {"serve-new"} and r.policy.replicas["A"].in_flight == 1
+    assert set(r._routed) == {("serve-new", "A")} and r.policy.replicas["A"].in_flight == 1
     r._absorb_stats([_replica("A", seq=3, queue=1, at=time.time() + 60)])  # busy: nothing is dropped
-    assert set(r._routed) == {"serve-new"}
+    assert set(r._routed) == {("serve-new", "A")}
+
+
+def test_calls_that_share_serves_request_id_end_one_by_one_and_only_on_their_replica():
+    # the calls of one HTTP request share Serve's internal id (/info then generate; a retry elsewhere),
+    # and Serve reports each attempt's end: one key used to overwrite the other (its in-flight count
+    # leaked) and a rejected attempt's end released the accepted one's work on another replica
+    r = _router()
+    _route(r, "A", "caller-1", "shared")
+    _route(r, "B", "caller-2", "shared")  # the retry, on B
+    a, b = r.policy.replicas["A"], r.policy.replicas["B"]
+    r.on_request_completed(NS(unique_id="A"), "shared")  # the first attempt's end
+    assert a.in_flight == 0 and b.in_flight == 1 and b.outstanding > 0
+    _route(r, "B", None, "shared")  # another call of the same request, to B as well
+    r.on_request_completed(NS(unique_id="B"), "shared")
+    r.on_request_completed(NS(unique_id="B"), "shared")
+    assert b.in_flight == 0 and b.outstanding == 0 and not r._routed and r.errors == 0
+
+
+def test_serve_backs_off_when_no_ranked_replica_takes_the_request():
+    # Serve polls again at once unless told to back off (its default): with every replica full, each
+    # routing task asked every replica for its queue length in a loop
+    from ray.serve._private.request_router.common import RequestRoutingContext
+
+    r = _router()
+    pending = NS(args=[list(range(64)), {"max_new_tokens": 8}, "c"], routing_context=RequestRoutingContext())
+    assert r._choose([_replica("A"), _replica("B")], pending)
+    assert pending.routing_context.should_backoff
 
 
 def test_a_replica_that_left_the_fleet_is_dropped_from_the_directory(redis_server, monkeypatch):
@@ -210,3 +237,16 @@ def test_the_process_counts_what_its_routers_decided_for_prompts_only(monkeypatc
     _route(r, "A", "c2", "s2")  # its home now: a hit
     r.on_request_routed(NS(args=[], metadata=NS(internal_request_id="s3")), NS(unique_id="A"), None)
     assert in_process.ROUTED == {"router_affinity_hits": 1, "router_cold_routes": 1}
+
+
+def test_a_stored_report_is_not_a_second_use_of_what_was_routed():
+    # the router indexed the prompt when it routed it (seen once: first to go); the replica's report that
+    # it stored those blocks promoted them to "seen again", which the replica had not done
+    r = _router()
+    _route(r, "A", "c1", "s1")
+    index = r.policy.replicas["A"].index
+    assert len(index.probation) == 4 and not index.protected
+    r._absorb_stats([_replica("A", seq=1, stored=CHAIN, cached_blocks=4)])
+    assert len(index.probation) == 4 and not index.protected
+    _route(r, "A", "c2", "s2")  # a second request for it: now it is protected, as on the replica
+    assert len(index.protected) == 4
