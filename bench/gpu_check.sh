@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check, one script: the engine and cache tests on CUDA (float32, compared with transformers; CUDA
-# graphs captured and replayed), then the engine benchmark in bf16 (with the transformers variants on the
+# graphs captured and replayed; the KV pool's fp8/bf16/fp16 round trips on the device), then the engine benchmark in bf16 (with the transformers variants on the
 # same GPU, and the engine without CUDA graphs beside it), then a prefill-heavy variant of it (4,096-token
 # shared prefixes, 16 output tokens), then the same on a 0.85B-parameter model with the time of each kind
 # of step (bench.step_profile), then a short table. About 3-4 minutes on an H200. Run from the
@@ -34,19 +34,25 @@ grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
 grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
 echo "== engine benchmark (bf16 on cuda, transformers on the same GPU)"
 timeout "${BENCH_TIMEOUT:-300}" $PY -m bench.engine_bench --out "$OUT" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+bench_rc=$?
 grep -E '^\||^###|^- |^\{|failed|^bench model|^greedy' "$OUT/bench.log"
 echo "== prefill-heavy: 4,096-token shared prefixes, 16 output tokens, engine only"
 mkdir -p "$OUT/long"
 timeout "${LONG_TIMEOUT:-200}" $PY -m bench.engine_bench --skip-hf --system-len 4096 --output-len 16 \
   --out "$OUT/long" ${BENCH_ARGS:-} >"$OUT/bench_long.log" 2>&1
+bench_long_rc=$?
 grep -E '^\||^###|^- |^\{' "$OUT/bench_long.log"
 echo "== a 0.85B-parameter model (bench-1b), engine only; then where each kind of step's time goes"
 timeout "${BIG_TIMEOUT:-200}" bash -c "$PY -c \"from engine.model_init import write_model; write_model('/tmp/bench-1b', 'bench-1b')\" \
   && mkdir -p '$OUT/1b' && $PY -m bench.engine_bench --skip-hf --model-dir /tmp/bench-1b --out '$OUT/1b' ${BENCH_ARGS:-} \
   && $PY -m bench.step_profile --model-dir /tmp/bench-1b --profile-steps 0" >"$OUT/bench_1b.log" 2>&1
+bench_1b_rc=$?
 grep -E '^\||^###|^- |^\{' "$OUT/bench_1b.log"
 echo "== summary"
-printf '| check | result |\n|---|---|\n| engine+cache tests on cuda | %s |\n' "$([ "$tests_rc" = 0 ] && echo pass || echo "FAIL ($tests_rc)")"
+verdict() { [ "$1" = 0 ] && echo pass || echo "FAIL ($1$([ "$1" = 124 ] && echo ": timed out"))"; }
+printf '| check | result |\n|---|---|\n| engine+cache tests on cuda | %s |\n' "$(verdict "$tests_rc")"
+printf '| bench / bench_long / bench_1b ran | %s / %s / %s |\n' "$(verdict "$bench_rc")" "$(verdict "$bench_long_rc")" \
+  "$(verdict "$bench_1b_rc")"
 for f in bench bench_long bench_1b; do
   grep '^{' "$OUT/$f.log" | tail -1 | $PY -c '
 import json, sys
@@ -55,4 +61,7 @@ for line in sys.stdin:
     for k, v in json.loads(line).items():
         print(f"| {name}: {k} | {v:.3f} |" if isinstance(v, float) else f"| {name}: {k} | {v} |")' "$f"
 done
-exit "$tests_rc"
+# a benchmark that crashed (out of memory, a CUDA error) fails the check too, not only the tests
+status=$tests_rc
+for rc in "$bench_rc" "$bench_long_rc" "$bench_1b_rc"; do [ "$rc" = 0 ] || [ "$status" != 0 ] || status=$rc; done
+exit "$status"

@@ -88,6 +88,7 @@ class StepGraphs:
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._skipped: set[tuple[int, int]] = set()
         self._mempool = None
+        self._side = None  # the one stream every bucket is warmed up and captured on (see _new_bucket)
         if capture:
             with self._on_device():
                 self._mempool = torch.cuda.graph_pool_handle()
@@ -182,11 +183,15 @@ class StepGraphs:
             with self._on_device():
                 # a first eager run on a side stream, as PyTorch asks: lazy initialisations (cuBLAS
                 # workspaces) must not happen during capture; it writes the same K/V the replay will write
-                side = torch.cuda.Stream(dev)
+                # one stream for all: the allocator reuses a freed block only on the stream that freed it,
+                # in a graph pool too, so a stream per capture held every bucket's memory at once
+                side = self._side = self._side or torch.cuda.Stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side):
-                    self._forward(b)
-                torch.cuda.current_stream(dev).wait_stream(side)
+                try:
+                    with torch.cuda.stream(side):
+                        self._forward(b)
+                finally:  # (also when it runs out of memory: the eager step that follows must wait)
+                    torch.cuda.current_stream(dev).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the async engine's other threads may touch CUDA while this one captures;
                 # on this device's own stream (torch's default capture stream is made once per process,

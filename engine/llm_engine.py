@@ -155,7 +155,11 @@ class LLMEngine:
                     getattr(self.tokenizer, "eos_token_id", None)):
             if eos is not None:
                 out |= {int(e) for e in eos} if isinstance(eos, (list, tuple)) else {int(eos)}
-        return out
+        outside = {e for e in out if not 0 <= e < self.vocab_size}
+        if outside:  # a tokenizer that does not match the model: such an id indexes past the logits
+            log.warning("end-of-sequence id(s) %s are outside the model's vocabulary (%d): ignored",
+                        sorted(outside), self.vocab_size)
+        return out - outside
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False) -> None:

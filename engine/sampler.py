@@ -56,7 +56,8 @@ def _filter(dists: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.
     v = dists.shape[-1]
     if any(0 < k < v for k in top_k):
         vals = torch.topk(dists, max(k for k in top_k if 0 < k < v)).values  # (a k past the vocabulary cuts nothing)
-        at = _to_device(torch.tensor([min(k, v) - 1 if k else 0 for k in top_k]), dists.device).unsqueeze(1)
+        # (a row whose k cuts nothing reads column 0: vals has only as many columns as the largest real k)
+        at = _to_device(torch.tensor([k - 1 if 0 < k < v else 0 for k in top_k]), dists.device).unsqueeze(1)
         kth = vals.gather(1, at)
         off = _to_device(torch.tensor([not 0 < k < v for k in top_k]), dists.device).unsqueeze(1)
         dists = dists.masked_fill((dists < kth) & ~off, float("-inf"))

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from cache.kv_pool import KVPool, KVShape, bytes_per_token, num_blocks_for, resolve_kv_dtype
 
 SHAPE = KVShape(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16)
+# bench/gpu_check.sh sets cuda: the fp8 casts, byte views and index copies then run on the device
+DEV = torch.device(os.environ.get("RADIXSERVE_TEST_DEVICE", "cpu"))
 
 
 def _roundtrip(dtype: str, compute=torch.float32):
     torch.manual_seed(0)
-    pool = KVPool(SHAPE, dtype, compute)
-    k = torch.randn(10, 2, 16, dtype=compute)
-    v = torch.randn(10, 2, 16, dtype=compute)
-    table = torch.tensor([5, 2, 7])
-    slots = (table.repeat_interleave(4) * 4 + torch.arange(4).repeat(3))[:10]
+    pool = KVPool(SHAPE, dtype, compute, DEV)
+    k = torch.randn(10, 2, 16, dtype=compute).to(DEV)
+    v = torch.randn(10, 2, 16, dtype=compute).to(DEV)
+    table = torch.tensor([5, 2, 7], device=DEV)
+    slots = (table.repeat_interleave(4) * 4 + torch.arange(4, device=DEV).repeat(3))[:10]
     pool.write(1, slots, k, v)
     gk, gv = pool.gather(1, table, num_tokens=10)
     return k, v, gk, gv, pool
@@ -30,7 +34,7 @@ def test_float_roundtrip_is_exact(dtype, compute):
     assert torch.equal(gk, k) and torch.equal(gv, v)
     assert gk.dtype == compute
     # other layer untouched
-    assert torch.count_nonzero(pool.gather(0, torch.tensor([5, 2, 7]))[0]) == 0
+    assert torch.count_nonzero(pool.gather(0, torch.tensor([5, 2, 7], device=DEV))[0]) == 0
 
 
 @pytest.mark.parametrize("dtype,bound", [("fp8_e4m3fn", 0.04), ("fp8_e5m2", 0.08)])
@@ -42,22 +46,23 @@ def test_fp8_roundtrip_error_is_bounded(dtype, bound):
 
 
 def test_fp8_scale_keeps_large_values_finite():
-    pool = KVPool(SHAPE, "fp8_e4m3fn")
+    pool = KVPool(SHAPE, "fp8_e4m3fn", device=DEV)
     pool.set_scales([10.0, 10.0], [10.0, 10.0])
-    k = torch.full((1, 2, 16), 3000.0)
-    pool.write(0, torch.tensor([0]), k, -k)
-    gk, gv = pool.read_slots(0, torch.tensor([0]))
+    k, zero = torch.full((1, 2, 16), 3000.0, device=DEV), torch.tensor([0], device=DEV)
+    pool.write(0, zero, k, -k)
+    gk, gv = pool.read_slots(0, zero)
     assert torch.isfinite(gk).all() and abs(gk[0, 0, 0].item() - 3000) / 3000 < 0.07
-    pool2 = KVPool(SHAPE, "fp8_e4m3fn")  # scale 1: clamped at the fp8 max, never NaN
-    pool2.write(0, torch.tensor([0]), k, -k)
-    assert torch.isfinite(pool2.read_slots(0, torch.tensor([0]))[0]).all()
+    pool2 = KVPool(SHAPE, "fp8_e4m3fn", device=DEV)  # scale 1: clamped at the fp8 max, never NaN
+    pool2.write(0, zero, k, -k)
+    assert torch.isfinite(pool2.read_slots(0, zero)[0]).all()
 
 
 def test_a_float16_cache_of_a_wider_model_clamps_outliers_instead_of_storing_inf():
-    pool = KVPool(SHAPE, "float16", torch.bfloat16)
-    k = torch.tensor([1e5, -1e5, 3.0]).repeat_interleave(32).view(3, 2, 16).to(torch.bfloat16)
-    pool.write(0, torch.tensor([0, 1, 2]), k, k)
-    gk, gv = pool.read_slots(0, torch.tensor([0, 1, 2]))
+    pool = KVPool(SHAPE, "float16", torch.bfloat16, DEV)
+    k = torch.tensor([1e5, -1e5, 3.0]).repeat_interleave(32).view(3, 2, 16).to(torch.bfloat16).to(DEV)
+    slots = torch.tensor([0, 1, 2], device=DEV)
+    pool.write(0, slots, k, k)
+    gk, gv = pool.read_slots(0, slots)
     assert torch.isfinite(gk).all() and torch.isfinite(gv).all()
     assert gk[0, 0, 0] == 65504 and gk[1, 0, 0] == -65504 and gk[2, 0, 0] == 3.0
 

@@ -165,3 +165,15 @@ def test_top_p_over_its_best_candidates_keeps_what_a_full_sort_keeps(vocab):
     out = _filter(rows[:3], [0, 5, 0], [0.9, 1.0, 1.0])
     assert set(torch.nonzero(out[0] > float("-inf")).flatten().tolist()) == _reference_top_p(rows[0], 0.9)
     assert int((out[1] > float("-inf")).sum()) == min(5, vocab) and torch.equal(out[2], rows[2])
+
+
+def test_a_top_k_past_the_vocabulary_beside_a_small_one_cuts_nothing_and_does_not_fail():
+    # vals held only the largest real k's columns; a row whose k was past the vocabulary read column
+    # V - 1 of it (an index error on the CPU, a device-side assert that loses the replica on CUDA)
+    from engine.sampler import _filter
+
+    torch.manual_seed(0)
+    dists = torch.randn(3, 320)
+    out = _filter(dists, [5, 1000, 320], [1.0, 1.0, 1.0])
+    assert torch.isfinite(out[0]).sum() == 5
+    assert torch.equal(out[1], dists[1]) and torch.equal(out[2], dists[2])

@@ -431,3 +431,13 @@ def test_a_prompt_another_prefill_is_computing_waits_for_it_but_only_within_a_te
     assert first_step(["a", "a"]) == 1
     # two tenants cannot share those blocks: waiting would only delay the second (it used to wait)
     assert first_step(["b", "c"]) == 2
+
+
+def test_end_of_sequence_ids_outside_the_vocabulary_are_ignored(make_engine, caplog):
+    # a tokenizer that does not match the model: masking such an id (min_tokens) indexed past the logits
+    eng = make_engine("tiny")
+    assert eng.eos_ids and all(0 <= e < eng.vocab_size for e in eng.eos_ids)
+    eng.vocab_size = min(eng.eos_ids)  # as if the model had fewer tokens than its tokenizer's EOS
+    with caplog.at_level("WARNING"):
+        assert eng._eos_ids() == set()
+    assert "outside the model's vocabulary" in caplog.text
