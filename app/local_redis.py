@@ -44,10 +44,11 @@ class LocalRedis:
         self.port = port or free_port()
         self.password = password
         self._dir = tempfile.mkdtemp(prefix="radixserve-redis-")
-        self._args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                      "--dir", self._dir, "--logfile", str(Path(self._dir) / "redis.log")]
-        if password:
-            self._args += ["--requirepass", password]
+        # the password goes in on stdin ("-": a config file read from there), not on the command line,
+        # which every local user can read (ps)
+        self._args = [exe, *(["-"] if password else []), "--port", str(self.port), "--bind", "127.0.0.1",
+                      "--save", "", "--appendonly", "no", "--dir", self._dir,
+                      "--logfile", str(Path(self._dir) / "redis.log")]
         self._start()
 
     def _start(self) -> None:
@@ -55,7 +56,15 @@ class LocalRedis:
         # that quit at once left the drain that follows without its directory (a warning per replica);
         # it goes when this process does, however that ends (stop(), or the parent-death signal)
         self.proc = subprocess.Popen(self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
                                      start_new_session=True, preexec_fn=_die_with_parent)
+        if self.password:
+            quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+            try:
+                with self.proc.stdin:
+                    self.proc.stdin.write(f'requirepass "{quoted}"\n'.encode())
+            except BrokenPipeError:  # it exited at once: _wait_ready says so
+                pass
         self._wait_ready()
 
     def restart_if_dead(self) -> bool:

@@ -530,10 +530,11 @@ class Ingress:
             status = 422 if first.get("error_kind") == "validation" else 503
             raise ApiError(status, first["error"], "validation" if status == 422 else "generation")
 
-        settled = False
+        started = False
 
         async def rest() -> AsyncIterator[dict]:
-            nonlocal settled
+            nonlocal started
+            started = True  # from here its finally ends the request, however the generator goes
             done = first.get("finished", False)
             generated = int(first.get("token_id") is not None)
             try:
@@ -551,7 +552,6 @@ class Ingress:
                     generated += ev.get("token_id") is not None
                     yield ev
             finally:
-                settled = True
                 if not done:
                     cancel(generated=generated)  # client gone or failure: abort in the engine
                 else:  # the router counts what it really cost, not its max_new_tokens
@@ -561,11 +561,12 @@ class Ingress:
 
         def never_read(generated: int = int(first.get("token_id") is not None)) -> None:
             # a generator that never started has no finally to run: a client that left before the
-            # response began to stream would leave its request generating to max_tokens
-            if not settled:
+            # response began to stream would leave its request generating to max_tokens (one that
+            # started is closed by asyncio, after this runs: its finally knows how many tokens it got)
+            if not started:
                 cancel(generated=generated)
 
-        weakref.finalize(events, never_read)
+        weakref.finalize(events, never_read).atexit = False
         return first, events
 
     async def _collect(self, ids: list[int], params: dict[str, Any]) -> list[dict]:

@@ -88,11 +88,11 @@ class LLMServer:
         # lists, the routers would apply the eviction before the store and keep it)
         self._route_events: collections.OrderedDict[int, bool] = collections.OrderedDict()
         self._overflow = False
-        self._dir_removed: list[int] = []  # evicted block hashes, for the directory (see _flush_directory)
         # hashes' last cache event, True for stored: a record that reaches Redis after its prefix was
         # evicted (the eviction was seen first) is taken back at once instead of holding for good
         self._last_event: collections.OrderedDict[int, bool] = collections.OrderedDict()
         self._pending_records: collections.deque = collections.deque()  # uint32 token arrays
+        self._records_lock = threading.Lock()
         self._pending_tokens = 0
         self._recorded: set[int] = set()  # prefix hashes this replica put in the directory
         self.directory: HotPrefixDirectory | None = None
@@ -171,7 +171,7 @@ class LLMServer:
         """Queue a directory record: packed (4 bytes a token, as long as the directory keeps), and only the
         newest MAX_PENDING_RECORD_TOKENS while Redis cannot take them."""
         toks = array.array("I", tokens[: self.directory.max_prefix_tokens])
-        with self._events_lock:
+        with self._records_lock:  # (not the events' lock: an engine-thread drain may hold that a while)
             self._pending_records.append(toks)
             self._pending_tokens += len(toks)
             while self._pending_tokens > MAX_PENDING_RECORD_TOKENS and len(self._pending_records) > 1:
@@ -229,16 +229,19 @@ class LLMServer:
         self.aengine.call(lambda e: e.check_invariants())
         return True
 
-    def _collect_events(self) -> None:
-        """Drain the radix cache's stored/removed hashes into the router and directory buffers. The
-        buffers are filled on the engine thread itself, so a drain that outlasts the wait (a long engine
-        step) still lands in them instead of being lost with the timed-out call's result."""
+    def _collect_events(self) -> bool:
+        """Drain the radix cache's stored/removed hashes into the router and directory buffers; False if
+        the engine was too busy to answer in time. The buffers are filled on the engine thread itself, so
+        a drain that outlasts the wait (a long engine step) still lands in them instead of being lost
+        with the timed-out call's result."""
         if self.engine.kv.cache is None:
-            return
+            return False
         try:
             self.aengine.call(self._drain_events, timeout=EVENTS_WAIT_S)
         except TimeoutError:
             log.debug("engine busy: its cache events will be in the next report")
+            return False
+        return True
 
     def _drain_events(self, engine: LLMEngine) -> None:
         events, overflow = engine.kv.cache.drain_events()
@@ -248,8 +251,6 @@ class LLMServer:
                 stored = kind == "stored"
                 self._overflow |= _note_events(self._route_events, hashes, stored, 2 * MAX_REPORTED_HASHES)
                 if self.directory is not None:
-                    if not stored:
-                        self._dir_removed.extend(hashes)
                     _note_events(self._last_event, hashes, stored, LAST_EVENTS_KEPT)
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -311,11 +312,9 @@ class LLMServer:
     def _flush_directory(self) -> None:
         if self.directory is None:
             return
-        self._collect_events()
-        gone: list[int] = []
-        # records first, then evictions: a prefix evicted since its request ended is taken back below
+        drained = self._collect_events()
         while self.directory.available:
-            with self._events_lock:
+            with self._records_lock:
                 if not self._pending_records:
                     break
                 toks = self._pending_records.popleft()
@@ -323,12 +322,13 @@ class LLMServer:
             h = self.directory.record(self.replica_id, toks)
             if h is not None:
                 self._recorded.add(h)
-                with self._events_lock:
-                    if self._last_event.get(h) is False:  # its eviction came through before the record
-                        gone.append(h)
+        if not drained:  # the latest events are not in yet: judge what is gone at the next flush
+            return
+        # by each hash's latest event, not the order they came in: a record may reach Redis after its
+        # prefix's eviction (the request ended, then the cache let it go), and a prefix evicted and
+        # computed again since is held
         with self._events_lock:
-            removed, self._dir_removed = self._dir_removed, []
-        gone += [h for h in removed if h in self._recorded]
+            gone = [h for h in self._recorded if self._last_event.get(h) is False]
         if gone:
             self.directory.drop_holder(self.replica_id, gone)
             self._recorded.difference_update(gone)

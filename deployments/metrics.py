@@ -255,7 +255,8 @@ class SnapshotStore:
         self._restored = True
         now = self._clock()
         merged = dict(merged)
-        self._block_size = self._block_size or merged.pop("block_size", 0)
+        block_size = merged.pop("block_size", 0)  # (a constant: never summed into the totals)
+        self._block_size = self._block_size or block_size
         for r, s in live.items():
             if r not in self._snaps and r not in self._retired:
                 self._snaps[r] = (now, s)

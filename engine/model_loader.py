@@ -60,11 +60,15 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":  # bf16 where the GPU has it (Ampere on), else fp16; float32 on a CPU
+    if dtype == "auto":  # bf16 where the GPU computes it (Ampere on), else fp16; float32 on a CPU
         if device.type != "cuda":
             return torch.float32
-        with torch.cuda.device(device):
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # (not is_bf16_supported(): by default it says yes where bf16 is only emulated, slowly)
+        if torch.cuda.get_device_capability(device)[0] >= 8:
+            return torch.bfloat16
+        log.warning("this GPU has no bf16: the model runs in float16 (a model trained in bf16 may overflow; "
+                    "--dtype float32 is the safe choice)")
+        return torch.float16
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 

@@ -129,6 +129,7 @@ class ReplicaView:
     # router still remembers, most long gone from their caches)
     home_base: int = 0
     home_raw: float | None = None  # home_base before rounding and the floor at 0 (joined a running fleet)
+    join_prompt_blocks: float = 1.0  # the mean prompt (blocks) that sized its head start in prefixes
 
 
 class PrefixPolicy:
@@ -158,7 +159,8 @@ class PrefixPolicy:
             cap = capacity_blocks or self.cfg.default_capacity_blocks
             view = ReplicaView(replica_id, cap, BlockIndex(ghost_limit=GHOST_POOLS * cap))
             if self.replicas:  # joins a running fleet: one cache's worth of prefixes behind the emptiest
-                fill = cap / max(self._prompt_blocks, 1.0)
+                view.join_prompt_blocks = max(self._prompt_blocks, 1.0)
+                fill = cap / view.join_prompt_blocks
                 view.home_raw = min(self.homes(r) for r in self.replicas) - fill - self._home_counts[replica_id]
                 view.home_base = max(0, round(view.home_raw))
                 # and at the fleet's mean work rate: at zero, every holder would be over the rate bound
@@ -273,7 +275,7 @@ class PrefixPolicy:
             if capacity_blocks != view.capacity_blocks and view.home_raw is not None:
                 # it joined before its pool size was known (Serve adds replicas before their first report):
                 # its head start was one default-sized cache of prefixes, now one of its own
-                view.home_raw += (view.capacity_blocks - capacity_blocks) / max(self._prompt_blocks, 1.0)
+                view.home_raw += (view.capacity_blocks - capacity_blocks) / view.join_prompt_blocks
                 view.home_base = max(0, round(view.home_raw))
             view.capacity_blocks = capacity_blocks
             view.index.ghost_limit = GHOST_POOLS * capacity_blocks

@@ -110,6 +110,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         # replica), and Serve reports each attempt's end, rejected ones too
         self._routed: dict[tuple[str, str], list[_Routed]] = {}
         self._by_caller: dict[str, tuple[str, str]] = {}  # caller's request id -> its key in _routed
+        # keys whose entry ended before Serve reported it (the caller said so, or the replica went idle):
+        # Serve's report for it, when it comes, must not end another call's entry at the same key
+        self._settled: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._ended: OrderedDict[str, _Routed] = OrderedDict()  # completed, awaiting the caller's count
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop Serve runs this router on
         in_process.ROUTERS.add(self)
@@ -242,7 +245,14 @@ class PrefixAwareRequestRouter(RequestRouter):
                     self._finish(key, entry)
 
     def _finish(self, key: tuple[str, str], entry: _Routed | None = None) -> None:
-        """The request at ``key`` ended: ``entry`` (a caller's), else the oldest routed there."""
+        """A request at ``key`` ended: ``entry`` (the caller's word, or found stale), else (Serve's
+        report) the oldest routed there, unless that report is of one that ended already."""
+        settled = self._settled
+        if entry is None and settled.get(key):
+            settled[key] -= 1
+            if not settled[key]:
+                del settled[key]
+            return
         entries = self._routed.get(key)
         if not entries:
             return
@@ -250,6 +260,10 @@ class PrefixAwareRequestRouter(RequestRouter):
             entry = entries[0]
         elif entry not in entries:
             return
+        else:
+            settled[key] = settled.get(key, 0) + 1
+            while len(settled) > ENDED_MEMORY:  # bounded: a report that never comes
+                settled.popitem(last=False)
         entries.remove(entry)
         if not entries:
             del self._routed[key]
@@ -273,8 +287,9 @@ class PrefixAwareRequestRouter(RequestRouter):
     def _end(self, caller_id: str, generated: int) -> None:
         try:
             key = self._by_caller.get(caller_id)
-            if key is not None:
-                self._finish(key, next((e for e in self._routed.get(key, ()) if e.caller_id == caller_id), None))
+            entry = next((e for e in self._routed.get(key, ()) if e.caller_id == caller_id), None) if key else None
+            if entry is not None:
+                self._finish(key, entry)
             entry = self._ended.pop(caller_id, None)
             if entry is not None:
                 self.policy.on_generated(entry.replica, entry.ticket, generated)

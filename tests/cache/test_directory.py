@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -149,6 +150,7 @@ def test_the_private_redis_server_is_restarted_on_its_port_when_it_dies():
         d = HotPrefixDirectory(server.url, model="m")
         assert d.ping() and not server.restart_if_dead()
         assert "s3cret" not in server.shown_url and not HotPrefixDirectory(f"redis://127.0.0.1:{server.port}/0").ping()
+        assert b"s3cret" not in Path(f"/proc/{server.proc.pid}/cmdline").read_bytes()  # ps shows the command line
         server.proc.kill()  # out of memory, or killed by hand
         server.proc.wait()
         assert server.restart_if_dead()

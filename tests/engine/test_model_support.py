@@ -177,3 +177,18 @@ def test_preflight_refuses_what_the_replicas_could_not_serve(tmp_path, tiny_fold
     huge = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=10**12, device="cpu")
     assert "GiB free" in preflight(huge, local_ray=True)
     assert preflight(Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512), local_ray=True) is None
+
+
+def test_auto_dtype_is_bf16_only_where_the_gpu_computes_it(monkeypatch):
+    # torch.cuda.is_bf16_supported() says yes on pre-Ampere GPUs too (emulated): the capability decides
+    import torch
+
+    from engine.model_loader import resolve_dtype
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_dtype("auto", cuda) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # V100, T4
+    assert resolve_dtype("auto", cuda) == torch.float16
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", cuda) == torch.bfloat16  # asked for: as asked

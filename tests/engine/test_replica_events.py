@@ -16,7 +16,7 @@ def _replica(engine) -> LLMServer:
     r = object.__new__(LLMServer)  # the parts of __init__ the event hand-over uses
     r.engine, r.aengine = engine, AsyncEngine(engine)
     r._events_lock = threading.Lock()
-    r._route_events, r._dir_removed = collections.OrderedDict(), []
+    r._route_events, r._records_lock = collections.OrderedDict(), threading.Lock()
     r._overflow, r._recorded, r._stats_seq = False, set(), 0
     r._pending_records, r._pending_tokens, r._last_event = collections.deque(), 0, collections.OrderedDict()
     r._cut, r.directory, r.replica_id = False, None, "A"
@@ -66,6 +66,15 @@ def test_a_prefix_evicted_before_its_record_reaches_the_directory_is_taken_back(
         r.aengine.call(lambda e: e.kv.allocator.free(e.kv.cache.evict(10**6)))
         r._flush_directory()
         assert not r._recorded and not r.directory.held
+        # evicted, computed again and recorded, all between two flushes: held (an early version of
+        # this fix applied the eviction after the record and dropped it)
+        eng.generate([prompt], SamplingParams(max_new_tokens=1))
+        r._collect_events()
+        r.aengine.call(lambda e: e.kv.allocator.free(e.kv.cache.evict(10**6)))
+        eng.generate([prompt], SamplingParams(max_new_tokens=1))
+        r._queue_record(prompt[:64])
+        r._flush_directory()
+        assert len(r._recorded) == 1 and r.directory.held == r._recorded
     finally:
         r.aengine.shutdown()
 

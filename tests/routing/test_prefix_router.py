@@ -138,7 +138,7 @@ def test_a_cancelled_request_stops_counting_on_its_replica():
         request_ended("caller-2", 10)
         await asyncio.sleep(0)
         assert r.policy._recent(view) < 300
-        assert not r._routed and not r._by_caller and not r._ended
+        assert not r._routed and not r._by_caller and not r._ended and not r._settled
         # so the replica takes new prefixes again (over the rate bound it would get none of them)
         got = []
         for i in range(6):
@@ -180,6 +180,30 @@ def test_calls_that_share_serves_request_id_end_one_by_one_and_only_on_their_rep
     r.on_request_completed(NS(unique_id="B"), "shared")
     r.on_request_completed(NS(unique_id="B"), "shared")
     assert b.in_flight == 0 and b.outstanding == 0 and not r._routed and r.errors == 0
+
+
+def test_serves_late_report_of_a_call_that_ended_already_ends_no_other_call():
+    # a first attempt fails and its caller says so; the retry lands on the same replica with the same
+    # Serve request id; Serve's report of the first attempt comes after: the retry still runs
+    import asyncio
+
+    from routing.prefix_router import request_ended
+
+    r = _router()
+
+    async def scenario():
+        _route(r, "A", "attempt-1", "shared")
+        request_ended("attempt-1", 0)
+        await asyncio.sleep(0)
+        _route(r, "A", "attempt-2", "shared")
+        view = r.policy.replicas["A"]
+        r.on_request_completed(NS(unique_id="A"), "shared")  # Serve's word on the first attempt
+        assert view.in_flight == 1 and view.outstanding > 0
+        r.on_request_completed(NS(unique_id="A"), "shared")  # and on the second
+        assert view.in_flight == 0 and not r._routed and not r._settled
+
+    asyncio.run(scenario())
+    assert r.errors == 0
 
 
 def test_serve_backs_off_when_no_ranked_replica_takes_the_request():

@@ -96,6 +96,32 @@ def test_a_stream_the_client_left_before_it_began_is_cancelled():
         return first
 
     assert asyncio.run(go())["token_id"] == 0 and long.cancelled
+
+    # one that started and is dropped mid-stream: its own finally ends it, with the tokens it got
+    # (the finalizer used to run first and report one)
+    class Router:  # what request_ended tells the process's routers
+        def __init__(self):
+            self.ended = []
+
+        def end_soon(self, request_id, generated):
+            self.ended.append(generated)
+
+    router = Router()
+    in_process.ROUTERS.add(router)
+    try:
+        async def half():
+            stream = FakeResponse([{"token_id": i, "text": "x", "finished": i == 99, "replica": "B"} for i in range(100)])
+            first, rest = await _stream(FakeIngress(stream), [1, 2, 3], {})
+            got = [await rest.__anext__() for _ in range(5)]
+            del rest, got
+            gc.collect()
+            for _ in range(3):
+                await asyncio.sleep(0)  # asyncio closes the dropped generator on the loop
+            return stream
+
+        assert asyncio.run(half()).cancelled and router.ended == [6]
+    finally:
+        in_process.ROUTERS.discard(router)
     done = FakeResponse(OK)  # read to the end: nothing to cancel
     _run(FakeIngress(done))
     gc.collect()
