@@ -266,6 +266,7 @@ class LLMServer:
         self._stats_seq += 1
         return {"queue": s["running"] + s["waiting"], "kv_free_blocks": s["blocks_free"] + s["blocks_evictable"],
                 "kv_total_blocks": s["blocks_total"], "cached_blocks": s["blocks_cached"],
+                "prefix_caching": self.engine.kv.cache is not None,
                 "stored": stored, "removed": removed, "truncated": overflow, "seq": self._stats_seq,
                 "replica": self.replica_id, "at": time.time()}
 

@@ -228,7 +228,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             self.policy.learn_hashes(rid, stats.get("stored", ()), from_root=False)
             # The stored/removed hashes keep the index exact; only when some were dropped (truncated by
             # the replica, or missed here) does its cached-block count bound the index instead.
-            exact = not (stats.get("truncated") or missed)
+            # (a replica without a prefix cache reports no events: its count, 0, is all there is)
+            exact = not (stats.get("truncated") or missed) and stats.get("prefix_caching", True)
             if stats.get("queue") == 0 and isinstance(stats.get("at"), (int, float)):
                 self._drop_stale(rid, stats["at"])
             self.policy.report(rid, capacity_blocks=stats.get("kv_total_blocks"),

@@ -274,3 +274,13 @@ def test_a_stored_report_is_not_a_second_use_of_what_was_routed():
     assert len(index.probation) == 4 and not index.protected
     _route(r, "A", "c2", "s2")  # a second request for it: now it is protected, as on the replica
     assert len(index.protected) == 4
+
+
+def test_a_replica_without_a_prefix_cache_is_not_counted_on_for_what_it_served():
+    # it reports no stored/removed events: the router kept every prompt it routed there as cached
+    r = _router()
+    _route(r, "A", "c1", "s1")
+    r.on_request_completed(NS(unique_id="A"), "s1")
+    assert _indexed(r, "A") == len(CHAIN)
+    r._absorb_stats([_replica("A", seq=1, cached_blocks=0, prefix_caching=False)])
+    assert _indexed(r, "A") == 0
