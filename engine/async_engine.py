@@ -80,7 +80,9 @@ class AsyncEngine:
         params = params or SamplingParams()
         self.engine.validate(prompt_ids, params, prefill_only)  # reads config only: thread-safe
         rid = request_id or uuid.uuid4().hex
-        if rid in self._streams:  # refused here: registering it would take over the first one's stream
+        # refused here: registering it would take over the stream of the request that has it (or, one
+        # whose consumer just left, receive that request's last events until its abort is handled)
+        if rid in self._streams or rid in self.engine.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)

@@ -104,6 +104,25 @@ def test_a_request_id_in_use_is_refused_and_the_first_stream_goes_on(make_engine
         ae.shutdown()
 
 
+def test_an_id_whose_request_the_engine_still_holds_is_refused(make_engine):
+    # the first consumer left; until its abort is handled the engine still runs that request, and a
+    # new stream under its id would receive its last events
+    eng = make_engine("tiny")
+    # (added before the engine thread starts: the engine is not thread-safe; long, so it still runs)
+    eng.add_request(PROMPT, SamplingParams(max_new_tokens=2000, ignore_eos=True), request_id="held")
+    ae = AsyncEngine(eng)
+
+    async def again():
+        async for _ in ae.generate(PROMPT, SamplingParams(max_new_tokens=2), request_id="held"):
+            pass
+
+    try:
+        with pytest.raises(RequestError, match="already in use"):
+            asyncio.run(again())
+    finally:
+        ae.shutdown()
+
+
 @pytest.mark.parametrize("bad", [dict(top_k=2.5, temperature=1.0), dict(top_logprobs=2.5, logprobs=True),
                                  dict(seed=1.5), dict(stop=[5]), dict(temperature="hot"), dict(logprobs="yes"),
                                  dict(logit_bias={3: "x"}), dict(stop_token_ids=(1,)), dict(cache_salt=7),
