@@ -11,26 +11,18 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sequence import GREEDY_BELOW, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from engine.sequence import GREEDY_BELOW, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, encodable
 
 # a tenant's id, not data: each salt keeps its own trie on the replicas while it has cached blocks.
 # Not empty (as vLLM): "" would read as unsalted in the hashes and the directory, and as a tenant elsewhere
 MAX_CACHE_SALT_CHARS = 1024
 
 
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _check_text(value: Any, path: str = "") -> None:
     """Strings must be valid Unicode: JSON can carry a lone surrogate (``"\\ud800"``), which no
     tokenizer can encode."""
     if isinstance(value, str):
-        if not _encodable(value):
+        if not encodable(value):
             raise ValueError(f"{path or 'text'} is not valid Unicode (it holds a lone surrogate)")
     elif isinstance(value, list):
         for i, v in enumerate(value):
@@ -38,7 +30,7 @@ def _check_text(value: Any, path: str = "") -> None:
                 _check_text(v, f"{path}[{i}]")
     elif isinstance(value, dict):
         for k, v in value.items():
-            if isinstance(k, str) and not _encodable(k):
+            if isinstance(k, str) and not encodable(k):
                 raise ValueError("a field name is not valid Unicode (it holds a lone surrogate)")
             _check_text(v, f"{path}.{k}" if path else str(k))
 

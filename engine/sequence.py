@@ -27,10 +27,12 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _encodable(text: str) -> bool:
+def encodable(text: str) -> bool:
+    """Whether ``text`` is valid Unicode: JSON and Python strings can hold a lone surrogate, which no
+    tokenizer, nor the cache's hashes, can encode."""
     try:
-        text.encode()
-    except UnicodeEncodeError:  # a lone surrogate: the cache's hashes could not take it
+        text.encode("utf-8")
+    except UnicodeEncodeError:
         return False
     return True
 
@@ -89,7 +91,7 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict) or any(not _is_number(b) for b in self.logit_bias.values()):
             raise SamplingError("logit_bias must be a map of token ids to numbers")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
-                                            or not _encodable(self.cache_salt)):
+                                            or not encodable(self.cache_salt)):
             raise SamplingError(f"cache_salt must be a non-empty string of valid Unicode, got {self.cache_salt!r}")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")

@@ -14,6 +14,11 @@ from engine.sequence import SamplingParams
 PROMPT = list(range(40, 110))
 
 
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
 def test_concurrent_streams_match_the_sync_engine(make_engine):
     eng = make_engine("tiny")
     expect = eng.generate([PROMPT, PROMPT[:30]], SamplingParams(max_new_tokens=12, ignore_eos=True))
@@ -66,14 +71,9 @@ def test_cancelled_consumer_aborts_and_frees_blocks(make_engine):
 
 def test_bad_request_raises_before_streaming(make_engine):
     ae = AsyncEngine(make_engine("tiny"))
-
-    async def main():
-        async for _ in ae.generate([], SamplingParams()):
-            pass
-
     try:
         with pytest.raises(RequestError, match="empty"):
-            asyncio.run(main())
+            asyncio.run(_drain(ae.generate([], SamplingParams())))
     finally:
         ae.shutdown()
 
@@ -86,15 +86,11 @@ def test_a_request_id_in_use_is_refused_and_the_first_stream_goes_on(make_engine
         return [ev async for ev in ae.generate(PROMPT, SamplingParams(max_new_tokens=200, ignore_eos=True),
                                                request_id="same")]
 
-    async def second():
-        async for _ in ae.generate(PROMPT, SamplingParams(max_new_tokens=5), request_id="same"):
-            pass
-
     async def main():
         task = asyncio.create_task(first())
         await asyncio.sleep(0.2)
         with pytest.raises(RequestError, match="already in use"):
-            await second()
+            await _drain(ae.generate(PROMPT, SamplingParams(max_new_tokens=5), request_id="same"))
         return await asyncio.wait_for(task, 60)
 
     try:
@@ -111,14 +107,9 @@ def test_an_id_whose_request_the_engine_still_holds_is_refused(make_engine):
     # (added before the engine thread starts: the engine is not thread-safe; long, so it still runs)
     eng.add_request(PROMPT, SamplingParams(max_new_tokens=2000, ignore_eos=True), request_id="held")
     ae = AsyncEngine(eng)
-
-    async def again():
-        async for _ in ae.generate(PROMPT, SamplingParams(max_new_tokens=2), request_id="held"):
-            pass
-
     try:
         with pytest.raises(RequestError, match="already in use"):
-            asyncio.run(again())
+            asyncio.run(_drain(ae.generate(PROMPT, SamplingParams(max_new_tokens=2), request_id="held")))
     finally:
         ae.shutdown()
 
