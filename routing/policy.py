@@ -301,17 +301,21 @@ class PrefixPolicy:
                candidates: Sequence[str] | None = None) -> str | None:
         """The best candidate. Cheap at any fleet size: only replicas that hold the prefix are scored
         one by one; the cold choice scans small fleets and walks a ring (or a heap) in large ones."""
+        return self._choose(hashes, candidates)[0]
+
+    def _choose(self, hashes: Sequence[int], candidates: Sequence[str] | None) -> tuple[str | None, dict[str, int]]:
+        """``choose``, and the matched blocks per candidate it scored (``rank`` orders the rest by them)."""
         if candidates is None or len(candidates) >= len(self.replicas):
             cands = None
         else:
             cands = [c for c in candidates if c in self.replicas]
             if not cands:
-                return None
+                return None, {}
         allowed = None if cands is None else set(cands)
         matched = self.matches(hashes, cands)
         cold = self._cold_choice(hashes[0] if hashes else None, allowed, spill=bool(matched))
         if cold is None:
-            return None
+            return None, matched
         bs = self.cfg.block_size
         pop = self._popularity_scale(hashes[0]) if hashes else 1.0
         w = self.cfg.load_weight * pop
@@ -327,7 +331,7 @@ class PrefixPolicy:
             score = (m * bs - w * view.outstanding, -recent)
             if score > best_score:
                 best, best_score = r, score
-        return best
+        return best, matched
 
     def _recent(self, view: ReplicaView) -> float:
         return self._decayed((view.recent, view.recent_at), self._rate_hl())
@@ -349,10 +353,9 @@ class PrefixPolicy:
         one is at its ``max_ongoing_requests``: the other holders of the prefix come first, longest match
         first, then the rest, least loaded first."""
         cands = list(self.replicas) if candidates is None else [c for c in candidates if c in self.replicas]
-        best = self.choose(hashes, prompt_tokens, max_new_tokens, cands)
+        best, matched = self._choose(hashes, cands)  # one chain walk serves both
         if best is None:
             return []
-        matched = self.matches(hashes, cands) if hashes else {}
         return [best] + sorted((c for c in cands if c != best), key=lambda c: (-matched.get(c, 0), self._cold_key(c)))
 
     def _decayed(self, entry: tuple[float, int], half_life: float | None = None) -> float:
