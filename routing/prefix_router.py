@@ -114,6 +114,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         # Serve's report for it, when it comes, must not end another call's entry at the same key
         self._settled: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._ended: OrderedDict[str, _Routed] = OrderedDict()  # completed, awaiting the caller's count
+        # replicas that left the fleet (ids are never reused): Serve may still report a request routed to
+        # one just before, and that report must not bring it back into the policy as a phantom
+        self._left: OrderedDict[str, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop Serve runs this router on
         in_process.ROUTERS.add(self)
         self.errors = 0
@@ -215,6 +218,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         for r in replicas:
             stats = r.routing_stats or {}
             rid = r.replica_id.unique_id
+            if self._left:
+                self._left.pop(rid, None)  # Serve offers it: it is live after all
             self.policy.add_replica(rid, stats.get("kv_total_blocks"))
             seq = stats.get("seq")
             view = self.policy.replicas[rid]
@@ -306,6 +311,8 @@ class PrefixAwareRequestRouter(RequestRouter):
                 return
             ids, max_new, _ = request_tokens(pending_request)
             rid = replica_id.unique_id
+            if rid in self._left:  # it left since it was chosen: nothing of it to count on
+                return
             self.policy.add_replica(rid)
             if self._loop is None:
                 try:
@@ -340,7 +347,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         try:
             if self._gone is not None:
                 self._gone.append(replica_id.unique_id)
-            self.policy.remove_replica(replica_id.unique_id)
+            self._forget_replica(replica_id.unique_id)
         except Exception:  # noqa: BLE001
             self.errors += 1
             log.exception("on_replica_actor_died failed")
@@ -349,9 +356,20 @@ class PrefixAwareRequestRouter(RequestRouter):
         super().update_replicas(replicas)
         try:
             live = {r.replica_id.unique_id for r in replicas}
+            left = [rid for rid in self.policy.replicas if rid not in live]
             if self._gone is not None:
-                self._gone.extend(rid for rid in self.policy.replicas if rid not in live)
+                self._gone.extend(left)
+            for rid in left:
+                self._forget_replica(rid)
+            for rid in live:
+                self._left.pop(rid, None)
             self.policy.sync_replicas(live)
         except Exception:  # noqa: BLE001
             self.errors += 1
             log.exception("update_replicas failed")
+
+    def _forget_replica(self, replica_id: str) -> None:
+        self.policy.remove_replica(replica_id)
+        self._left[replica_id] = None
+        while len(self._left) > ENDED_MEMORY:  # bounded: a late report comes within seconds
+            self._left.popitem(last=False)

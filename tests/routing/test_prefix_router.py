@@ -284,3 +284,24 @@ def test_a_replica_without_a_prefix_cache_is_not_counted_on_for_what_it_served()
     assert _indexed(r, "A") == len(CHAIN)
     r._absorb_stats([_replica("A", seq=1, cached_blocks=0, prefix_caching=False)])
     assert _indexed(r, "A") == 0
+
+
+def test_serve_reporting_a_request_routed_to_a_replica_that_left_does_not_bring_it_back(monkeypatch):
+    """Serve reports the routing after its choice: a replica that left in between (its actor died, a
+    downscale) came back into the policy as a phantom, with an index and a share of the fleet's load,
+    until the next fleet update, which may never come."""
+    from ray.serve.request_router import RequestRouter
+
+    monkeypatch.setattr(RequestRouter, "update_replicas", lambda self, replicas: None)  # Serve's own part
+    monkeypatch.setattr(RequestRouter, "on_replica_actor_died", lambda self, replica_id: None)
+    r = _router()
+    r.update_replicas([_replica("A"), _replica("B"), _replica("C")])
+    r.update_replicas([_replica("A"), _replica("C")])  # B scaled down
+    r.on_replica_actor_died(NS(unique_id="C"))
+    _route(r, "B", "c1", "s1")
+    _route(r, "C", "c2", "s2")
+    assert sorted(r.policy.replicas) == ["A"]
+    r.on_request_completed(NS(unique_id="B"), "s1")  # and its end is no error
+    assert r.errors == 0
+    _route(r, "A", "c3", "s3")
+    assert r.policy.replicas["A"].in_flight == 1
