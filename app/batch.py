@@ -37,11 +37,15 @@ from tqdm import tqdm
 
 from app.config import Settings
 
-RETRY_STATUS = {429, 502, 503, 504}  # the service is busy or a replica is restarting: try again
+RETRY_STATUS = {408, 429, 502, 503, 504}  # a timeout, the service is busy or a replica is restarting: try again
 RETRY_WAITS_S = (1, 2, 4, 8, 16, 30)  # then 30 s each: the default 6 tries span a service restart
 # what says the service itself is gone (not this line's trouble: a timeout, a 429 or a proxy's 504)
 GONE_STATUS = {502, 503}
 GONE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+# a 503's code when the line was running as its engine failed: the line's own failure, not the service
+# gone (it may be what failed the engine: every rerun would stop there); tried once more
+ENGINE_FAILURE = "engine_failure"
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 @dataclass
@@ -106,9 +110,13 @@ def read_lines(path: Path, done: set[str]) -> Plan:
             if not raw.strip():
                 continue
             try:
-                obj = json.loads(raw)
+                obj = json.loads(raw, parse_constant=_no_constant)
+                json.dumps(obj, ensure_ascii=False).encode()  # a lone surrogate (\ud800) is no Unicode text
             except json.JSONDecodeError as e:
                 plan.errors.append({"line": n, "error": f"not JSON ({e.msg})"})
+                continue
+            except UnicodeEncodeError:
+                plan.errors.append({"line": n, "error": "holds an escaped lone surrogate (\\ud800-\\udfff): not Unicode text"})
                 continue
             # (a null prompt is no prompt: a null field means the default, as in OpenAI's API)
             if not isinstance(obj, dict) or (obj.get("prompt") is None) == (obj.get("messages") is None):
@@ -126,6 +134,10 @@ def read_lines(path: Path, done: set[str]) -> Plan:
             else:  # a null field means the default, as in OpenAI's API
                 plan.todo.append(Line(ref, {k: v for k, v in obj.items() if v is not None}, obj.get("messages") is not None))
     return plan
+
+
+def _no_constant(name: str):
+    raise json.JSONDecodeError(f"{name} is not a JSON number", name, 0)
 
 
 def prefix_order(lines: list[Line]) -> list[Line]:
@@ -154,6 +166,9 @@ def resume(output: Path, rewrite: bool = True) -> set[str]:
                 try:
                     rec = json.loads(raw)
                 except json.JSONDecodeError:
+                    if raw.endswith("\n") or not raw.startswith("{"):  # an interruption cuts a record short
+                        raise NotOurs(f"{output} line {n} is not a result of `radixserve batch`; pass another "
+                                      "--output") from None
                     cut = n
                     continue
                 if not (isinstance(rec, dict) and ("error" in rec or "output" in rec) and ("id" in rec or "line" in rec)):
@@ -189,6 +204,14 @@ def _error_message(r: httpx.Response) -> str:
     return f"HTTP {r.status_code}: {msg}"
 
 
+def _error_code(r: httpx.Response) -> str | None:
+    try:
+        err = r.json().get("error")
+        return err.get("code") if isinstance(err, dict) else None
+    except (ValueError, AttributeError):
+        return None
+
+
 class ServiceGone(Exception):
     """A request found the service unreachable or unavailable through all its retries."""
 
@@ -222,7 +245,10 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
                     rec["logprobs"] = choice["logprobs"]
                 return rec, False
             problem = _error_message(r)
-            gone = gone and r.status_code in GONE_STATUS
+            engine_failed = r.status_code == 503 and _error_code(r) == ENGINE_FAILURE
+            gone = gone and r.status_code in GONE_STATUS and not engine_failed
+            if engine_failed and attempt >= 1:
+                return {**line.ref, "error": problem}, True
             if r.status_code not in RETRY_STATUS:  # a 4xx: the line itself is wrong and would fail again
                 return {**line.ref, "error": problem}, r.status_code >= 500  # a 500 may not
         if attempt < retries:
@@ -279,7 +305,10 @@ async def _run(args: argparse.Namespace, totals: dict, output: Path) -> None:
                    "skipped": plan.skipped, "not_done": len(todo), "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
                    "_t0": time.perf_counter()})
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-    async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout_s, limits=limits) as client:
+    # a local service not via an HTTP_PROXY (httpx would send 127.0.0.1 there unless NO_PROXY says not to)
+    local = (httpx.URL(args.url).host or "") in LOOPBACK
+    async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout_s, limits=limits,
+                                 trust_env=not local) as client:
         # a finished job's rerun needs no service; any other finds it before the output is touched
         model = await _model(client, args.wait_s) if todo else ""
         resume(output)  # now the failed records go (their lines are sent again)
@@ -350,8 +379,12 @@ async def _model(client: httpx.AsyncClient, wait_s: float) -> str:
         try:
             r = await client.get("/v1/models")
             if r.status_code == 200:
-                return r.json()["data"][0]["id"]
-            problem = _error_message(r)
+                try:
+                    return str(r.json()["data"][0]["id"])
+                except (ValueError, LookupError, TypeError, AttributeError):  # a proxy's page, another API
+                    problem = f"its /v1/models answer names no model: {r.text[:120]!r}"
+            else:
+                problem = _error_message(r)
         except httpx.TransportError as e:
             problem = _transport_problem(e)
         if time.monotonic() >= deadline:
@@ -422,6 +455,9 @@ def main(args: argparse.Namespace) -> int:
     except (ConnectionError, NotOurs, BlockingIOError) as e:
         print(f"radixserve batch: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a folder it may not write in, an input it may not read
+        print(f"radixserve batch: {e.strerror or e}: {e.filename}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as e:
         print(json.dumps(summary(totals)))
         print(f"radixserve batch: interrupted; the answers so far are in {dst}: run the same command again "
@@ -464,11 +500,23 @@ def _interrupt(*_) -> None:
 def _only_writer(output: Path):
     """One run per output file at a time: a second would rewrite it under the first (resume)."""
     lock = output.with_name(output.name + ".lock")
-    with lock.open("w") as f:
+    while True:
+        f = lock.open("a")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            f.close()
             raise BlockingIOError(f"another run is writing {output}") from None
+        # the run before may have removed the file between our open and our lock: a lock on a removed
+        # file excludes no one (a third run would create and lock a new one), so lock the one there now
+        try:
+            current = os.stat(lock).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        f.close()
+    with f:
         try:
             yield
         finally:

@@ -430,7 +430,11 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
     code, ray_gone, deployed = 0, False, False
     try:
         if address:
-            ray.init(address=address, namespace="radixserve", logging_level=logging.WARNING)
+            try:
+                ray.init(address=address, namespace="radixserve", logging_level=logging.WARNING)
+            except Exception as e:  # noqa: BLE001 - no cluster there, a wrong address: a message, not a traceback
+                print(f"radixserve: cannot join the Ray cluster at {address}: {e}", file=sys.stderr)
+                return 2
             if problem := _cluster_problem(settings):
                 print(f"radixserve: {problem}", file=sys.stderr)
                 return 2

@@ -49,7 +49,11 @@ class LocalRedis:
         self._args = [exe, *(["-"] if password else []), "--port", str(self.port), "--bind", "127.0.0.1",
                       "--save", "", "--appendonly", "no", "--dir", self._dir,
                       "--logfile", str(Path(self._dir) / "redis.log")]
-        self._start()
+        try:
+            self._start()
+        except BaseException:  # no object to stop(): its folder goes here (a failed start, a Ctrl-C)
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
 
     def _start(self) -> None:
         # its own session: a terminal's Ctrl-C goes to the whole foreground group, and a redis-server

@@ -128,6 +128,11 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
 
 
+# A 503's ``code`` when the request was running as its engine failed: not retried here (it may be what
+# failed it), and a client should not take it for the service being gone (batch records the line's failure)
+ENGINE_FAILURE = "engine_failure"
+
+
 def _shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down: retry on another instance", "unavailable")
 
@@ -528,7 +533,8 @@ class Ingress:
         if first.get("error"):
             cancel()
             status = 422 if first.get("error_kind") == "validation" else 503
-            raise ApiError(status, first["error"], "validation" if status == 422 else "generation")
+            raise ApiError(status, first["error"], "validation" if status == 422 else "generation",
+                           code=ENGINE_FAILURE if first.get("error_kind") == "engine" else None)
 
         started = False
 
@@ -574,8 +580,8 @@ class Ingress:
         events = [first]
         async for ev in rest:
             events.append(ev)
-        if events[-1].get("error"):
-            raise ApiError(503, events[-1]["error"], "generation")
+        if events[-1].get("error"):  # it failed while running: its engine, or its replica's process
+            raise ApiError(503, events[-1]["error"], "generation", code=ENGINE_FAILURE)
         return events
 
     def _check_model(self, name: str | None) -> None:
@@ -856,7 +862,7 @@ class Ingress:
             async for ev in _chain(first, rest):
                 if ev.get("error"):
                     yield _sse({"error": {"message": ev["error"], "type": "server_error", "param": None,
-                                          "code": None}})
+                                          "code": ENGINE_FAILURE}})
                     return
                 # the first token is sent even while its text is held back (a partial UTF-8 character,
                 # a stop string in the making), so clients see generation start: a true TTFT; later

@@ -70,6 +70,13 @@ def test_resume_keeps_answers_drops_failures_and_a_cut_last_line(tmp_path):
     with pytest.raises(NotOurs):
         resume(foreign)
     assert foreign.read_text().count("\n") == 3  # untouched
+    # only a record cut short can end the file unreadable: not a note, nor any other one-line file
+    for text in ('{"id": 1, "output": "a"}\nhand-written note\n', "my important notes, no newline",
+                 '{"id": 1, "output": "a"}\n{"id": 2, "outp\n'):
+        foreign.write_text(text)
+        with pytest.raises(NotOurs):
+            resume(foreign)
+        assert foreign.read_text() == text
 
 
 def test_batch_refuses_its_input_as_output_and_a_finished_job_needs_no_service(tmp_path, capsys, monkeypatch):
@@ -176,11 +183,12 @@ class _DownService:
     """A real HTTP server that names its model, then answers every request ``status`` (503: replicas
     gone; 504: a proxy that gave up on this one request; 200: an answer)."""
 
-    def __init__(self, status: int = 503):
-        self.status = status
+    def __init__(self, status: int = 503, code: str | None = None, models: dict | None = None):
+        self.status, self.code, self.models = status, code, models or {"data": [{"id": "m"}]}
+        self.posts = 0
 
     def __enter__(self):
-        status = self.status
+        status, code, models, service = self.status, self.code, self.models, self
 
         import http.server
         import threading
@@ -195,15 +203,17 @@ class _DownService:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self._send(200, json.dumps({"data": [{"id": "m"}]}))
+                self._send(200, json.dumps(models))
 
             def do_POST(self):
                 self.rfile.read(int(self.headers["content-length"]))
+                service.posts += 1
                 if status == 200:  # a fast service: an answer at once
                     self._send(200, json.dumps({"choices": [{"text": "ok", "finish_reason": "length"}],
                                                 "usage": {"prompt_tokens": 2, "completion_tokens": 1}}))
                     return
-                self._send(status, json.dumps({"error": {"message": "no replica" if status == 503 else "timeout"}}))
+                self._send(status, json.dumps({"error": {"message": "no replica" if status == 503 else "timeout",
+                                                         "code": code}}))
 
             def log_message(self, *_):
                 pass
@@ -241,6 +251,81 @@ def test_batch_stops_sending_when_the_service_is_gone(tmp_path, capsys):
     assert totals["failed"] == totals["retryable"] == 40 and totals["not_done"] == 0
     assert "run the same command again to retry them" in captured.err
     assert all("HTTP 504" in json.loads(x)["error"] for x in out.read_text().splitlines())
+
+
+def test_a_line_that_failed_its_engine_is_its_own_failure_and_a_408_is_retried(tmp_path, capsys):
+    """A 503 for a request that was running when its engine failed (it may be what failed it) is that
+    line's failure after one more try: taken for the service being gone, it stopped the job there, and
+    every rerun (same prefix order) stopped at the same line. Serve's own timeout (408) is retried."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": i, "prompt": f"line {i}"} for i in range(3)])
+    with _DownService(503, code="engine_failure") as url, _DownService(408) as slow:
+        code = cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--retries", "3",
+                    "--concurrency", "1"])
+        assert code == 1
+        captured = capsys.readouterr()
+        totals = json.loads(captured.out.strip().splitlines()[-1])
+        assert totals["failed"] == totals["retryable"] == 3 and totals["not_done"] == 0, captured
+        assert "stopped answering" not in captured.err
+        out.unlink()
+        code = cli(["batch", "--input", str(src), "--output", str(out), "--url", slow, "--retries", "1"])
+    assert code == 1 and "run the same command again" in capsys.readouterr().err
+    assert all("HTTP 408" in json.loads(x)["error"] for x in out.read_text().splitlines())
+
+
+def test_batch_refuses_lines_it_could_not_send_and_says_what_it_cannot_open(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "\\ud800", "prompt": "a"}\n{"prompt": "\\udfff"}\n{"prompt": "a", "temperature": NaN}\n'
+                   '{"prompt": "fine"}\n')
+    plan = read_lines(src, set())
+    assert [x.ref for x in plan.todo] == [{"line": 4}]
+    assert [e["line"] for e in plan.errors] == [1, 2, 3] and "NaN" in plan.errors[2]["error"]
+    # a lock file it cannot create (here a folder in its way): one line, not a traceback
+    (tmp_path / "o.jsonl.lock").mkdir()
+    assert cli(["batch", "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "o.jsonl.lock" in capsys.readouterr().err
+    # a 200 that names no model (another API, a proxy's page) is not this service
+    with _DownService(models={"data": []}) as url:
+        assert cli(["batch", "--input", str(src), "--output", str(tmp_path / "p.jsonl"), "--url", url,
+                    "--wait-s", "0"]) == 2
+    assert "names no model" in capsys.readouterr().err
+
+
+def test_the_local_service_is_not_reached_through_an_http_proxy(tmp_path, capsys, monkeypatch):
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"prompt": "hi"}])
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    with _DownService(200) as url:
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--wait-s", "0"]) == 0
+
+
+def test_only_one_run_holds_the_output_even_when_the_last_one_removed_its_lock(tmp_path, monkeypatch):
+    """A run that ends removes its lock file: one that opened it just before, and locked it just after,
+    held a lock on a removed file, and a third run made a new one: two runs rewrote one output."""
+    import fcntl
+
+    from app import batch
+
+    out = tmp_path / "o.jsonl"
+    lock = tmp_path / "o.jsonl.lock"
+    real, calls = fcntl.flock, []
+
+    def flock(f, op):
+        calls.append(op)
+        if len(calls) == 1:
+            lock.unlink()  # the run before ends between our open and our lock
+        return real(f, op)
+
+    monkeypatch.setattr(batch.fcntl, "flock", flock)
+    with batch._only_writer(out):
+        assert lock.exists()
+        monkeypatch.setattr(batch.fcntl, "flock", real)
+        with pytest.raises(BlockingIOError), batch._only_writer(out):
+            pass
+    assert len(calls) == 2 and not lock.exists()
 
 
 def test_an_error_page_that_is_not_an_api_answer_is_reported_in_one_line():

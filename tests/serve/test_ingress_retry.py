@@ -73,13 +73,15 @@ def test_a_request_the_engine_never_took_is_retried_once_and_the_replica_ranked_
         in_process.FAILED.clear()
 
 
-@pytest.mark.parametrize("kind,status", [("engine", 503), ("validation", 422)])
-def test_a_request_that_ran_when_the_engine_failed_or_was_refused_is_not_retried(kind, status):
+@pytest.mark.parametrize("kind,status,code", [("engine", 503, "engine_failure"), ("validation", 422, None)])
+def test_a_request_that_ran_when_the_engine_failed_or_was_refused_is_not_retried(kind, status, code):
+    """And the 503 says so in its code: a client (batch) must not take it for the service being gone."""
     fake = FakeIngress(FakeResponse([{"error": "boom", "error_kind": kind, "finished": True, "replica": "A"}]),
                        FakeResponse(OK))
     with pytest.raises(ApiError) as err:
         _run(fake)
     assert err.value.status == status and fake.calls == 1 and not in_process.FAILED
+    assert err.value.code == code
 
 
 def test_a_stream_the_client_left_before_it_began_is_cancelled():
