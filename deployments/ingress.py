@@ -197,7 +197,7 @@ class JsonOnly:
         self.app = asgi_app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") in JSON_POST_PATHS:
+        if scope["type"] == "http" and scope.get("method") == "POST" and _route_path(scope) in JSON_POST_PATHS:
             headers = scope.get("headers") or []
             ctype = dict(headers).get(b"content-type")
             if ctype is None:  # FastAPI would not parse it at all
@@ -232,8 +232,17 @@ app.add_middleware(PayloadLimit)
 app.add_middleware(Cors)
 
 
+def _route_path(scope) -> str:
+    """The path below the application's route prefix: Serve passes the full path, the prefix as root_path
+    (an application mounted at /b answered its OpenAI routes' errors in TGI's format)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 def _is_openai(request: Request) -> bool:
-    return request.url.path.startswith("/v1/")
+    return _route_path(request.scope).startswith("/v1/")
 
 
 def _error_response(request: Request, err: ApiError) -> JSONResponse:
@@ -438,8 +447,20 @@ class Ingress:
 
     async def info_cached(self) -> dict[str, Any]:
         if self._info is None:
-            self._info = await self.llm.info.remote()
+            try:
+                self._info = await self.llm.info.remote()
+            except Exception as e:  # noqa: BLE001 - a replica failed: the API's 503, not a plain-text 500
+                raise ApiError(503, f"cannot reach the model: {_error_text(e)}", "unavailable") from None
         return self._info
+
+    async def _refuse_past_context(self, n: int, max_new: Any) -> None:
+        """The engine's own length check, before routing: the router counts max_new_tokens as work (a
+        refused 10**300 erased a replica's real load in its float arithmetic)."""
+        if isinstance(max_new, int) and not isinstance(max_new, bool):
+            limit = (await self.info_cached())["max_total_tokens"]
+            if n + max_new > limit:
+                raise ApiError(422, f"prompt ({n}) + max_new_tokens ({max_new}) = {n + max_new} tokens, more than "
+                                    f"max_total_tokens ({limit})", param="max_tokens")
 
     async def _off_loop(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
@@ -497,6 +518,7 @@ class Ingress:
     async def _stream(self, ids: list[int], params: dict[str, Any]) -> tuple[dict, AsyncIterator[dict]]:
         """Start a request; returns its first event and an iterator over the rest. A refused
         request raises ``ApiError`` here, before any response byte is sent."""
+        await self._refuse_past_context(len(ids), params.get("max_new_tokens"))
         for attempt in range(2):  # a replica or engine that fails before the first token: retry once
             request_id = uuid.uuid4().hex
             gen = self.llm.options(stream=True).generate.remote(ids, params, request_id)

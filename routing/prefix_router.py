@@ -47,6 +47,7 @@ def _failed_last(order: list[str]) -> list[str]:
 # A replica that reports an empty queue at time T has finished every request routed to it before
 # T minus this (time for a routed request to reach its engine, and clock skew between nodes).
 STALE_AFTER_IDLE_S = 10.0
+MAX_COUNTED_NEW_TOKENS = 1 << 20  # no context is longer: what the router counts of a max_new_tokens
 ENDED_MEMORY = 4096  # completed requests whose caller has not said yet how many tokens they generated
 
 
@@ -90,7 +91,9 @@ def request_tokens(pending: PendingRequest | None) -> tuple[list[int], int, str 
     if not isinstance(first, list):
         return [], 0, None
     params = args[1] if len(args) > 1 and isinstance(args[1], dict) else {}
-    return first, int(params.get("max_new_tokens", 0) or 0), params.get("cache_salt")
+    # bounded: a caller past the ingress's checks (a library, Ray) must not make one request's work
+    # swamp a replica's real load in float arithmetic
+    return first, min(int(params.get("max_new_tokens", 0) or 0), MAX_COUNTED_NEW_TOKENS), params.get("cache_salt")
 
 
 class PrefixAwareRequestRouter(RequestRouter):

@@ -305,3 +305,15 @@ def test_serve_reporting_a_request_routed_to_a_replica_that_left_does_not_bring_
     assert r.errors == 0
     _route(r, "A", "c3", "s3")
     assert r.policy.replicas["A"].in_flight == 1
+
+
+def test_an_absurd_max_new_tokens_does_not_erase_a_replicas_load():
+    """Counted in full, a 10**300 (refused by the engine later) made a busy replica's work, in float
+    arithmetic, 0 once it ended: a replica with requests in flight looked idle."""
+    r = _router()
+    _route(r, "A", "c1", "s1")  # 3,000 new tokens: real work
+    before = r.policy.replicas["A"].outstanding
+    pending = NS(args=[list(range(64)), {"max_new_tokens": 10**300}, "c2"], metadata=NS(internal_request_id="s2"))
+    r.on_request_routed(pending, NS(unique_id="A"), None)
+    r.on_request_completed(NS(unique_id="A"), "s2")
+    assert r.policy.replicas["A"].outstanding == before and r.errors == 0

@@ -132,6 +132,16 @@ def test_scaled_to_zero_the_service_stays_healthy_and_the_next_request_starts_a_
         with httpx.Client(base_url=serve_app + "/ztest", timeout=120) as c:
             body = {"inputs": "wake up", "parameters": {"max_new_tokens": 2}}
             assert c.post("/generate", json=body).status_code == 200
+            # under a route prefix the OpenAI routes keep their own error format and checks (they were
+            # told apart by the full path: TGI's format, and no 415 for a form body)
+            bad = c.post("/v1/completions", json={"prompt": "x", "max_tokens": "5"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens", bad.text
+            assert c.post("/v1/completions", content=b"prompt=x",
+                          headers={"content-type": "application/x-www-form-urlencoded"}).status_code == 415
+            # a max_tokens past the context is refused before routing (the router counts it as work)
+            model = c.get("/v1/models").json()["data"][0]["id"]
+            huge = c.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 10**300})
+            assert huge.status_code == 400 and "max_total_tokens" in huge.json()["error"]["message"], huge.text
             assert wait_for(lambda: not status().get("RUNNING") and not status().get("STOPPING"), timeout=120), \
                 "never scaled to zero"
             h = c.get("/health")

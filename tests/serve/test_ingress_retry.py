@@ -50,6 +50,11 @@ class FakeIngress:
     def _failure(self, e):
         return f"engine failure: {type(e).__name__}"
 
+    async def info_cached(self):
+        return {"max_total_tokens": 1 << 20}
+
+    _refuse_past_context = Ingress.func_or_class._refuse_past_context
+
 
 OK = [{"token_id": 1, "text": "a", "finished": False, "replica": "B"},
       {"token_id": 2, "text": "b", "finished": True, "replica": "B"}]
@@ -161,3 +166,21 @@ def test_a_client_gone_reads_as_a_disconnect_not_an_error():
 
     asyncio.run(PayloadLimit(app)({"type": "http", "headers": []}, receive, send))
     assert got == [{"type": "http.disconnect"}]
+
+
+def test_a_replica_that_fails_to_say_its_limits_is_a_503_in_the_api_format():
+    """Until an ingress first reads the model's limits, a replica failing that call was Starlette's
+    plain-text 500 (TGI's clients cannot parse it)."""
+
+    class Failing:
+        _info = None
+
+        class llm:  # noqa: N801 - stands in for the handle
+            class info:  # noqa: N801
+                @staticmethod
+                async def remote():
+                    raise RuntimeError("the actor died")
+
+    with pytest.raises(ApiError) as err:
+        asyncio.run(Ingress.func_or_class.info_cached(Failing()))
+    assert err.value.status == 503 and "the actor died" in err.value.message
