@@ -72,7 +72,6 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_batch_prefill_tokens
-        scheduled: set[int] = set()
         # next-block keys of prompts being prefilled: a waiting request that needs the same block waits
         # for it to be published (one more step) instead of computing it twice
         # (salted per tenant: another tenant's prefill of the same tokens publishes nothing it may hit)
@@ -88,9 +87,11 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.kv.ensure_blocks(seq, seq.num_computed + n):
-                victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s is not seq), None)
-                if victim is None:
-                    victim = seq  # nothing else to take from: wait for others to finish
+                # The victim is the newest running sequence, and only one admitted after ``seq``: the
+                # list is in admission order and walked oldest first, so those are not scheduled yet,
+                # while every older one keeps its place and blocks (even a prefill the budget left
+                # without tokens this step). When ``seq`` is the newest it gives way itself and waits.
+                victim = self.running[-1]
                 self._preempt(victim, plan)
                 if victim is seq:
                     break
@@ -102,7 +103,6 @@ class Scheduler:
                     start = seq.num_computed // bs * bs
                     pending_keys.add((seq.params.cache_salt, *seq.tokens[: start + bs]))
             plan.chunks.append(Chunk(seq, n))
-            scheduled.add(id(seq))
         if plan.preempted:
             return plan  # the pool is tight: admit nothing new this step
         # 2. admit waiting requests (FCFS), skipping one whose next block another prefill computes
