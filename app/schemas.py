@@ -103,7 +103,7 @@ def _refuse_named(data: Any, also: dict[str, tuple[str, tuple]] | None = None) -
 class TGIParameters(_Strict):
     max_new_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, gt=0)
-    top_k: int | None = Field(None, gt=0)
+    top_k: int | None = Field(None, gt=0)  # as TGI's router: 0 and -1 are refused, only None is "off"
     top_p: float | None = Field(None, gt=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=0)
@@ -145,7 +145,9 @@ class TGIRequest(_Strict):
         return dict(max_new_tokens=p.max_new_tokens or default_max_new_tokens,
                     temperature=(p.temperature or 1.0) if sample else 0.0,
                     top_k=p.top_k or 0, top_p=p.top_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
-                    frequency_penalty=p.frequency_penalty or 0.0, top_logprobs=p.top_n_tokens or 0,
+                    # TGI's frequency penalty: over prompt and output, per token of the context
+                    frequency_penalty=p.frequency_penalty or 0.0, frequency_penalty_per_context=True,
+                    top_logprobs=p.top_n_tokens or 0,
                     # a greedy answer has no seed to report; TGI keeps the stop sequence in the text
                     seed=p.seed if sample else None, stop=p.stop, include_stop_str_in_output=True, logprobs=True,
                     cache_salt=p.cache_salt)
@@ -182,7 +184,7 @@ class _OpenAICommon(_Strict):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)  # extension (vLLM has it too)
+    top_k: int | None = Field(None, ge=-1)  # extension (vLLM's): 0 and vLLM's -1 are off
     repetition_penalty: float | None = Field(None, gt=0)  # extension
     n: int = Field(1, ge=1)
     stream: bool = False
@@ -248,7 +250,8 @@ class _OpenAICommon(_Strict):
         return self.max_completion_tokens or self.max_tokens
 
     def sampling(self, max_new_tokens: int, logprobs: bool, top_logprobs: int = 0) -> dict[str, Any]:
-        return dict(max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k or 0,
+        return dict(max_new_tokens=max_new_tokens, temperature=self.temperature,
+                    top_k=max(self.top_k or 0, 0),  # vLLM's -1 is off, as 0
                     top_p=self.top_p, repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed,
                     frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                     logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},

@@ -27,11 +27,19 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         ids = torch.tensor(sorted(set(seq.tokens)), dtype=torch.long, device=row.device)
         seen = row[ids]
         row[ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and seq.output_ids:  # generated tokens only (OpenAI's)
+    per_context = p.frequency_penalty_per_context
+    if p.frequency_penalty and per_context:  # TGI's: the whole context's counts over its length
+        tokens = seq.tokens
+        counts = Counter(tokens)
+        ids = torch.tensor(list(counts), dtype=torch.long, device=row.device)
+        n = torch.tensor(list(counts.values()), dtype=row.dtype, device=row.device)
+        row[ids] -= p.frequency_penalty * (n / len(tokens))
+    frequency = 0.0 if per_context else p.frequency_penalty
+    if (frequency or p.presence_penalty) and seq.output_ids:  # generated tokens only (OpenAI's)
         counts = Counter(seq.output_ids)
         ids = torch.tensor(list(counts), dtype=torch.long, device=row.device)
         n = torch.tensor(list(counts.values()), dtype=row.dtype, device=row.device)
-        row[ids] -= p.frequency_penalty * n + p.presence_penalty
+        row[ids] -= frequency * n + p.presence_penalty
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)

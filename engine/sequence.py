@@ -60,6 +60,10 @@ class SamplingParams:
     # OpenAI's penalties on tokens generated so far: logit -= frequency x count + presence x (count > 0)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # TGI's frequency penalty instead (its HeterogeneousFrequencyPenaltyLogitsProcessor): the count is over
+    # the whole context, prompt and generated tokens, and divided by its length, so logit -= frequency x
+    # count / (prompt + generated so far); presence_penalty stays OpenAI's
+    frequency_penalty_per_context: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     cache_salt: str | None = None
 
@@ -81,7 +85,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             if not _is_number(getattr(self, name)):
                 raise SamplingError(f"{name} must be a number, got {getattr(self, name)!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "logprobs"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "logprobs",
+                     "frequency_penalty_per_context"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) for s in self.stop):

@@ -177,3 +177,88 @@ def test_a_top_k_past_the_vocabulary_beside_a_small_one_cuts_nothing_and_does_no
     out = _filter(dists, [5, 1000, 320], [1.0, 1.0, 1.0])
     assert torch.isfinite(out[0]).sum() == 5
     assert torch.equal(out[1], dists[1]) and torch.equal(out[2], dists[2])
+
+
+# ----------------------------------------------------------------------------- TGI's penalties
+def _tgi_reference(context: list[int], logits: torch.Tensor, repetition: float,
+                   frequency: float) -> torch.Tensor:
+    """TGI's documented semantics, written out token by token for one request: first the repetition
+    penalty on every token of ``context`` (prompt and generated so far: positive logits divided by it,
+    negative ones multiplied), then each token loses ``frequency`` x its count in ``context`` / its length."""
+    out = logits.clone()[0]
+    for t in set(context):
+        x = float(out[t])
+        out[t] = x / repetition if x > 0 else x * repetition
+    for t in set(context):
+        out[t] -= frequency * context.count(t) / len(context)
+    return out.unsqueeze(0)
+
+
+def _tgi_seq(prompt: list[int], output: list[int], **kw) -> Sequence:
+    from app.schemas import TGIRequest
+
+    params = TGIRequest.model_validate({"inputs": "x", "parameters": kw}).sampling(64)
+    s = Sequence("r", prompt, SamplingParams(**params).validate())
+    s.output_ids = list(output)
+    if not s.params.greedy:
+        s.generator = make_generator(s.params.seed)
+    return s
+
+
+def _reported(logits: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor]:
+    """The log-probabilities each row reports (the distribution after penalties, before filters)."""
+    for s in seqs:
+        s.params.logprobs, s.params.top_logprobs = True, 20
+    out = sample(logits, seqs)
+    vocab = logits.shape[-1]
+    return [torch.tensor([dict(o.top)[t] for t in range(vocab)]) for o in out]
+
+
+@pytest.mark.parametrize("repetition", [1.0, 1.3, 0.8])
+def test_tgi_frequency_penalty_is_tgis_count_over_the_context_length(repetition):
+    # TGI's frequency penalty counts prompt and generated tokens and divides by the context's length:
+    # token 5 (twice in 7 tokens) loses 1.0 x 2/7, not OpenAI's 1.0 x 2
+    torch.manual_seed(0)
+    logits = torch.randn(1, 12)
+    prompt, output = [1, 5, 2, 3, 1], [5, 9]
+    s = _tgi_seq(prompt, output, frequency_penalty=1.0, repetition_penalty=repetition)
+    want = torch.log_softmax(_tgi_reference(prompt + output, logits, repetition, 1.0), -1)[0]
+    assert torch.allclose(_reported(logits, [s])[0], want, atol=1e-5)
+    # before anything is generated the prompt alone is the context (TGI's first token)
+    s = _tgi_seq(prompt, [], frequency_penalty=-2.0, repetition_penalty=repetition)
+    want = torch.log_softmax(_tgi_reference(prompt, logits, repetition, -2.0), -1)[0]
+    assert torch.allclose(_reported(logits, [s])[0], want, atol=1e-5)
+
+
+def test_tgi_frequency_penalty_barely_moves_a_leading_token():
+    # token 5 leads by 1.0 and was generated twice after a 3-token prompt: OpenAI's 2.0 x 2 sinks it,
+    # TGI's 2.0 x 2/5 = 0.8 does not
+    assert sample(row(), [seq([5, 5], frequency_penalty=2.0)])[0].token != 5
+    s = Sequence("r", [1, 2, 3], SamplingParams(frequency_penalty=2.0, frequency_penalty_per_context=True))
+    s.output_ids = [5, 5]
+    assert sample(row(), [s])[0].token == 5
+
+
+def test_a_batch_mixes_tgi_and_openai_frequency_penalties():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 12)
+    prompt, output = [1, 5, 2, 3, 1], [5, 9, 5]
+    tgi = _tgi_seq(prompt, output, frequency_penalty=1.5, temperature=0.7, seed=3)
+    openai = Sequence("o", prompt, SamplingParams(frequency_penalty=1.5, presence_penalty=0.5,
+                                                  temperature=0.7, seed=3))
+    openai.output_ids, openai.generator = list(output), make_generator(3)
+    greedy = Sequence("g", prompt, SamplingParams())
+    greedy.output_ids = list(output)
+    got = _reported(logits, [openai, tgi, greedy])
+    adjusted = logits[0].clone()
+    adjusted[5] -= 1.5 * 2 + 0.5  # OpenAI's: generated tokens only, per count
+    adjusted[9] -= 1.5 * 1 + 0.5
+    assert torch.allclose(got[0], torch.log_softmax(adjusted, -1), atol=1e-5)
+    want = torch.log_softmax(_tgi_reference(prompt + output, logits[1:2], 1.0, 1.5), -1)[0]
+    assert torch.allclose(got[1], want, atol=1e-5)
+    assert torch.allclose(got[2], torch.log_softmax(logits[2], -1), atol=1e-5)
+
+
+def test_frequency_penalty_per_context_must_be_a_bool():
+    with pytest.raises(SamplingError, match="frequency_penalty_per_context"):
+        SamplingParams(frequency_penalty_per_context=1).validate()
