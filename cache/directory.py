@@ -36,9 +36,11 @@ from cache.hashing import block_hashes, pack_tokens
 
 log = logging.getLogger(__name__)
 _MAX_EXP = 60.0  # rescale scores before 2**exp loses precision
-# Reads the decay epoch (setting it on first use) and rescales every score when the weights grow too
-# large, in one atomic step: two replicas that both saw the epoch as old must not rescale twice.
-# Returns the exponent as a string (Redis turns a Lua number into an integer).
+# Reads the decay epoch (setting it on first use), rescales every score when the weights grow too large,
+# and adds the hits at the weight that epoch gives, in one atomic step: two replicas that both saw the
+# epoch as old must not rescale twice, and a rescale between weighing a hit and adding it would leave
+# that hit 2**exp times too heavy. KEYS: epoch, hot; ARGV: now, half-life, max exponent, member, hits.
+# Returns the size of the ranking.
 _INCREMENT_LUA = """
 local epoch = tonumber(redis.call('GET', KEYS[1]))
 -- none yet, or garbage (not a number, or further ahead than a clock could be off): from now
@@ -51,7 +53,8 @@ if exp > tonumber(ARGV[3]) then
   redis.call('SET', KEYS[1], ARGV[1])
   exp = 0
 end
-return string.format('%.17g', exp)
+redis.call('ZINCRBY', KEYS[2], string.format('%.17g', 2 ^ exp * tonumber(ARGV[5])), ARGV[4])
+return redis.call('ZCARD', KEYS[2])
 """
 
 
@@ -152,13 +155,14 @@ class HotPrefixDirectory:
         return bool(self._call(lambda r: r.ping(), False))
 
     # ------------------------------------------------------------------ writes
-    def _increment(self, r, now: float) -> float:
-        """The weight of a hit now (older hits weigh exponentially less)."""
+    def _add_hits(self, r, now: float, member: str, hits: int) -> int:
+        """Add ``hits`` to ``member``'s score at the weight of a hit now (older hits weigh exponentially
+        less). Returns the size of the ranking."""
         if self._scripting:
             try:
-                exp = self._increment_script(keys=[self.ns + "epoch", self.ns + "hot"],
-                                             args=[repr(now), repr(self.half_life_s), repr(_MAX_EXP)], client=r)
-                return 2.0 ** float(exp)
+                return int(self._increment_script(
+                    keys=[self.ns + "epoch", self.ns + "hot"],
+                    args=[repr(now), repr(self.half_life_s), repr(_MAX_EXP), member, repr(float(hits))], client=r))
             except redis.exceptions.AskError:  # a cluster redirection (MOVED too): not a refusal
                 raise
             except redis.ResponseError as e:
@@ -176,7 +180,8 @@ class HotPrefixDirectory:
             r.zunionstore(self.ns + "hot", {self.ns + "hot": 2.0 ** -exp})
             r.set(self.ns + "epoch", now)
             exp = 0.0
-        return 2.0 ** exp
+        r.zincrby(self.ns + "hot", 2.0 ** exp * hits, member)
+        return int(r.zcard(self.ns + "hot"))
 
     def record(self, replica: str, tokens: Sequence[int], hits: int = 1, cache_salt: str | None = None,
                now: float | None = None) -> int | None:
@@ -192,11 +197,11 @@ class HotPrefixDirectory:
         now = time.time() if now is None else now
 
         def write(r):
-            inc = self._increment(r, now)
+            # the tokens go in before the ranking names the prefix: a reader drops a ranked prefix
+            # without tokens as stale
             p = r.pipeline(transaction=False)
             p.hset(self.ns + f"p:{h}", mapping={"tokens": pack_tokens(toks), "blocks": n // self.block_size})
             p.expire(self.ns + f"p:{h}", int(self.ttl_s))
-            p.zincrby(self.ns + "hot", inc * hits, str(h))
             p.zadd(self.ns + f"h:{h}", {replica: now + self.ttl_s})
             # holders whose own entry expired (gone without a goodbye): a prefix that stays hot keeps its
             # set alive, which would otherwise collect every replica that ever held it
@@ -204,8 +209,8 @@ class HotPrefixDirectory:
             p.expire(self.ns + f"h:{h}", int(self.ttl_s))
             p.sadd(self.ns + f"r:{replica}", str(h))
             p.expire(self.ns + f"r:{replica}", int(self.ttl_s))
-            p.zcard(self.ns + "hot")
-            over = p.execute()[-1] - self.max_hot
+            p.execute()
+            over = self._add_hits(r, now, str(h), hits) - self.max_hot
             if over > 0:  # bounded: the coldest leave the ranking, with their tokens (up to 128 KiB each)
                 dropped = [m.decode(errors="replace") for m, _ in r.zpopmin(self.ns + "hot", over)]
                 r.delete(*(self.ns + f"{kind}:{m}" for m in dropped for kind in ("p", "h")))
@@ -213,19 +218,22 @@ class HotPrefixDirectory:
 
         return self._call(write, None)
 
-    def drop_holder(self, replica: str, hashes: Sequence[int]) -> None:
-        """``replica`` evicted these prefixes (by their last-block hash)."""
+    def drop_holder(self, replica: str, hashes: Sequence[int]) -> bool:
+        """``replica`` evicted these prefixes (by their last-block hash). True when Redis ran every removal
+        (or there was none to run); False when the write failed or was skipped while backing off: the
+        caller keeps the hashes and drops them again later (removing twice is harmless)."""
         if not hashes:
-            return
+            return True
 
-        def write(r):
+        def write(r) -> bool:
             p = r.pipeline(transaction=False)
             for h in hashes:
                 p.zrem(self.ns + f"h:{h}", replica)
                 p.srem(self.ns + f"r:{replica}", str(h))
-            p.execute()
+            p.execute()  # raises on any error reply: some removals may then have run, but not all
+            return True
 
-        self._call(write, None)
+        return bool(self._call(write, False))
 
     def forget_replica(self, replica: str) -> int:
         """Drop everything ``replica`` holds (it died or drains). Returns how many entries."""

@@ -65,6 +65,39 @@ def test_forget_replica_drops_only_its_holdings(d):
     assert d.holders(h) == []
 
 
+def test_drop_holder_says_whether_the_removal_ran(d):
+    """The replica forgets an evicted prefix only once Redis has: it could not tell a failure (or a skip
+    while backing off) from success, and the holder entry stayed for up to the TTL."""
+    h = d.record("r1", toks(80))
+    down = HotPrefixDirectory(f"redis://127.0.0.1:{free_port()}/0", deployment=d.deployment, model="m", block_size=BS)
+    assert down.drop_holder("r1", [h]) is False and down.errors == 1  # failed
+    assert down.drop_holder("r1", [h]) is False and down.errors == 1  # skipped: backing off
+    assert d.holders(h) == ["r1"]
+    assert d.drop_holder("r1", [h]) is True and d.holders(h) == []
+    assert d.drop_holder("r1", []) is True  # nothing to remove
+
+
+def test_a_rescale_cannot_slip_between_weighing_a_hit_and_adding_it(redis_server, d):
+    """The script weighed a hit (2 ** exp) and a later round trip added it: another replica's rescale in
+    between left this hit worth 2 ** 60 where a new hit is worth 1, on top of the ranking for hours."""
+    other = HotPrefixDirectory(redis_server.url, deployment=d.deployment, model="m", block_size=BS)
+    now, half_life = time.time(), d.half_life_s
+    d.record("r1", toks(70), now=now)  # sets the epoch
+    send, raced = d._r.execute_command, []
+
+    def then_the_other_replica_rescales(*args, **kwargs):
+        out = send(*args, **kwargs)
+        if args[0] == "EVALSHA" and not raced:
+            raced.append(other.record("r2", toks(71), now=now + 61 * half_life))
+        return out
+
+    d._r.execute_command = then_the_other_replica_rescales
+    mine = d.record("r1", toks(72), now=now + 60 * half_life)  # worth 2 ** 60, then rescaled by 2 ** -61
+    scores = {int(m): s for m, s in d._r.zrange(d.ns + "hot", 0, -1, withscores=True)}
+    assert raced and scores[raced[0]] == pytest.approx(1.0)
+    assert scores[mine] == pytest.approx(0.5)
+
+
 def test_salted_and_short_prefixes_are_never_written(d):
     assert d.record("r1", toks(6), cache_salt="tenant-a") is None
     assert d.record("r1", toks(6, 15)) is None
@@ -188,9 +221,11 @@ def test_a_redis_user_without_scripting_still_records(redis_server, d):
         now = time.time()
         old = limited.record("r1", toks(40), now=now)
         assert old is not None and not limited._scripting and limited.errors == 0
-        assert limited.record("r1", toks(41), now=now + 61 * limited.half_life_s) is not None  # rescales
+        new = limited.record("r1", toks(41), hits=2, now=now + 61 * limited.half_life_s)  # rescales
+        assert new is not None
         scores = dict(d._r.zrange(d.ns + "hot", 0, -1, withscores=True))
         assert scores[str(old).encode()] == pytest.approx(2.0 ** -61, rel=1e-6)
+        assert scores[str(new).encode()] == pytest.approx(2.0)  # added after the rescale, at its weight
     finally:
         d._r.execute_command("ACL", "DELUSER", "noscript")
 
