@@ -113,6 +113,8 @@ class Settings(BaseModel):
                                   "`radixserve serve`")
     warmup_top_k: int = Field(16, ge=0)
     warmup_token_budget: int = Field(65536, ge=0)
+    warmup_timeout_s: float = Field(300.0, gt=0, description="a starting replica that has not prefilled its hot "
+                                    "prefixes within this many seconds starts with what it has (default: 300)")
     deployment_name: str = Field("radixserve", description="names the Serve application and its deployments (letters, digits, "
                                  "_ . -; default: radixserve)")
 

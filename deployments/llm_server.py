@@ -25,7 +25,7 @@ from ray import serve
 from app.config import Settings
 from cache.directory import HotPrefixDirectory
 from deployments.logs import show_our_info_logs
-from deployments.metrics import HISTOGRAMS, Histogram, HubClient
+from deployments.metrics import HubClient
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.llm_engine import LLMEngine, RequestError
 from engine.sequence import SamplingParams
@@ -61,6 +61,10 @@ def _cached_tokens(engine: LLMEngine, prefixes: list[list[int]], cache_salt: str
     for p in prefixes:
         held.update(cache.match(p, cache_salt, max_blocks=len(p) // bs, count=False, hit=False).blocks)
     return len(held) * bs
+
+
+FLUSH_BUDGET_S = 0.5  # of directory writes per background tick (once a second)
+WARMUP_POOL_SHARE = 0.75  # of the KV pool a start-up warm-up may fill (the rest: the first requests)
 
 
 class LLMServer:
@@ -102,7 +106,6 @@ class LLMServer:
         self.first_request_cached_tokens: int | None = None
         self.warmup_report = self._warm_up()  # before Serve marks this replica ready
         self.aengine = AsyncEngine(self.engine)
-        self._hists = {spec[0]: Histogram(spec[2]) for spec in HISTOGRAMS.values()}
         self._hub = HubClient(self.settings.deployment_name)
         self._stop = threading.Event()
         self._flush_warned_at = float("-inf")
@@ -112,23 +115,40 @@ class LLMServer:
 
     def _warm_up(self) -> dict[str, Any]:
         """Prefill the directory's hottest prefixes. Synchronous: the engine thread is not running yet
-        and Serve routes nothing here until ``__init__`` returns."""
-        k, budget = self.settings.warmup_top_k, self.settings.warmup_token_budget
+        and Serve routes nothing here until ``__init__`` returns. Never fails the replica: past
+        ``warmup_timeout_s``, or on an engine error, it starts with what is cached (Serve gives up on
+        no start-up: a replica stuck here would count toward the fleet's size for good)."""
+        k = self.settings.warmup_top_k
+        # no more than the pool holds (less a margin for the first requests): past it, the later prefixes
+        # would evict the earlier ones
+        budget = min(self.settings.warmup_token_budget, int(WARMUP_POOL_SHARE * self.engine.kv.capacity_tokens))
         report: dict[str, Any] = {"prefixes": 0, "tokens": 0, "seconds": 0.0}
-        if self.directory is None or k <= 0:
+        if self.directory is None or k <= 0 or budget <= 0:
             return report
         t0 = time.monotonic()
-        for hp in self.directory.top_k(k, token_budget=budget):
+        added: list[tuple[str, list[int]]] = []
+        for hp in reversed(self.directory.top_k(k, token_budget=budget)):  # the hottest last: the newest
             try:
-                self.engine.add_request(hp.tokens, SamplingParams(max_new_tokens=1), prefill_only=True)
+                added.append((self.engine.add_request(hp.tokens, SamplingParams(max_new_tokens=1),
+                                                      prefill_only=True), hp.tokens))
             except RequestError as e:  # e.g. longer than this replica's limits
                 log.warning("skipping a hot prefix at warm-up: %s", e)
-                continue
-            self._queue_record(hp.tokens)  # this replica holds it now
-            report["prefixes"] += 1
-            report["tokens"] += len(hp.tokens)
-        while self.engine.has_work():
-            self.engine.step()
+        deadline = t0 + self.settings.warmup_timeout_s
+        aborted: set[str] = set()
+        try:
+            while self.engine.has_work():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not done within {self.settings.warmup_timeout_s:g} s (--warmup-timeout-s)")
+                self.engine.step()
+        except Exception as e:  # noqa: BLE001 - serve cold rather than not at all
+            log.warning("warm-up stopped, starting with what is cached: %s", e)
+            report["error"] = str(e)
+            aborted = {rid for rid, _ in added if self.engine.abort(rid)}
+        for rid, tokens in added:
+            if rid not in aborted:
+                self._queue_record(tokens)  # this replica holds it now
+                report["prefixes"] += 1
+                report["tokens"] += len(tokens)
         report["seconds"] = time.monotonic() - t0
         log.info("warm-up: %d hot prefixes, %d tokens in %.2fs", report["prefixes"], report["tokens"],
                  report["seconds"])
@@ -208,9 +228,6 @@ class LLMServer:
     def _snapshot(self, engine: LLMEngine) -> dict[str, Any]:
         s = engine.kv_stats()
         st = engine.stats
-        for key, src in (("ttft", st.ttft_s), ("itl", st.itl_s), ("e2e", st.e2e_s)):
-            while src:
-                self._hists[key].observe(src.popleft())
         return {**s, "blocks_used": s["blocks_total"] - s["blocks_free"],
                 "requests_finished": st.requests_finished, "requests_aborted": st.requests_aborted,
                 "prompt_tokens": st.prompt_tokens,
@@ -220,7 +237,8 @@ class LLMServer:
                 # -1 until the first request: how much of it warm-up had already cached
                 "first_request_cached_tokens": (-1 if self.first_request_cached_tokens is None
                                                 else self.first_request_cached_tokens),
-                **{k: h.to_dict() for k, h in self._hists.items()}}
+                # counted by the engine as each sample came (on this thread): none dropped between snapshots
+                **{k: getattr(st, k).to_dict() for k in ("ttft", "itl", "e2e")}}
 
     def stats(self) -> dict[str, Any]:
         return self.aengine.call(self._snapshot)
@@ -314,7 +332,10 @@ class LLMServer:
         if self.directory is None:
             return
         drained = self._collect_events()
-        while self.directory.available:
+        # bounded: a slow Redis (inside its timeouts) writes fewer records a second than requests make, and
+        # this thread also pushes the metrics that /health reads; the rest waits for the next flush
+        until = time.monotonic() + FLUSH_BUDGET_S
+        while self.directory.available and time.monotonic() < until:
             with self._records_lock:
                 if not self._pending_records:
                     break
@@ -330,8 +351,7 @@ class LLMServer:
         # computed again since is held
         with self._events_lock:
             gone = [h for h in self._recorded if self._last_event.get(h) is False]
-        if gone:
-            self.directory.drop_holder(self.replica_id, gone)
+        if gone and self.directory.drop_holder(self.replica_id, gone):  # else tried again at the next flush
             self._recorded.difference_update(gone)
 
     def check_health(self) -> None:
@@ -346,13 +366,13 @@ class LLMServer:
                                f"(--engine-stall-timeout-s {self.settings.engine_stall_timeout_s:g})")
 
     def __del__(self):
-        # Serve calls this on graceful shutdown: abort what is running so every block goes back,
-        # and tell the directory this replica no longer holds anything.
-        try:
-            self._stop.set()
-            self.aengine.shutdown()
-            self._hub.handle.forget.remote(self.replica_id)
-            if self.directory is not None:
-                self.directory.forget_replica(self.replica_id)
-        except Exception:  # noqa: BLE001
-            pass
+        # Serve calls this on graceful shutdown, after the drain, with its force-kill near: the quick
+        # calls first (the hub forgets this replica's series, the directory its holdings), then abort what
+        # is running so every block goes back (a join of up to 10 s)
+        for step in (lambda: self._stop.set(), lambda: self._hub.handle.forget.remote(self.replica_id),
+                     lambda: self.directory is not None and self.directory.forget_replica(self.replica_id),
+                     lambda: self.aengine.shutdown()):
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - each one on its own: one failing must not skip the rest
+                pass

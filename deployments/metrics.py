@@ -15,9 +15,8 @@ from typing import Any
 
 import ray
 
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+from engine.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
+
 STALE_AFTER_S = 30.0
 RETIRED_MERGE_S = 600.0
 HUB_VERSION = 5  # in the hub's name: a detached hub of older code (without the routers' counts) is not reused
@@ -75,27 +74,6 @@ HISTOGRAMS = {
                                            "(waiting, prefill and generation; cancelled ones not counted).",
                                            E2E_BUCKETS),
 }
-
-
-class Histogram:
-    """Cumulative bucket counts (Prometheus style), fed from the engine's latency samples."""
-
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # last: +Inf
-        self.sum = 0.0
-
-    def observe(self, x: float) -> None:
-        for i, b in enumerate(self.buckets):
-            if x <= b:
-                self.counts[i] += 1
-                break
-        else:
-            self.counts[-1] += 1
-        self.sum += x
-
-    def to_dict(self) -> dict:
-        return {"counts": list(self.counts), "sum": self.sum}
 
 
 def _esc(v: str) -> str:
@@ -240,9 +218,16 @@ class SnapshotStore:
 
     def export_state(self) -> tuple[dict[str, dict], dict[str, Any], str, dict[str, dict], dict[str, Any]]:
         """``export`` plus what a restarted store needs back (``restore``): (live snapshots, retired
-        sum, incarnation, retired totals per replica, merged totals)."""
+        sum, incarnation, retired totals per replica, merged totals). The merged totals carry the
+        routers' counts too, or a restart would drop them: those of ingress replicas gone, summed in,
+        and each known one's under ``"ingress_routing"`` (the reader's tuple keeps its shape)."""
         live, retired = self.export()
-        merged = {**self._merged, "block_size": self._block_size} if self._block_size else dict(self._merged)
+        merged: dict[str, Any] = {}
+        _add(merged, self._merged)  # a copy, histograms included
+        _add(merged, self._routing_gone)
+        if self._block_size:
+            merged["block_size"] = self._block_size
+        merged["ingress_routing"] = {r: dict(c) for r, c in self._routing.items()}
         return live, retired, self.incarnation, {r: t for r, (_, t) in self._retired.items()}, merged
 
     def restore(self, live: dict[str, dict], retired: dict[str, dict], merged: dict[str, Any]) -> bool:
@@ -256,6 +241,7 @@ class SnapshotStore:
         now = self._clock()
         merged = dict(merged)
         block_size = merged.pop("block_size", 0)  # (a constant: never summed into the totals)
+        routing: dict[str, dict[str, int]] = merged.pop("ingress_routing", {})  # absent in older state
         self._block_size = self._block_size or block_size
         for r, s in live.items():
             if r not in self._snaps and r not in self._retired:
@@ -263,6 +249,12 @@ class SnapshotStore:
         for r, totals in retired.items():
             if r not in self._snaps and r not in self._retired:
                 self._retired[r] = (now, totals)
+        for r, counts in routing.items():
+            if r not in self._routing:  # one that polled since sent its own, newer counts
+                self._routing[r] = dict(counts)
+                # as just heard, so a dead one folds into _routing_gone after STALE_AFTER_S; nothing in
+                # flight and "told", so it never holds up a drain
+                self._ingress.setdefault(r, (now, 0, True))
         _add(self._merged, merged)
         return True
 

@@ -21,6 +21,7 @@ from engine.cuda_graphs import StepGraphs, graphs_blocker
 from engine.detokenizer import find_stop, flush_text, take_delta, update_text
 from engine.kv_manager import KVManager
 from engine.kv_scales import KVScaleError, read_kv_scales
+from engine.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram
 from engine.model_loader import LoadedModel, load_model, weight_files
 from engine.model_runner import ModelRunner
 from engine.model_support import serving_limits
@@ -38,7 +39,7 @@ class RequestError(ValueError):
 
 @dataclass
 class EngineStats:
-    """Counters and recent samples for metrics (read by the serving layer)."""
+    """Counters and latency histograms for metrics (read by the serving layer)."""
 
     requests_finished: int = 0
     requests_aborted: int = 0  # cancelled before they finished (client gone, shutdown)
@@ -46,9 +47,13 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_tokens_computed: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))  # arrival to end, finished
+    # the latest samples only, for a look at single requests (tests); the metrics read the histograms
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=4096))
     itl_s: deque = field(default_factory=lambda: deque(maxlen=4096))
-    e2e_s: deque = field(default_factory=lambda: deque(maxlen=4096))  # arrival to end, finished requests
+    e2e_s: deque = field(default_factory=lambda: deque(maxlen=4096))
     steps: int = 0
 
 
@@ -274,8 +279,10 @@ class LLMEngine:
         tok = s.token
         if seq.first_token_time is None:
             seq.first_token_time = now
+            self.stats.ttft.observe(now - seq.arrival)
             self.stats.ttft_s.append(now - seq.arrival)
         else:
+            self.stats.itl.observe(now - seq.last_token_time)
             self.stats.itl_s.append(now - seq.last_token_time)
         seq.last_token_time = now
         seq.output_ids.append(tok)
@@ -327,7 +334,9 @@ class LLMEngine:
             self.stats.warmups_finished += 1
         else:
             self.stats.requests_finished += 1
-            self.stats.e2e_s.append(time.monotonic() - seq.arrival)
+            e2e = time.monotonic() - seq.arrival
+            self.stats.e2e.observe(e2e)
+            self.stats.e2e_s.append(e2e)
         return TokenEvent(seq.request_id, None, take_delta(seq, final=True), None, True, reason,
                           num_prompt_tokens=len(seq.prompt_ids), num_cached_tokens=seq.num_cached_prompt_tokens,
                           num_output_tokens=len(seq.output_ids))

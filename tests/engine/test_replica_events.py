@@ -23,6 +23,23 @@ def _replica(engine) -> LLMServer:
     return r
 
 
+PROMPT = list(range(40, 110))  # 4 full blocks
+
+
+def _recording(make_engine, directory: bool = False):
+    """A tiny engine with a small pool whose cache records events, and its replica (with a directory)."""
+    eng = make_engine("tiny", max_batch_total_tokens=256)
+    eng.kv.cache.record_events = True
+    r = _replica(eng)
+    if directory:
+        r.directory = FakeDirectory(eng.kv.cache.model_id)
+    return eng, r
+
+
+def _evict_all(r: LLMServer) -> None:
+    r.aengine.call(lambda e: e.kv.allocator.free(e.kv.cache.evict(10**6)))  # pressure: the cache lets go
+
+
 class FakeDirectory:
     """What the replica calls on HotPrefixDirectory, Redis up or down, without Redis."""
 
@@ -40,21 +57,21 @@ class FakeDirectory:
         return h
 
     def drop_holder(self, replica, hashes):
+        if not self.available:
+            return False
         self.held.difference_update(hashes)
+        return True
 
 
 def test_a_prefix_evicted_before_its_record_reaches_the_directory_is_taken_back(make_engine):
     # the eviction event used to be dropped when it came before the record (a 1 s flush later), and
     # the replica stayed the prefix's holder in Redis, and in its own bookkeeping, for good
-    eng = make_engine("tiny", max_batch_total_tokens=256)
-    eng.kv.cache.record_events = True
-    r = _replica(eng)
-    r.directory = FakeDirectory(eng.kv.cache.model_id)
-    prompt = list(range(40, 110))
+    eng, r = _recording(make_engine, directory=True)
+    prompt = PROMPT
     try:
         eng.generate([prompt], SamplingParams(max_new_tokens=1))
         r._queue_record(prompt[:64])  # the request proved 64 tokens shared: the record waits for the flush
-        r.aengine.call(lambda e: e.kv.allocator.free(e.kv.cache.evict(10**6)))  # pressure: the cache lets go
+        _evict_all(r)  # pressure: the cache lets go
         r._collect_events()  # the eviction is seen first (a routing stats poll)
         r._flush_directory()
         assert not r._recorded and not r.directory.held
@@ -63,14 +80,14 @@ def test_a_prefix_evicted_before_its_record_reaches_the_directory_is_taken_back(
         r._queue_record(prompt[:64])
         r._flush_directory()
         assert len(r._recorded) == 1 and r.directory.held == r._recorded
-        r.aengine.call(lambda e: e.kv.allocator.free(e.kv.cache.evict(10**6)))
+        _evict_all(r)
         r._flush_directory()
         assert not r._recorded and not r.directory.held
         # evicted, computed again and recorded, all between two flushes: held (an early version of
         # this fix applied the eviction after the record and dropped it)
         eng.generate([prompt], SamplingParams(max_new_tokens=1))
         r._collect_events()
-        r.aengine.call(lambda e: e.kv.allocator.free(e.kv.cache.evict(10**6)))
+        _evict_all(r)
         eng.generate([prompt], SamplingParams(max_new_tokens=1))
         r._queue_record(prompt[:64])
         r._flush_directory()
@@ -118,12 +135,10 @@ def test_events_drained_after_the_wait_ran_out_still_reach_the_next_report(make_
 def test_a_report_carries_each_blocks_net_change_since_the_last(make_engine):
     # stored then evicted within one stats period: reported as two lists, the routers applied the
     # eviction first and the store after, and counted on blocks the replica no longer had
-    eng = make_engine("tiny", max_batch_total_tokens=256)
-    eng.kv.cache.record_events = True
-    r = _replica(eng)
+    eng, r = _recording(make_engine)
     try:
         eng.generate([list(range(40, 110))], SamplingParams(max_new_tokens=1))  # stores 4 blocks
-        r.aengine.call(lambda e: e.kv.allocator.free(e.kv.cache.evict(10**6)))
+        _evict_all(r)
         report = r.record_routing_stats()
         assert report["stored"] == [] and len(report["removed"]) == 4
         eng.generate([list(range(40, 110))], SamplingParams(max_new_tokens=1))  # and back again
@@ -209,3 +224,139 @@ def test_the_working_set_is_counted_a_slice_per_step_while_serving(make_engine, 
     assert seen[-1] == 10 and seen.count(5) >= 2  # one node per step: the new count came steps later
     assert eng.hot_blocks(60.0) == 10
     eng.abort(rid)
+
+
+class HotDirectory(FakeDirectory):
+    """Hands out ``prefixes`` (hottest first) as the directory's top k, within the token budget."""
+
+    def __init__(self, model: str, prefixes: list[list[int]]):
+        super().__init__(model)
+        self.prefixes, self.budgets = prefixes, []
+
+    def top_k(self, k, token_budget=None):
+        import types
+
+        self.budgets.append(token_budget)
+        out, total = [], 0
+        for p in self.prefixes[:k]:
+            if token_budget is not None and total + len(p) > token_budget:
+                break
+            out.append(types.SimpleNamespace(tokens=p))
+            total += len(p)
+        return out
+
+
+def _warming(engine, prefixes, timeout_s: float = 300.0) -> LLMServer:
+    import types
+
+    r = _replica(engine)
+    r.directory = HotDirectory(engine.kv.cache.model_id, prefixes)
+    r.settings = types.SimpleNamespace(warmup_top_k=16, warmup_token_budget=65536, warmup_timeout_s=timeout_s)
+    return r
+
+
+def _prefix(i: int) -> list[int]:
+    """96 tokens (6 blocks) of the tiny model's vocabulary, a different first token for each ``i``."""
+    return [3 + i] + [3 + (13 * j + 29 * i) % 316 for j in range(95)]
+
+
+def _held(engine, tokens) -> int:
+    return len(engine.kv.cache.match(tokens, max_blocks=len(tokens) // 16, count=False, hit=False).blocks)
+
+
+def test_start_up_warm_up_keeps_to_the_pool_and_the_hottest_prefixes_stay(make_engine):
+    """Past the pool, the later prefixes evicted the earlier ones: the hottest, queued first, went."""
+    eng = make_engine("tiny", max_batch_total_tokens=512)  # 32 blocks of 16
+    prefixes = [_prefix(i) for i in range(8)]  # 6 blocks each, 48 in all
+    r = _warming(eng, prefixes)
+    try:
+        report = r._warm_up()
+        assert r.directory.budgets == [int(0.75 * eng.kv.capacity_tokens)]
+        assert report["prefixes"] == 4 and not report.get("error")
+        assert [_held(eng, p) for p in prefixes[:4]] == [6] * 4  # the hottest are cached, in full
+        assert len(r._pending_records) == 4  # and recorded as held
+    finally:
+        r.aengine.shutdown()
+
+
+def test_a_warm_up_past_its_deadline_or_failing_starts_the_replica_cold(make_engine, monkeypatch):
+    """Warm-up ran in __init__ with no deadline, and an engine error there failed the replica: Serve
+    never gives up on a start-up, so a stuck one counted toward the fleet's size for good."""
+    eng = make_engine("tiny", max_batch_total_tokens=512)
+    prefixes = [_prefix(i) for i in range(2)]
+    r = _warming(eng, prefixes, timeout_s=1e-9)
+    try:
+        report = r._warm_up()
+        assert "--warmup-timeout-s" in report["error"] and report["prefixes"] == 0
+        assert not eng.has_work() and not eng.requests and not r._pending_records
+    finally:
+        r.aengine.shutdown()
+    eng2 = make_engine("tiny", max_batch_total_tokens=512)
+    r = _warming(eng2, prefixes)
+    monkeypatch.setattr(eng2, "step", lambda: (_ for _ in ()).throw(RuntimeError("device lost")))
+    try:
+        report = r._warm_up()
+        assert report["error"] == "device lost" and not eng2.has_work() and not eng2.requests
+    finally:
+        r.aengine.shutdown()
+
+
+def test_a_slow_redis_does_not_hold_the_background_thread(make_engine):
+    """The flush looped until every waiting record was written: with Redis slow inside its timeouts it
+    never returned, and the metrics pushes on the same thread (what /health reads) stopped."""
+    r = _replica(make_engine("tiny"))
+
+    class Slow(FakeDirectory):
+        def record(self, replica, tokens):
+            time.sleep(0.1)
+            return super().record(replica, tokens)
+
+    r.directory = Slow("m")
+    try:
+        for i in range(30):
+            r._queue_record([i] * 32)
+        t0 = time.monotonic()
+        r._flush_directory()
+        assert time.monotonic() - t0 < 1.0 and 0 < len(r._pending_records) < 30
+    finally:
+        r.aengine.shutdown()
+
+
+def test_a_holder_removal_redis_did_not_run_is_tried_again(make_engine):
+    eng, r = _recording(make_engine, directory=True)
+    prompt = PROMPT
+    try:
+        eng.generate([prompt], SamplingParams(max_new_tokens=1))
+        r._queue_record(prompt[:64])
+        r._flush_directory()
+        assert len(r.directory.held) == 1
+        _evict_all(r)
+        r._collect_events()
+        r.directory.available = False  # the removal fails (or is skipped in backoff)
+        r._flush_directory()
+        assert len(r._recorded) == 1  # kept: dropping it here left the holder in Redis for an hour
+        r.directory.available = True
+        r._flush_directory()
+        assert not r._recorded and not r.directory.held
+    finally:
+        r.aengine.shutdown()
+
+
+def test_shutdown_tells_the_hub_and_the_directory_before_the_slow_engine_join():
+    """Serve's force-kill can land during the engine's join (up to 10 s): the calls after it were lost."""
+    import types
+
+    calls = []
+    r = object.__new__(LLMServer)
+    r._stop = threading.Event()
+    r.replica_id = "A"
+
+    def forget(rid):
+        calls.append("hub")
+        raise RuntimeError("the hub is gone")  # one failing does not skip the others
+
+    r._hub = types.SimpleNamespace(handle=types.SimpleNamespace(forget=types.SimpleNamespace(remote=forget)))
+    r.directory = types.SimpleNamespace(forget_replica=lambda rid: calls.append("directory"))
+    r.aengine = types.SimpleNamespace(shutdown=lambda: calls.append("engine"))
+    r.__del__()
+    assert calls == ["hub", "directory", "engine"] and r._stop.is_set()

@@ -193,3 +193,53 @@ def test_replicas_that_are_gone_are_folded_away_without_a_scrape():
             store.forget(f"r{i}")  # a graceful stop; the others just stop pushing (crashed)
     assert len(store._snaps) <= 2 and len(store._retired) <= 11  # what RETIRED_MERGE_S (600 s) keeps
     assert values(render(*store.export()))[("radixserve_requests_total", "all")] == 500
+
+
+def routed(text: str) -> tuple[float, float]:
+    m = values(text)
+    return m[("radixserve_router_affinity_hits_total", "all")], m[("radixserve_router_cold_routes_total", "all")]
+
+
+def test_router_counts_survive_a_hub_restart():
+    """The counts of ingress replicas gone (folded) or just dead (not yet folded) were left out of the
+    exported state: after a hub restart the "all" router counters dropped by them."""
+    now = [0.0]
+    old = SnapshotStore(clock=lambda: now[0])
+    old.ingress_poll("folded", 0, {"router_affinity_hits": 100, "router_cold_routes": 7})
+    now[0] = 1.0
+    old.ingress_poll("live", 0, {"router_affinity_hits": 3, "router_cold_routes": 1})
+    old.ingress_poll("dying", 0, {"router_affinity_hits": 20, "router_cold_routes": 2})
+    now[0] = STALE_AFTER_S + 0.5
+    old.ingress_poll("live", 0, {"router_affinity_hits": 4, "router_cold_routes": 1})  # "folded" is gone
+    live, retired, _, by_replica, merged = old.export_state()
+    assert routed(render(live, retired)) == (124, 10)
+
+    new = SnapshotStore(clock=lambda: now[0])  # the restart ("dying" died just before it)
+    new.ingress_poll("live", 0, {"router_affinity_hits": 5, "router_cold_routes": 1})  # before the reader
+    assert new.restore(live, by_replica, merged)
+    assert routed(render(*new.export())) == (125, 10)  # live's own newer count, not its old one added
+    now[0] += 1
+    new.ingress_poll("live", 0, {"router_affinity_hits": 6, "router_cold_routes": 1})
+    assert routed(render(*new.export())) == (126, 10)
+    assert new.ingress_in_flight(3.0) == 0  # the restored entries hold up no drain
+    now[0] += STALE_AFTER_S
+    new.ingress_poll("live", 0, {"router_affinity_hits": 6, "router_cold_routes": 1})
+    assert "dying" not in new._routing  # folded like any ingress gone...
+    assert routed(render(*new.export())) == (126, 10)  # ...and still counted
+    live, retired, _, by_replica, merged = new.export_state()  # a second restart keeps them too
+    again = SnapshotStore(clock=lambda: now[0])
+    assert again.restore(live, by_replica, merged)
+    assert routed(render(*again.export())) == (126, 10)
+
+
+def test_a_state_exported_by_older_code_is_restored():
+    """A reader's view taken before the upgrade has no routers' counts: restore takes it all the same."""
+    now = [0.0]
+    old = SnapshotStore(clock=lambda: now[0])
+    old.push("a", {**snap(5), "block_size": 16})
+    live, _, _, by_replica, merged = old.export_state()
+    merged.pop("ingress_routing", None)  # as the old code exported it
+    new = SnapshotStore(clock=lambda: now[0])
+    assert new.restore(live, by_replica, merged)
+    m = values(render(*new.export()))
+    assert m[("radixserve_requests_total", "all")] == 5 and m[("radixserve_router_affinity_hits_total", "all")] == 0

@@ -1,0 +1,30 @@
+"""Latency histograms: counted by the engine as each sample comes, exposed by the metrics hub.
+
+Pure Python (no torch, no Ray): the engine and the metrics exposition share the buckets from here."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Histogram:
+    """Per-bucket counts (last: +Inf) and the sum of every sample, counted as it comes: however late the
+    metrics read them, none is lost. One thread only (the engine's; the replica's snapshot runs there)."""
+
+    __slots__ = ("buckets", "counts", "sum")
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, x: float) -> None:
+        self.counts[bisect_left(self.buckets, x)] += 1  # the first bucket whose bound is >= x, as Prometheus
+        self.sum += x
+
+    def to_dict(self) -> dict:
+        return {"counts": list(self.counts), "sum": self.sum}
