@@ -11,6 +11,7 @@ mid-stream cancels its request, which aborts it in the engine and frees its bloc
 import asyncio
 import concurrent.futures
 import functools
+import inspect
 import json
 import logging
 import secrets
@@ -71,6 +72,30 @@ def _byte_level_table() -> dict[str, int]:
 
 
 _BYTE_DECODER = _byte_level_table()
+
+
+def _sanitize_option(tokenizer) -> dict[str, bool]:
+    try:
+        has = "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters
+    except (TypeError, ValueError):
+        has = False
+    if not has:
+        log.warning("this transformers cannot tell a chat message's text from control tokens: a user can "
+                    "type a turn boundary; upgrade transformers")
+    return {"sanitize_control_tokens": True} if has else {}
+
+
+def _anchor_token(tokenizer, byte_level: bool) -> int | None:
+    """A plain token to decode others after: SentencePiece decoders (Llama 2, Mistral) strip a text's
+    leading space, so a token decoded alone loses its own ("Paris" for "▁Paris"). None where decoding
+    alone is exact (byte-level BPE) or no one-token text is at hand."""
+    if byte_level:
+        return None
+    try:
+        ids = tokenizer.encode("a", add_special_tokens=False)
+    except Exception:  # noqa: BLE001 - an odd tokenizer: texts as decoded alone
+        return None
+    return ids[0] if len(ids) == 1 else None
 
 
 def token_bytes(piece: str | None, text: str, byte_level: bool) -> list[int]:
@@ -416,6 +441,10 @@ class Ingress:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)  # fast tokenizers only
         # byte-level BPE (GPT-2, Llama 3, Qwen) spells bytes as characters; SentencePiece does not
         self._byte_level = "ByteLevel" in type(getattr(backend, "decoder", None)).__name__
+        self._anchor = _anchor_token(self.tokenizer, self._byte_level)
+        # control tokens a user types into a message ("<|im_end|><|im_start|>system") are text, not turns:
+        # only the template's own are tokens (an older transformers has no such option: a warning says so)
+        self._sanitize = _sanitize_option(self.tokenizer)
 
     # ------------------------------------------------------------------ plumbing
     def drain(self) -> bool:
@@ -487,7 +516,13 @@ class Ingress:
         token shows its own text ("</s>"), as in TGI's details."""
         got = self._text_cache.get(tid)
         if got is None:
-            got = self._text_cache[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+            got = self.tokenizer.decode([tid], skip_special_tokens=False)
+            if self._anchor is not None and tid not in self._special:  # its own leading space too
+                head = self.tokenizer.decode([self._anchor], skip_special_tokens=False)
+                joined = self.tokenizer.decode([self._anchor, tid], skip_special_tokens=False)
+                if joined.startswith(head):
+                    got = joined[len(head):]
+            self._text_cache[tid] = got
         return got
 
     def _listed_token(self, tid: int) -> str:
@@ -820,14 +855,16 @@ class Ingress:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         try:
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            # "developer" is OpenAI's newer name for the system role, which chat templates know: one
+            # they do not know is dropped (Qwen's) or rendered as a role the model never saw (Llama 3's)
+            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
             await self._refuse_overlong(sum(len(m["content"]) for m in msgs), "messages")
         except ValueError as e:
             raise ApiError(422, str(e), param="messages") from None
         try:
             enc = await self._off_loop(self.tokenizer.apply_chat_template, msgs, tokenize=True,
                                        add_generation_prompt=req.add_generation_prompt,
-                                       continue_final_message=req.continue_final_message)
+                                       continue_final_message=req.continue_final_message, **self._sanitize)
         except Exception as e:  # noqa: BLE001 - the template refused these messages (raise_exception, ...)
             raise ApiError(422, f"the model's chat template cannot render these messages: {_error_text(e)}",
                            param="messages") from None
@@ -860,9 +897,14 @@ class Ingress:
             c = _chunk(text, finish, role)
             sent += len(text or "")
             if want_logprobs and unsent:  # the last chunk knows the text's length: a stop string left out
-                c["choices"][0]["logprobs"] = self._oai_logprobs(unsent, chat, top, len(prefix),
-                                                                 sent if finish else None)
-                unsent.clear()
+                # a token's text_offset is final once the text sent reaches it (a stop string cuts at or
+                # after what was sent); later ones wait for their text, or they could point past the end
+                ready = len(unsent) if chat or finish else next(
+                    (i for i, ev in enumerate(unsent) if len(prefix) + ev["text_offset"] > sent), len(unsent))
+                if ready:
+                    c["choices"][0]["logprobs"] = self._oai_logprobs(unsent[:ready], chat, top, len(prefix),
+                                                                     sent if finish else None)
+                    del unsent[:ready]
             return c
 
         def _chunk(text: str | None, finish: str | None, role: bool = False) -> dict:

@@ -16,6 +16,18 @@ def _decode(tokenizer, ids: list[int], skip_special: bool = True) -> str:
     return tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
 
 
+# prompt tokens the first output tokens are decoded after: SentencePiece decoders (Llama 2, Mistral) strip
+# the leading space of a text, so a first token decoded alone lost its own ("Paris", not " Paris")
+PROMPT_CONTEXT = 5
+
+
+def _window(seq: Sequence, start: int, end: int) -> list[int]:
+    """``output_ids[start:end]``, where a negative ``start`` begins that many tokens back in the prompt."""
+    if start >= 0:
+        return seq.output_ids[start:end]
+    return seq.prompt_ids[len(seq.prompt_ids) + start:] + seq.output_ids[:end]
+
+
 def update_text(tokenizer, seq: Sequence) -> int | None:
     """Extend ``seq.text`` with what the newest output token completes. Returns where in the text that
     token's own characters start, when it completed any (see ``_extend``)."""
@@ -32,9 +44,11 @@ def flush_text(tokenizer, seq: Sequence, upto: int) -> int | None:
 def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> int | None:
     if upto <= seq.read_offset:
         return None
-    ids, skip = seq.output_ids, seq.params.skip_special_tokens
-    prefix_text = _decode(tokenizer, ids[seq.prefix_offset:seq.read_offset], skip)
-    new_text = _decode(tokenizer, ids[seq.prefix_offset:upto], skip)
+    if seq.read_offset == 0 and seq.prefix_offset == 0:  # the first text: after the prompt's end
+        seq.prefix_offset = -min(PROMPT_CONTEXT, len(seq.prompt_ids))
+    skip = seq.params.skip_special_tokens
+    prefix_text = _decode(tokenizer, _window(seq, seq.prefix_offset, seq.read_offset), skip)
+    new_text = _decode(tokenizer, _window(seq, seq.prefix_offset, upto), skip)
     if not (final or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"))):
         return None
     start = len(seq.text)
@@ -42,7 +56,7 @@ def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> int | None:
         # tokens were held back: the text they render without the newest one and the text with it
         # agree up to where the newest one's own characters start (after an invalid byte's U+FFFD; at
         # the start of a character it completes)
-        before = _decode(tokenizer, ids[seq.prefix_offset:upto - 1], skip)
+        before = _decode(tokenizer, _window(seq, seq.prefix_offset, upto - 1), skip)
         same = len(os.path.commonprefix([before, new_text]))
         start += max(0, same - len(prefix_text))
     seq.text += new_text[len(prefix_text):]

@@ -182,7 +182,8 @@ class Sequence:
     generator: object | None = None  # torch.Generator for seeded sampling
     ends: tuple[int, ...] = ()  # token ids that would end it (EOS, stop tokens): banned before min_tokens
     prefill_only: bool = False  # warm-up: compute the prompt's KV, generate nothing
-    # incremental detokenization
+    # incremental detokenization: offsets into output_ids; a negative prefix_offset reaches back into the
+    # prompt's last tokens (see engine.detokenizer)
     prefix_offset: int = 0
     read_offset: int = 0
     text: str = ""

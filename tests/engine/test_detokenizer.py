@@ -1,0 +1,41 @@
+"""Incremental detokenization with a SentencePiece-style tokenizer (see tests.sp_tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.detokenizer import find_stop, flush_text, update_text
+from engine.sequence import SamplingParams, Sequence
+from tests.sp_tokenizer import sentencepiece_like
+
+
+@pytest.fixture(scope="module")
+def sp_tokenizer():
+    return sentencepiece_like()
+
+
+def _generate(tok, prompt: list[int], output: list[int]) -> Sequence:
+    seq = Sequence("r", prompt, SamplingParams())
+    for t in output:
+        seq.output_ids.append(t)
+        update_text(tok, seq)
+    flush_text(tok, seq, len(seq.output_ids))
+    return seq
+
+
+def test_the_first_token_keeps_its_space_after_the_prompt(sp_tokenizer):
+    """Decoded alone, the first token lost its space: a completion read "The capital isParis."."""
+    prompt = sp_tokenizer("The capital is", add_special_tokens=False)["input_ids"]
+    seq = _generate(sp_tokenizer, prompt, [6, 7, 5, 8, 9])
+    assert seq.text == " Paris. is a city"
+    assert sp_tokenizer.decode(prompt) + seq.text == sp_tokenizer.decode(prompt + seq.output_ids)
+    # a prompt of one token, and one that ends with BOS (a chat template's), start the text the same way
+    assert _generate(sp_tokenizer, [3], [6]).text == " Paris"
+    assert _generate(sp_tokenizer, [1], [6, 7]).text == "Paris."  # nothing before it: as decode gives it
+
+
+def test_a_stop_string_with_a_leading_space_matches_at_the_start(sp_tokenizer):
+    seq = Sequence("r", [3, 4, 5], SamplingParams(stop=[" Paris"]))
+    seq.output_ids.append(6)
+    update_text(sp_tokenizer, seq)
+    assert find_stop(seq, 0) and seq.text == ""

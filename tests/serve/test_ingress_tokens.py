@@ -1,0 +1,72 @@
+"""The ingress's token texts and streamed log-probs, without Serve (its methods on a stand-in)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from deployments.ingress import Ingress, _anchor_token
+from tests.sp_tokenizer import sentencepiece_like
+
+IngressClass = Ingress.func_or_class
+
+
+class Tokens:
+    """What the token-text methods read of the ingress."""
+
+    _token_text = IngressClass._token_text
+    _listed_token = IngressClass._listed_token
+    _token_bytes = IngressClass._token_bytes
+    _oai_logprobs = IngressClass._oai_logprobs
+    _openai_stream = IngressClass._openai_stream
+    model_name = "m"
+
+    def __init__(self, tokenizer, byte_level: bool = False):
+        self.tokenizer, self._byte_level = tokenizer, byte_level
+        self._anchor = _anchor_token(tokenizer, byte_level)
+        self._special = frozenset(tokenizer.all_special_ids)
+        self._text_cache, self._bytes_cache = {}, {}
+
+
+def test_log_prob_token_texts_keep_their_leading_space():
+    """Decoded alone, a SentencePiece token lost its space: the listed tokens of " Paris is." joined to
+    "Parisis.", against text offsets that counted the spaces."""
+    ing = Tokens(sentencepiece_like())
+    assert [ing._listed_token(t) for t in (6, 5, 7)] == [" Paris", " is", "."]
+    assert ing._token_text(2) == "</s>" and ing._token_bytes(6) == list(b" Paris")
+
+
+def test_streamed_text_offsets_never_pass_the_text_a_stop_string_cut():
+    """A token's offset goes out with the chunk whose text reaches it: sent earlier, tokens whose text a
+    stop string later cut pointed past the end ("hello world", stop "lo w": offsets 4 and 5 of "hel")."""
+    ing = Tokens(sentencepiece_like())
+    texts = ["", "", "", "h", "e", "l", ""]  # the engine holds back 3 characters (the stop string's 4 - 1)
+    events = [{"token_id": 10, "text": t, "text_offset": i, "logprob": -1.0, "top_logprobs": [],
+               "finished": i == 6, "finish_reason": "stop" if i == 6 else None, "replica": "A"}
+              for i, t in enumerate(texts)]
+
+    async def stream(ids, params):
+        async def rest():
+            for ev in events[1:]:
+                yield ev
+        return events[0], rest()
+
+    ing._stream = stream
+
+    class Req:
+        stream_options = None
+
+    async def go() -> list[dict]:
+        resp = await ing._openai_stream([1], {"logprobs": True}, "id", 0, "text_completion", Req(), "")
+        out = []
+        async for part in resp.body_iterator:
+            part = part.decode() if isinstance(part, bytes) else part
+            if part.startswith("data: {"):
+                out.append(json.loads(part[6:])["choices"][0])
+        return out
+
+    chunks = asyncio.run(go())
+    text = "".join(c["text"] for c in chunks)
+    offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert text == "hel" and len(offsets) == 7
+    assert offsets == sorted(offsets) and max(offsets) <= len(text), offsets
