@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_scales import SCALE_NAME
 from engine.model_support import SUPPORTED, head_dim, kv_heads, sliding_window, unsupported_type
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model id that is not a folder must fail, not download
@@ -158,7 +159,7 @@ def check_tensor_names(path: Path, config, names: set[str]) -> None:
     the base model's prefix, as transformers allows."""
     from transformers import AutoModelForCausalLM
 
-    if getattr(config, "quantization_config", None):  # packed tensors of other names: the load decides
+    if getattr(config, "quantization_config", None):  # refused by model_support.unsupported
         return
     try:
         with torch.device("meta"):
@@ -189,11 +190,20 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto",
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dt, attn_implementation=attn_implementation, output_loading_info=True)
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:  # transformers would fill them with random values and serve that
+            raise ModelLoadError(_missing_message(path, missing))
+        # tensors the model has no place for: a config that leaves out what the weights have (q/k/v biases
+        # without attention_bias) would serve without them; transformers has dropped the harmless ones,
+        # and fp8 KV scales are read by the engine itself (engine.kv_scales)
+        extra = sorted(k for k in info.get("unexpected_keys") or () if not SCALE_NAME.search(k))
+        if extra:
+            raise ModelLoadError(f"the weights in {path} have {len(extra)} tensors the model has no place for "
+                                 f"(e.g. {', '.join(extra[:3])}): does config.json match them?")
+        model.to(dev).eval()
+    except ModelLoadError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load weights from {path}: {_first_line(e)}") from e
-    missing = sorted(info.get("missing_keys") or ())
-    if missing:  # transformers would fill them with random values and serve that
-        raise ModelLoadError(_missing_message(path, missing))
-    model.to(dev).eval()
     model.requires_grad_(False)
     return LoadedModel(model, tokenizer, config, str(path), dev, dt)

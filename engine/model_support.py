@@ -88,6 +88,11 @@ def unsupported(config, max_total_tokens: int | None = None) -> str | None:
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED:
         return unsupported_type(kind)
+    if quant := getattr(config, "quantization_config", None):
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        # transformers would need the method's own kernels, and none is checked against this engine
+        return (f"quantized weights (quantization_config: {method or 'unknown'}) are not supported: serve the "
+                "bf16/fp16 checkpoint (an fp8 KV cache is --kv-cache-dtype, with the checkpoint's scales)")
     types = set(getattr(config, "layer_types", None) or ())
     if {"sliding_attention", "full_attention"} <= types:
         # one window for every layer: blocks that leave it are freed, which full-attention layers still read

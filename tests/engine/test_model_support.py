@@ -111,12 +111,25 @@ def test_tensor_names_are_checked_from_the_headers_as_transformers_would_load_th
               metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"lack 18 of the model's tensors \(e.g. model.layers.0."):
         check_model_folder(str(tiny_folder))
-    # a quantized checkpoint packs its tensors under other names: the load itself decides
+    # a quantized checkpoint packs its tensors under other names: refused by serving_limits (it passed,
+    # and every replica then failed in transformers, without the method's kernels)
     config = json.loads((tiny_folder / "config.json").read_text())
     (tiny_folder / "config.json").write_text(json.dumps({**config, "quantization_config": {
         "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}}))
-    check_model_folder(str(tiny_folder))
+    _, quantized, _ = check_model_folder(str(tiny_folder))
+    with pytest.raises(UnsupportedModel, match=r"quantized weights \(quantization_config: awq\)"):
+        serving_limits(quantized, None, None, 4096)
     (tiny_folder / "config.json").write_text(json.dumps(config))
+    # tensors the model has no place for (a config that leaves out what the weights have) are refused;
+    # fp8 KV scales are the engine's own to read
+    scales = {f"model.layers.{i}.self_attn.{k}": torch.tensor(1.0) for i in range(config["num_hidden_layers"])
+              for k in ("k_scale", "v_scale")}
+    save_file({**tensors, **scales}, weights, metadata={"format": "pt"})
+    load_model(str(tiny_folder))
+    save_file({**tensors, "model.layers.0.self_attn.q_proj.bias": torch.zeros(4)}, weights, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="1 tensors the model has no place for .e.g. model.layers.0.self_attn.q_proj.bias"):
+        load_model(str(tiny_folder))
+    save_file(tensors, weights, metadata={"format": "pt"})
     # a tied output layer needs no tensor of its own
     (tiny_folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, weights, metadata={"format": "pt"})
