@@ -12,9 +12,9 @@ PYTEST_ARGS ?=
 .PHONY: install redis serve test test-slow lint bench clean
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV) || { [ "$$(id -u)" = 0 ] && rm -rf $(VENV) && \
+	test -x $(BIN)/pip || { rm -rf $(VENV); $(PY) -m venv $(VENV); } || { rm -rf $(VENV); [ "$$(id -u)" = 0 ] && \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null && \
-	  $(PY) -m venv $(VENV); }
+	  $(PY) -m venv $(VENV); } || { echo "cannot create $(VENV): install python3-venv (sudo apt-get install python3-venv)" >&2; exit 1; }
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)" $(TORCH_PIP_ARGS)
 	$(BIN)/pip install -q -e '.[test,bench]'
