@@ -51,7 +51,11 @@ class LocalRedis:
                       "--logfile", str(Path(self._dir) / "redis.log")]
         try:
             self._start()
-        except BaseException:  # no object to stop(): its folder goes here (a failed start, a Ctrl-C)
+        except BaseException:  # no object to stop(): its process and folder go here (a failed start, a Ctrl-C)
+            proc = getattr(self, "proc", None)
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
 

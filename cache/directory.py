@@ -170,18 +170,28 @@ class HotPrefixDirectory:
                     raise
                 log.warning("hot-prefix directory: Lua scripts refused (%s); rescaling without them", e)
                 self._scripting = False
-        # the same steps one command at a time (two writers may then both rescale: old hits weigh less)
-        epoch = _epoch(r.get(self.ns + "epoch"), now, self.half_life_s)
-        if epoch is None:  # none yet, or garbage: decay from now
-            r.set(self.ns + "epoch", now)
-            epoch = now
-        exp = (now - epoch) / self.half_life_s
-        if exp > _MAX_EXP:
-            r.zunionstore(self.ns + "hot", {self.ns + "hot": 2.0 ** -exp})
-            r.set(self.ns + "epoch", now)
-            exp = 0.0
-        r.zincrby(self.ns + "hot", 2.0 ** exp * hits, member)
-        return int(r.zcard(self.ns + "hot"))
+        # the same steps in a transaction that watches the epoch: a rescale by another writer between
+        # reading it and adding the hit (which would weigh the hit 2**exp times too much) retries it
+        epoch_key, hot = self.ns + "epoch", self.ns + "hot"
+        with r.pipeline(transaction=True) as p:  # (a cluster's too: both keys share the namespace's slot)
+            while True:
+                try:
+                    p.watch(epoch_key)
+                    epoch = _epoch(p.get(epoch_key), now, self.half_life_s)
+                    p.multi()
+                    if epoch is None:  # none yet, or garbage: decay from now
+                        p.set(epoch_key, now)
+                        epoch = now
+                    exp = (now - epoch) / self.half_life_s
+                    if exp > _MAX_EXP:
+                        p.zunionstore(hot, {hot: 2.0 ** -exp})
+                        p.set(epoch_key, now)
+                        exp = 0.0
+                    p.zincrby(hot, 2.0 ** exp * hits, member)
+                    p.zcard(hot)
+                    return int(p.execute()[-1])
+                except redis.WatchError:
+                    continue
 
     def record(self, replica: str, tokens: Sequence[int], hits: int = 1, cache_salt: str | None = None,
                now: float | None = None) -> int | None:

@@ -127,7 +127,7 @@ class LLMServer:
             return report
         t0 = time.monotonic()
         added: list[tuple[str, list[int]]] = []
-        for hp in reversed(self.directory.top_k(k, token_budget=budget)):  # the hottest last: the newest
+        for hp in self.directory.top_k(k, token_budget=budget):  # the hottest first: a deadline cuts the coldest
             try:
                 added.append((self.engine.add_request(hp.tokens, SamplingParams(max_new_tokens=1),
                                                       prefill_only=True), hp.tokens))
@@ -143,7 +143,13 @@ class LLMServer:
         except Exception as e:  # noqa: BLE001 - serve cold rather than not at all
             log.warning("warm-up stopped, starting with what is cached: %s", e)
             report["error"] = str(e)
-            aborted = {rid for rid, _ in added if self.engine.abort(rid)}
+            for rid, _ in added:
+                try:
+                    if self.engine.abort(rid):
+                        aborted.add(rid)
+                except Exception:  # noqa: BLE001 - a step that failed may leave it half-done: still start
+                    aborted.add(rid)
+                    log.warning("warm-up: could not abort %s", rid, exc_info=True)
         for rid, tokens in added:
             if rid not in aborted:
                 self._queue_record(tokens)  # this replica holds it now
@@ -369,7 +375,9 @@ class LLMServer:
         # Serve calls this on graceful shutdown, after the drain, with its force-kill near: the quick
         # calls first (the hub forgets this replica's series, the directory its holdings), then abort what
         # is running so every block goes back (a join of up to 10 s)
-        for step in (lambda: self._stop.set(), lambda: self._hub.handle.forget.remote(self.replica_id),
+        # (the background thread is joined first: a push or record of its own after them would undo them)
+        for step in (lambda: self._stop.set(), lambda: self._background.join(1.5),
+                     lambda: self._hub.handle.forget.remote(self.replica_id),
                      lambda: self.directory is not None and self.directory.forget_replica(self.replica_id),
                      lambda: self.aengine.shutdown()):
             try:

@@ -44,9 +44,13 @@ def flush_text(tokenizer, seq: Sequence, upto: int) -> int | None:
 def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> int | None:
     if upto <= seq.read_offset:
         return None
-    if seq.read_offset == 0 and seq.prefix_offset == 0:  # the first text: after the prompt's end
-        seq.prefix_offset = -min(PROMPT_CONTEXT, len(seq.prompt_ids))
     skip = seq.params.skip_special_tokens
+    # the first text is decoded after the prompt's end, unless that ends mid-character (a token-id prompt
+    # cut anywhere): its bytes would merge with the output's, and the output's text would lose them
+    if seq.read_offset == 0 and seq.prefix_offset == 0 and seq.prompt_ids:
+        k = min(PROMPT_CONTEXT, len(seq.prompt_ids))
+        if not _decode(tokenizer, seq.prompt_ids[-k:], skip).endswith("\ufffd"):
+            seq.prefix_offset = -k
     prefix_text = _decode(tokenizer, _window(seq, seq.prefix_offset, seq.read_offset), skip)
     new_text = _decode(tokenizer, _window(seq, seq.prefix_offset, upto), skip)
     if not (final or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"))):

@@ -159,8 +159,8 @@ def check_tensor_names(path: Path, config, names: set[str]) -> None:
     the base model's prefix, as transformers allows."""
     from transformers import AutoModelForCausalLM
 
-    if getattr(config, "quantization_config", None):  # refused by model_support.unsupported
-        return
+    if getattr(config, "quantization_config", None):  # quantized weights: refused by model_support.unsupported;
+        return  # fp8 KV scales only: the load decides
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)

@@ -82,17 +82,24 @@ def unsupported_type(kind) -> str:
             "architectures need attention features it does not implement")
 
 
+def _quantizes_weights(quant) -> bool:
+    """False for a quantization_config that only names fp8 KV-cache scales (llm-compressor's
+    ``kv_cache_scheme`` with no weight groups): the weights are plain, the scales the engine's to read."""
+    q = quant if isinstance(quant, dict) else getattr(quant, "to_dict", lambda: {})()
+    return not (q.get("kv_cache_scheme") and not q.get("config_groups"))
+
+
 def unsupported(config, max_total_tokens: int | None = None) -> str | None:
     """Why the engine cannot serve this model (one line), or None. ``max_total_tokens``: the longest
     sequence asked for, if set (the default limits stay within what works)."""
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED:
         return unsupported_type(kind)
-    if quant := getattr(config, "quantization_config", None):
+    if (quant := getattr(config, "quantization_config", None)) and _quantizes_weights(quant):
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
         # transformers would need the method's own kernels, and none is checked against this engine
         return (f"quantized weights (quantization_config: {method or 'unknown'}) are not supported: serve the "
-                "bf16/fp16 checkpoint (an fp8 KV cache is --kv-cache-dtype, with the checkpoint's scales)")
+                "bf16/fp16 checkpoint")
     types = set(getattr(config, "layer_types", None) or ())
     if {"sliding_attention", "full_attention"} <= types:
         # one window for every layer: blocks that leave it are freed, which full-attention layers still read

@@ -20,20 +20,32 @@ class Sampled:
     top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
 
 
+def _context_counts(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
+    """How often each token id occurs in ``seq``'s prompt and output so far (a vector as long as ``row``,
+    on its device): counted once, then only the tokens added since."""
+    counts = seq.context_counts
+    if counts is None or counts.device != row.device or counts.shape[0] != row.shape[-1]:
+        counts, seq.context_counted = torch.zeros(row.shape[-1], dtype=torch.int32, device=row.device), 0
+        seq.context_counts = counts
+    new = seq.tokens[seq.context_counted:]
+    if new:
+        idx = torch.tensor(new, dtype=torch.long, device=row.device)
+        counts.index_put_((idx,), torch.ones_like(idx, dtype=torch.int32), accumulate=True)
+        seq.context_counted += len(new)
+    return counts
+
+
 def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     p = seq.params
     row = row.clone()
-    if p.repetition_penalty != 1.0:  # every token seen, prompt included (as HF's processor does)
-        ids = torch.tensor(sorted(set(seq.tokens)), dtype=torch.long, device=row.device)
-        seen = row[ids]
-        row[ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
     per_context = p.frequency_penalty_per_context
-    if p.frequency_penalty and per_context:  # TGI's: the whole context's counts over its length
-        tokens = seq.tokens
-        counts = Counter(tokens)
-        ids = torch.tensor(list(counts), dtype=torch.long, device=row.device)
-        n = torch.tensor(list(counts.values()), dtype=row.dtype, device=row.device)
-        row[ids] -= p.frequency_penalty * (n / len(tokens))
+    if p.repetition_penalty != 1.0 or (p.frequency_penalty and per_context):
+        counts = _context_counts(seq, row)
+        if p.repetition_penalty != 1.0:  # every token seen, prompt included (as HF's processor does)
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row = torch.where(counts > 0, penalized, row)
+        if p.frequency_penalty and per_context:  # TGI's: the whole context's counts over its length
+            row -= p.frequency_penalty * counts.to(row.dtype) / seq.num_tokens
     frequency = 0.0 if per_context else p.frequency_penalty
     if (frequency or p.presence_penalty) and seq.output_ids:  # generated tokens only (OpenAI's)
         counts = Counter(seq.output_ids)

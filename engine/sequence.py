@@ -180,6 +180,10 @@ class Sequence:
     last_token_time: float | None = None
     finish_reason: str | None = None
     generator: object | None = None  # torch.Generator for seeded sampling
+    # counts of every token of the context (prompt and output) on the logits' device, kept up to date by
+    # the sampler for the penalties that read the whole context: counting it again each step was O(context)
+    context_counts: object | None = None
+    context_counted: int = 0  # tokens counted so far
     ends: tuple[int, ...] = ()  # token ids that would end it (EOS, stop tokens): banned before min_tokens
     prefill_only: bool = False  # warm-up: compute the prompt's KV, generate nothing
     # incremental detokenization: offsets into output_ids; a negative prefix_offset reaches back into the

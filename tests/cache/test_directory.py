@@ -98,6 +98,31 @@ def test_a_rescale_cannot_slip_between_weighing_a_hit_and_adding_it(redis_server
     assert scores[mine] == pytest.approx(0.5)
 
 
+def test_without_scripting_a_rescale_between_reading_the_epoch_and_adding_is_retried(redis_server, d,
+                                                                                       monkeypatch):
+    """The same race on the path for Redis users without @scripting: one command at a time, it weighed
+    the hit by the epoch it had read before another replica's rescale."""
+    from cache import directory
+
+    other = HotPrefixDirectory(redis_server.url, deployment=d.deployment, model="m", block_size=BS)
+    now, half_life = time.time(), d.half_life_s
+    d.record("r1", toks(70), now=now)
+    d._scripting = False
+    read, raced = directory._epoch, []
+
+    def then_the_other_replica_rescales(*args):
+        out = read(*args)
+        if not raced:
+            raced.append(other.record("r2", toks(71), now=now + 61 * half_life))
+        return out
+
+    monkeypatch.setattr(directory, "_epoch", then_the_other_replica_rescales)
+    mine = d.record("r1", toks(72), now=now + 60 * half_life)
+    scores = {int(m): s for m, s in d._r.zrange(d.ns + "hot", 0, -1, withscores=True)}
+    assert raced and scores[raced[0]] == pytest.approx(1.0)
+    assert scores[mine] == pytest.approx(0.5)
+
+
 def test_salted_and_short_prefixes_are_never_written(d):
     assert d.record("r1", toks(6), cache_salt="tenant-a") is None
     assert d.record("r1", toks(6, 15)) is None

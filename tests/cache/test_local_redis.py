@@ -23,3 +23,17 @@ def test_a_failed_start_removes_its_folder():
         assert set(glob.glob(pattern)) == before
     finally:
         other.stop()
+
+
+def test_an_interrupted_start_stops_its_server(monkeypatch):
+    """A Ctrl-C while it came up removed the folder but left the redis-server running."""
+    started = []
+
+    def interrupted(self, timeout=10.0):
+        started.append(self.proc)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalRedis, "_wait_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        LocalRedis()
+    assert started and started[0].poll() is not None

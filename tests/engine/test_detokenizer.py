@@ -39,3 +39,13 @@ def test_a_stop_string_with_a_leading_space_matches_at_the_start(sp_tokenizer):
     seq.output_ids.append(6)
     update_text(sp_tokenizer, seq)
     assert find_stop(seq, 0) and seq.text == ""
+
+
+def test_a_prompt_that_ends_mid_character_leaves_the_output_its_bytes(loaded):
+    """A token-id prompt cut inside a character (a client continuing an answer that stopped there): the
+    output's bytes merged with the prompt's, and its text lost them ("好x" for "��好x")."""
+    tok = loaded("tiny").tokenizer  # byte-level: one token a byte
+    ids = list("ab你好x".encode())
+    for cut in range(2, len(ids)):
+        seq = _generate(tok, ids[:cut], ids[cut:])
+        assert seq.text == tok.decode(ids[cut:]), cut

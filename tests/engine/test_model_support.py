@@ -119,6 +119,10 @@ def test_tensor_names_are_checked_from_the_headers_as_transformers_would_load_th
     _, quantized, _ = check_model_folder(str(tiny_folder))
     with pytest.raises(UnsupportedModel, match=r"quantized weights \(quantization_config: awq\)"):
         serving_limits(quantized, None, None, 4096)
+    # one that only names fp8 KV-cache scales (llm-compressor's kv_cache_scheme) has plain weights
+    quantized.quantization_config = {"quant_method": "compressed-tensors", "config_groups": {},
+                                     "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}
+    serving_limits(quantized, None, None, 4096)
     (tiny_folder / "config.json").write_text(json.dumps(config))
     # tensors the model has no place for (a config that leaves out what the weights have) are refused;
     # fp8 KV scales are the engine's own to read

@@ -274,7 +274,7 @@ def test_start_up_warm_up_keeps_to_the_pool_and_the_hottest_prefixes_stay(make_e
         assert r.directory.budgets == [int(0.75 * eng.kv.capacity_tokens)]
         assert report["prefixes"] == 4 and not report.get("error")
         assert [_held(eng, p) for p in prefixes[:4]] == [6] * 4  # the hottest are cached, in full
-        assert len(r._pending_records) == 4  # and recorded as held
+        assert [list(t) for t in r._pending_records] == prefixes[:4]  # recorded as held, queued hottest first
     finally:
         r.aengine.shutdown()
 
@@ -358,5 +358,7 @@ def test_shutdown_tells_the_hub_and_the_directory_before_the_slow_engine_join():
     r._hub = types.SimpleNamespace(handle=types.SimpleNamespace(forget=types.SimpleNamespace(remote=forget)))
     r.directory = types.SimpleNamespace(forget_replica=lambda rid: calls.append("directory"))
     r.aengine = types.SimpleNamespace(shutdown=lambda: calls.append("engine"))
+    r._background = types.SimpleNamespace(join=lambda timeout: calls.append("background"))
     r.__del__()
-    assert calls == ["hub", "directory", "engine"] and r._stop.is_set()
+    # the background thread first: a push or a record of its own after them would undo them
+    assert calls == ["background", "hub", "directory", "engine"] and r._stop.is_set()

@@ -262,3 +262,19 @@ def test_a_batch_mixes_tgi_and_openai_frequency_penalties():
 def test_frequency_penalty_per_context_must_be_a_bool():
     with pytest.raises(SamplingError, match="frequency_penalty_per_context"):
         SamplingParams(frequency_penalty_per_context=1).validate()
+
+
+def test_the_context_counts_are_kept_up_to_date_not_recounted():
+    """The penalties that read the whole context counted it again every step: O(context) per token."""
+    from collections import Counter
+
+    from engine.sampler import _context_counts
+
+    s = Sequence("r", [1, 5, 2, 3, 1], SamplingParams(repetition_penalty=1.3))
+    row = torch.zeros(12)
+    _context_counts(s, row)
+    for t in (5, 9, 5):
+        s.output_ids.append(t)
+        counts = _context_counts(s, row)
+    assert s.context_counted == 8
+    assert {i: int(c) for i, c in enumerate(counts) if c} == Counter(s.tokens)
