@@ -69,7 +69,7 @@ class ModelRunner:
             flat = self._slots(seq.block_table)
             if sample_mask[i]:
                 keep[i] = len(ids) + c.num_tokens - 1
-            ids.extend(seq.tokens[start:end])
+            ids.extend(seq.token_range(start, end))
             positions.append(torch.arange(start, end))
             slots.append(flat[start:end])
             spans.append((flat, start, end))

@@ -27,7 +27,7 @@ def _context_counts(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
     if counts is None or counts.device != row.device or counts.shape[0] != row.shape[-1]:
         counts, seq.context_counted = torch.zeros(row.shape[-1], dtype=torch.int32, device=row.device), 0
         seq.context_counts = counts
-    new = seq.tokens[seq.context_counted:]
+    new = seq.token_range(seq.context_counted)
     if new:
         idx = torch.tensor(new, dtype=torch.long, device=row.device)
         counts.index_put_((idx,), torch.ones_like(idx, dtype=torch.int32), accumulate=True)

@@ -197,6 +197,16 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
+    def token_range(self, start: int, end: int | None = None) -> list[int]:
+        """``tokens[start:end]`` without building ``tokens`` (a decode step reads one token of a long context)."""
+        n = len(self.prompt_ids)
+        end = self.num_tokens if end is None else end
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -278,3 +278,12 @@ def test_the_context_counts_are_kept_up_to_date_not_recounted():
         counts = _context_counts(s, row)
     assert s.context_counted == 8
     assert {i: int(c) for i, c in enumerate(counts) if c} == Counter(s.tokens)
+
+
+def test_a_token_range_is_the_slice_of_the_context():
+    s = Sequence("r", [1, 2, 3, 4], SamplingParams())
+    s.output_ids = [5, 6, 7]
+    for start in range(8):
+        for end in range(start, 8):
+            assert s.token_range(start, end) == s.tokens[start:end], (start, end)
+        assert s.token_range(start) == s.tokens[start:]
