@@ -1,0 +1,46 @@
+"""Requests that wait for a block another prefill is computing: they are not matched against the cache
+again every step (a burst of prompts sharing a long prefix re-matched every one each step), and each
+starts as soon as that prefill has passed what it shares. No model: steps are simulated."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from engine.kv_manager import KVManager
+from engine.scheduler import Scheduler
+from engine.sequence import SamplingParams, Sequence, Status
+from tests.engine.test_scheduler_preemption import BS, apply, run_to_end
+
+
+def test_waiting_requests_match_once_more_when_the_prefill_they_wait_for_has_passed_their_prefix():
+    kv = KVManager(256, BS, prefix_caching=True)
+    # a chunk is 8 tokens and a step takes 16: room to admit others beside the long prefill
+    sch = Scheduler(kv, max_batch_prefill_tokens=16, max_num_seqs=16, max_prefill_chunk_tokens=8)
+    prefix = list(range(10, 74))  # 64 tokens: 8 steps of 8
+    owner = Sequence("owner", prefix + [1, 2], SamplingParams(max_new_tokens=2))
+    full = [Sequence(f"full{i}", prefix + [3 + i], SamplingParams(max_new_tokens=2)) for i in range(4)]
+    part = Sequence("part", prefix[:24] + [99] * 8, SamplingParams(max_new_tokens=2))  # shares 6 blocks
+    seqs = [owner, *full, part]
+    for s in seqs:
+        sch.add(s)
+    matched: Counter[str] = Counter()
+    real = kv.match
+
+    def counting(seq):
+        matched[seq.request_id] += 1
+        return real(seq)
+
+    kv.match = counting
+    started: dict[str, int] = {}
+    finished: list[Sequence] = []
+    for step in range(40):
+        if not sch.has_work():
+            break
+        finished += apply(sch, kv, sch.schedule())
+        for s in seqs:
+            if s.status is Status.RUNNING or s.status is Status.FINISHED:
+                started.setdefault(s.request_id, step)
+    run_to_end(sch, kv, seqs, finished)
+    assert max(matched[s.request_id] for s in full) <= 2, matched  # once to wait, once to go (was: every step)
+    assert started["part"] <= 3, started  # right after the owner computed its 24 shared tokens
+    assert min(started[s.request_id] for s in full) >= 8  # the whole prefix first: computed once
