@@ -13,6 +13,7 @@ mostly a cache hit).
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,9 +35,10 @@ class StepPlan:
 
 
 def _shared_blocks(seq: Sequence, other: Sequence, known: int, bs: int) -> int:
-    """Tokens, in whole blocks, that ``seq``'s prompt shares with ``other``'s tokens from the start (the
+    """Tokens, in whole blocks, that ``seq`` shares with ``other`` from the start (the
     first ``known`` are the same). A bisection over slice comparisons: C-speed, not a Python loop a token."""
-    a, b = seq.prompt_ids, other.token_range(0, len(seq.prompt_ids))
+    n = seq.num_tokens  # (a preempted one's output too: its key covers it)
+    a, b = seq.token_range(0, n), other.token_range(0, n)
     lo, hi = min(known, len(b)), len(b)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -124,8 +126,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             if seq.waits_on is not None:
-                owner, shared = seq.waits_on
-                if owner.status is Status.RUNNING and owner.num_computed < shared:
+                ref, shared = seq.waits_on
+                owner = ref()
+                if owner is not None and owner.status is Status.RUNNING and owner.num_computed < shared:
                     skipped.append(seq)  # its next block is still being computed: matching again finds the same
                     continue
                 seq.waits_on = None
@@ -141,7 +144,7 @@ class Scheduler:
                 self.kv.release(seq)
                 skipped.append(seq)  # it will hit the blocks being computed now: not matched again until
                 owner = pending_keys[key]  # their owner has computed what the two share
-                seq.waits_on = (owner, _shared_blocks(seq, owner, len(key) - 1, bs))
+                seq.waits_on = (weakref.ref(owner), _shared_blocks(seq, owner, len(key) - 1, bs))
                 continue
             n = min(seq.num_uncomputed, budget, self.max_chunk)
             if not self.kv.ensure_blocks(seq, seq.num_computed + n):

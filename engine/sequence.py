@@ -184,9 +184,10 @@ class Sequence:
     # the sampler for the penalties that read the whole context: counting it again each step was O(context)
     context_counts: object | None = None
     context_counted: int = 0  # tokens counted so far
-    # (running sequence, tokens): waiting for that prefill to compute its first ``tokens``, which this one
-    # shares (see Scheduler.schedule): not matched against the cache again until then
-    waits_on: tuple[Sequence, int] | None = None
+    # (a weak reference to a running sequence, tokens): waiting for that prefill to compute its first
+    # ``tokens``, which this one shares (see Scheduler.schedule): not matched against the cache until then
+    # (weak: a finished one is not kept alive by the requests behind it)
+    waits_on: tuple[object, int] | None = None
     ends: tuple[int, ...] = ()  # token ids that would end it (EOS, stop tokens): banned before min_tokens
     prefill_only: bool = False  # warm-up: compute the prompt's KV, generate nothing
     # incremental detokenization: offsets into output_ids; a negative prefix_offset reaches back into the

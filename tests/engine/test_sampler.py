@@ -272,18 +272,23 @@ def test_the_context_counts_are_kept_up_to_date_not_recounted():
 
     s = Sequence("r", [1, 5, 2, 3, 1], SamplingParams(repetition_penalty=1.3))
     row = torch.zeros(12)
-    _context_counts(s, row)
+    first = _context_counts(s, row)
+    read = []
+    real = s.token_range
+    s.token_range = lambda start, end=None: (read.append(start), real(start, end))[1]
     for t in (5, 9, 5):
         s.output_ids.append(t)
         counts = _context_counts(s, row)
-    assert s.context_counted == 8
+    assert counts is first and read == [5, 6, 7]  # the same tensor, only the new token read each time
     assert {i: int(c) for i, c in enumerate(counts) if c} == Counter(s.tokens)
+    wider = _context_counts(s, torch.zeros(16))  # another vocabulary width: counted again, in full
+    assert wider is not first and int(wider.sum()) == s.num_tokens
 
 
 def test_a_token_range_is_the_slice_of_the_context():
     s = Sequence("r", [1, 2, 3, 4], SamplingParams())
     s.output_ids = [5, 6, 7]
-    for start in range(8):
-        for end in range(start, 8):
+    for start in range(9):
+        for end in range(start, 10):  # past the end too, as the scheduler asks
             assert s.token_range(start, end) == s.tokens[start:end], (start, end)
         assert s.token_range(start) == s.tokens[start:]

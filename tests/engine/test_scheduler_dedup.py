@@ -44,3 +44,32 @@ def test_waiting_requests_match_once_more_when_the_prefill_they_wait_for_has_pas
     assert max(matched[s.request_id] for s in full) <= 2, matched  # once to wait, once to go (was: every step)
     assert started["part"] <= 3, started  # right after the owner computed its 24 shared tokens
     assert min(started[s.request_id] for s in full) >= 8  # the whole prefix first: computed once
+
+
+def test_waiting_requests_go_when_the_prefill_they_wait_for_is_aborted():
+    kv = KVManager(256, BS, prefix_caching=True)
+    sch = Scheduler(kv, max_batch_prefill_tokens=16, max_num_seqs=16, max_prefill_chunk_tokens=8)
+    prefix = list(range(10, 74))
+    owner = Sequence("owner", prefix + [1, 2], SamplingParams(max_new_tokens=2))
+    waiters = [Sequence(f"w{i}", prefix + [3 + i], SamplingParams(max_new_tokens=2)) for i in range(3)]
+    for s in [owner, *waiters]:
+        sch.add(s)
+    finished: list[Sequence] = []
+    for _ in range(2):
+        finished += apply(sch, kv, sch.schedule())
+    assert all(w.waits_on is not None for w in waiters)
+    sch.remove(owner)  # the client left
+    run_to_end(sch, kv, waiters, finished)
+
+
+def test_what_a_preempted_waiter_shares_counts_its_output_too():
+    """Its key covers its output: counting its prompt alone gave less than was known, and it went back to
+    being matched every step."""
+    from engine.scheduler import _shared_blocks
+
+    tokens = list(range(100, 116))
+    waiter = Sequence("w", tokens[:6], SamplingParams())
+    waiter.output_ids = tokens[6:]
+    owner = Sequence("o", tokens, SamplingParams())
+    assert _shared_blocks(waiter, owner, 12, BS) == 16
+    assert _shared_blocks(Sequence("x", tokens[:9] + [1], SamplingParams()), owner, 4, BS) == 8
