@@ -187,3 +187,33 @@ def test_engine_crash_answers_every_waiter(make_engine):
 
     with pytest.raises(EngineDeadError):
         asyncio.run(late())
+
+
+def test_a_steps_events_reach_their_loop_in_one_hand_off(make_engine):
+    """One cross-thread call per step and consumer loop, not one per token event."""
+    eng = make_engine("tiny")
+    ae = AsyncEngine(eng)
+    calls = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counting(cb, *args, **kw):
+            calls.append(cb)
+            return real(cb, *args, **kw)
+
+        loop.call_soon_threadsafe = counting
+        params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+        streams = [ae.generate(PROMPT[i:], params) for i in range(4)]
+
+        async def count(stream) -> int:
+            return sum([1 async for _ in stream])
+
+        return await asyncio.gather(*(count(s) for s in streams))
+
+    try:
+        events = sum(asyncio.run(main()))
+    finally:
+        ae.shutdown()
+    assert events >= 40 and len(calls) <= eng.stats.steps + 1 < events, (len(calls), eng.stats.steps, events)
