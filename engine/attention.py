@@ -13,6 +13,7 @@ CUDA when it imports and the pool is not fp8.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,9 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 # rows x padded context that decode attention gathers at once (32 decodes over 8,192 tokens): for an
 # 8B Llama about 2 GB of K/V and scores; CUDA graph buckets stay within it
 DECODE_ROW_TOKENS = 32 * 8192
+# devices whose decode attention is SDPA's fused kernel (bench.step_profile measures it); elsewhere grouped
+# matmuls with float32 scores: the masked CUDA kernels have not been checked against them on a GPU
+FUSED_DECODE_DEVICES = ("cpu",)
 
 
 # attention arguments some transformers models pass that this function would otherwise ignore:
@@ -139,10 +143,13 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         return _flash_attention(b, layer, q, scaling), None
 
     outs: list[torch.Tensor] = []
-    if b.num_decodes:
-        outs.append(_decode_attention(b, layer, q[:, : b.num_decodes], groups, scaling))
-    if b.prefills or b.batched is not None:
-        with sdpa_kernel(SDPA_BACKENDS):  # once per layer: it sets (and restores) process-wide flags
+    prefills = bool(b.prefills) or b.batched is not None
+    sdpa = prefills or (b.num_decodes > 0 and q.device.type in FUSED_DECODE_DEVICES)
+    # once per layer, and only around SDPA: it sets (and restores) process-wide flags
+    with sdpa_kernel(SDPA_BACKENDS) if sdpa else nullcontext():
+        if b.num_decodes:
+            outs.append(_decode_attention(b, layer, q[:, : b.num_decodes], groups, scaling))
+        if prefills:
             outs.extend(_prefill_attention(b, layer, query, key, value, groups, scaling))
             if b.batched is not None:
                 outs.append(_batched_prefill_attention(b, layer, q, groups, scaling))
@@ -191,8 +198,8 @@ def _batched_prefill_attention(b: PagedBatch, layer: int, q: torch.Tensor, group
 
 def _decode_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, scaling: float | None
                       ) -> torch.Tensor:
-    """One query per sequence over its paged context: grouped matmuls, so GQA's shared K/V heads are
-    read once instead of being repeated per query head. q ``[H, D, Dh]`` -> ``[D, H, Dh]``. Rows go
+    """One query per sequence over its paged context, its query heads grouped by their KV head, so GQA's
+    shared K/V heads are read once instead of being repeated per query head. q ``[H, D, Dh]`` -> ``[D, H, Dh]``. Rows go
     ``DECODE_ROW_TOKENS`` (rows x padded context) at a time: the gathered K/V and scores grow with
     both, and many decodes beside one long context would otherwise ask for tens of GB at once."""
     d, width = q.shape[1], b.decode_slots.shape[-1]
@@ -209,6 +216,11 @@ def _decode_rows(pool: KVPool, layer: int, q: torch.Tensor, slots: torch.Tensor,
     k, v = pool.read_heads(layer, slots)  # [D, Hkv, L, Dh], contiguous
     hkv = k.shape[1]
     qg = q.transpose(0, 1).reshape(d, hkv, groups, dh)  # query heads grouped by their KV head
+    if k.device.type in FUSED_DECODE_DEVICES:
+        # the query heads that share a KV head go in as that head's queries: K/V are read once, and the
+        # fused kernel keeps its scores in float32 without writing them out (a decode step of the bench
+        # model on one CPU thread: 54-63 ms against 76-84 with the matmuls below)
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling).reshape(d, h, dh)
     # scores in float32: a bf16 matmul would round them before the softmax, as fused kernels do not
     # (costs a float32 copy of the gathered K for 16-bit models, twice the gather's own size)
     scores = torch.matmul(qg.float(), k.float().transpose(-1, -2))  # [D, Hkv, G, L]

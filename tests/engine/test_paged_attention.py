@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 import engine.attention as attention
 from engine.sequence import SamplingParams
+
+
+@pytest.fixture(params=["fused", "matmuls"])
+def decode_path(request, monkeypatch):
+    """Both decode attention paths: SDPA's fused kernel (CPUs) and the grouped matmuls (elsewhere)."""
+    monkeypatch.setattr(attention, "FUSED_DECODE_DEVICES", ("cpu",) if request.param == "fused" else ())
+    return request.param
 
 
 def test_prefill_attention_never_runs_cudnn(make_engine, monkeypatch):
@@ -31,7 +39,7 @@ def test_prefill_attention_never_runs_cudnn(make_engine, monkeypatch):
     assert torch.backends.cuda.cudnn_sdp_enabled() == before  # the process-wide setting is left as it was
 
 
-def test_decode_scores_are_not_rounded_to_bf16_before_the_softmax():
+def test_decode_scores_are_not_rounded_to_bf16_before_the_softmax(decode_path):
     """With a bf16 model, Q.K in bf16 rounds each score (spacing 0.25 near 50) before the softmax, which
     fused kernels never do: greedy paths then parted from transformers' after ~4 tokens on an H200
     (8 with float32 scores; transformers' own batched variants: 11-13)."""
@@ -54,7 +62,7 @@ def test_decode_scores_are_not_rounded_to_bf16_before_the_softmax():
     assert err < 0.005, err  # bf16 probabilities and output only: 0.002 (bf16 scores: 0.014)
 
 
-def test_many_decodes_beside_a_long_context_attend_in_bounded_slices(monkeypatch):
+def test_many_decodes_beside_a_long_context_attend_in_bounded_slices(monkeypatch, decode_path):
     """Decode rows are padded to the longest context, so rows x context bounds what one call gathers;
     past ``DECODE_ROW_TOKENS`` the rows go in slices, with the same result as all at once."""
     from cache.kv_pool import KVPool, KVShape
