@@ -144,6 +144,10 @@ def prefix_order(lines: list[Line]) -> list[Line]:
     return sorted(lines, key=Line.prefix_key)  # stable: equal prompts keep the file's order
 
 
+class Unauthorized(Exception):
+    """The service refused the API key (or wants one)."""
+
+
 class NotOurs(ValueError):
     """The output file holds something other than this command's records: it is not touched."""
 
@@ -232,6 +236,10 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
             problem = _transport_problem(e)
             gone = gone and isinstance(e, GONE_ERRORS)
         else:
+            if r.status_code == 401:  # a service that is up and refuses this key: waiting will not change it
+                raise Unauthorized(f"the service at {client.base_url} refused the API key: "
+                                      + ("pass the right --api-key (or RADIXSERVE_API_KEY)" if
+                                         "authorization" in client.headers else "it needs --api-key (or RADIXSERVE_API_KEY)"))
             if r.status_code == 200:
                 try:
                     out = r.json()
@@ -307,7 +315,8 @@ async def _run(args: argparse.Namespace, totals: dict, output: Path) -> None:
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     # a local service not via an HTTP_PROXY (httpx would send 127.0.0.1 there unless NO_PROXY says not to)
     local = (httpx.URL(args.url).host or "") in LOOPBACK
-    async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout_s, limits=limits,
+    auth = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout_s, limits=limits, headers=auth,
                                  trust_env=not local) as client:
         # a finished job's rerun needs no service; any other finds it before the output is touched
         model = await _model(client, args.wait_s) if todo else ""
@@ -378,6 +387,10 @@ async def _model(client: httpx.AsyncClient, wait_s: float) -> str:
     while True:
         try:
             r = await client.get("/v1/models")
+            if r.status_code == 401:  # a service that is up and refuses this key: waiting will not change it
+                raise Unauthorized(f"the service at {client.base_url} refused the API key: "
+                                      + ("pass the right --api-key (or RADIXSERVE_API_KEY)" if
+                                         "authorization" in client.headers else "it needs --api-key (or RADIXSERVE_API_KEY)"))
             if r.status_code == 200:
                 try:
                     return str(r.json()["data"][0]["id"])
@@ -398,6 +411,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="JSONL file of results (a rerun continues it)")
     p.add_argument("--url", default=os.environ.get("RADIXSERVE_URL", "http://127.0.0.1:8000"),
                    help="the service (default: $RADIXSERVE_URL or http://127.0.0.1:8000)")
+    p.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
+                   help="the service's API key, sent as Authorization: Bearer (default: $RADIXSERVE_API_KEY)")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (default: 32)")
     p.add_argument("--max-tokens", type=int, default=256, help="for lines without max_tokens (default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="for lines without temperature (default: 0)")
@@ -433,7 +448,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if unknown := Settings.unknown_env(os.environ):  # a warning: the service's own settings may be set here too
         print(f"radixserve batch: ignoring {', '.join(unknown)}: no such setting (this command reads "
-              "RADIXSERVE_URL)", file=sys.stderr)
+              "RADIXSERVE_URL and RADIXSERVE_API_KEY)", file=sys.stderr)
     src, dst = Path(args.input), Path(args.output)
     problem = (f"{src} is a folder, not a file" if src.is_dir() else None if src.is_file() else f"no input file {src}")
     problem = problem or (f"--output {dst} is a folder; name a file" if dst.is_dir() else None)
@@ -452,7 +467,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         with _only_writer(dst):
             asyncio.run(run(args, totals))
-    except (ConnectionError, NotOurs, BlockingIOError) as e:
+    except (ConnectionError, NotOurs, Unauthorized, BlockingIOError) as e:
         print(f"radixserve batch: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a folder it may not write in, an input it may not read

@@ -79,6 +79,11 @@ class Settings(BaseModel):
     num_threads: int | None = Field(None, gt=0, description="torch threads per replica (CPU); default: "
                                     "--replica-num-cpus")
     seed: int = 0
+    sampling_defaults: Literal["model", "api"] = Field("model", description="what the OpenAI routes use for "
+                                                       "temperature, top_p, top_k and repetition_penalty a request "
+                                                       "leaves unset: model (the model's generation_config.json, "
+                                                       "as vLLM and SGLang) or api (OpenAI's: 1, 1, off, off); "
+                                                       "the TGI routes always keep TGI's (default: model)")
     # serving
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -93,6 +98,9 @@ class Settings(BaseModel):
                                           "round for this long fails its health check and is replaced")
     payload_limit: int = Field(2_000_000, gt=0, description="largest request body in bytes (TGI's flag and "
                                "default: 2000000); bigger ones get 413 before they are read")
+    api_key: str | None = Field(None, description="clients must send it as the header Authorization: "
+                                "Bearer <key> on every route but /health and /metrics (as vLLM's and TGI's "
+                                "--api-key; default: none, an open API)")
     cors_allow_origin: list[str] = Field([], description="origins whose web pages may call the API from a "
                                          "browser (CORS), comma-separated, e.g. https://app.example.com; * for "
                                          "any (TGI's flag; default: none)")
@@ -124,6 +132,14 @@ class Settings(BaseModel):
             raise ValueError("num_replicas and autoscaling are both set: with autoscaling, min_replicas and "
                              "max_replicas decide the count")
         return self
+
+    @field_validator("api_key")
+    @classmethod
+    def _header_safe_key(cls, v: str | None) -> str | None:
+        # it travels in a header: printable ASCII without spaces (the message leaves the key out)
+        if v is not None and not re.fullmatch(r"[!-~]+", v):
+            raise ValueError("the API key must be printable ASCII characters without spaces")
+        return v
 
     @field_validator("cuda_graphs", mode="before")
     @classmethod

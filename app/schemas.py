@@ -7,6 +7,7 @@ that the ingress maps onto the same API's error format.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -249,10 +250,15 @@ class _OpenAICommon(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def sampling(self, max_new_tokens: int, logprobs: bool, top_logprobs: int = 0) -> dict[str, Any]:
-        return dict(max_new_tokens=max_new_tokens, temperature=self.temperature,
-                    top_k=max(self.top_k or 0, 0),  # vLLM's -1 is off, as 0
-                    top_p=self.top_p, repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed,
+    def sampling(self, max_new_tokens: int, logprobs: bool, top_logprobs: int = 0,
+                 defaults: Mapping[str, float] | None = None) -> dict[str, Any]:
+        """The engine's sampling parameters. ``defaults`` (the model's, ``app.sampling_defaults``) stand in
+        for the sampling fields this request did not send (or sent as null where null means the default)."""
+        own = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "repetition_penalty")}
+        given = {**own, **{k: v for k, v in (defaults or {}).items() if k in own and k not in self.model_fields_set}}
+        return dict(max_new_tokens=max_new_tokens, temperature=given["temperature"],
+                    top_k=max(given["top_k"] or 0, 0),  # vLLM's -1 is off, as 0
+                    top_p=given["top_p"], repetition_penalty=given["repetition_penalty"] or 1.0, seed=self.seed,
                     frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                     logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
                     stop=self.stop_list(), logprobs=logprobs, top_logprobs=top_logprobs,

@@ -11,6 +11,7 @@ mid-stream cancels its request, which aborts it in the engine and frees its bloc
 import asyncio
 import concurrent.futures
 import functools
+import hmac
 import inspect
 import json
 import logging
@@ -30,6 +31,7 @@ from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import Settings
+from app.sampling_defaults import read_sampling_defaults
 from app.schemas import TGI_FINISH, ChatRequest, CompletionRequest, TGIRequest, WarmupRequest
 from cache.hashing import block_hashes
 from deployments.cors import Cors
@@ -248,12 +250,41 @@ def _too_large(limit: int) -> ApiError:
                     "validation", code="payload_too_large")
 
 
+class ApiKey:
+    """ASGI middleware: with ``--api-key`` set, every request but a liveness probe, a Prometheus scrape and
+    a browser's preflight must carry ``Authorization: Bearer <key>`` (what OpenAI's and Hugging Face's
+    clients send), else 401 in the API's error format."""
+
+    key: bytes | None = None  # set from the settings by Ingress.__init__ (one ingress per process)
+    OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+    def __init__(self, asgi_app):
+        self.app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        key = ApiKey.key
+        if (key is None or scope["type"] != "http" or scope.get("method") == "OPTIONS"
+                or _route_path(scope) in ApiKey.OPEN_PATHS):
+            return await self.app(scope, receive, send)
+        sent = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        scheme, _, token = sent.partition(b" ")
+        # compared in constant time: how long a refusal takes says nothing of how much of the key matched
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key):
+            return await self.app(scope, receive, send)
+        err = ApiError(401, "a valid API key is required: send it as the header Authorization: Bearer <key>",
+                       "authentication", code="invalid_api_key")
+        response = _error_response(Request(scope), err)
+        response.headers["www-authenticate"] = "Bearer"
+        return await response(scope, receive, send)
+
+
 # Starlette runs the last one added first: CORS (its headers go on every answer, refusals too, and a
-# browser's preflight is answered there), the size check, the drain check and in-flight count, then the
-# content type.
+# browser's preflight is answered there), the API key, the size check, the drain check and in-flight
+# count, then the content type.
 app.add_middleware(JsonOnly)
 app.add_middleware(InFlight)
 app.add_middleware(PayloadLimit)
+app.add_middleware(ApiKey)
 app.add_middleware(Cors)
 
 
@@ -412,10 +443,17 @@ class Ingress:
         self.llm = llm_handle
         self.model_name = self.settings.model_name()
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.resolved_model_id(), local_files_only=True)
+        # the OpenAI routes' defaults for what a request leaves unset (app.sampling_defaults)
+        self.sampling_defaults = (read_sampling_defaults(self.settings.resolved_model_id())
+                                  if self.settings.sampling_defaults == "model" else {})
+        if self.sampling_defaults:
+            log.info("OpenAI requests that leave them unset sample with the model's generation_config.json: %s "
+                     "(--sampling-defaults api: OpenAI's)", self.sampling_defaults)
         # tokenizing a long prompt takes the CPU for a while: one worker thread does it, so the event
         # loop keeps streaming other users' tokens and answering /health meanwhile
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         PayloadLimit.max_bytes = self.settings.payload_limit
+        ApiKey.key = self.settings.api_key.encode() if self.settings.api_key else None
         Cors.origins = tuple(self.settings.cors_allow_origin)
         # no token covers more characters than the longest vocabulary entry: bounds a text's token count
         self._max_token_chars = max((len(k) for k in self.tokenizer.get_vocab()), default=1)
@@ -736,7 +774,8 @@ class Ingress:
         # report: /metrics has those per replica), which this cache would keep after the replica is gone
         return {**{k: v for k, v in i.items() if k not in ("replica", "warmup")}, "served_model_name": self.model_name,
                 "router": self.settings.router, "version": VERSION, "sha": None,
-                "max_ongoing_requests_per_replica": self.settings.max_ongoing_requests}
+                "max_ongoing_requests_per_replica": self.settings.max_ongoing_requests,
+                "sampling_defaults": self.sampling_defaults}
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self):
@@ -835,7 +874,8 @@ class Ingress:
             await self._refuse_overlong(len(req.prompt), "prompt")
         ids = req.prompt if isinstance(req.prompt, list) else await self._tokenize(req.prompt, req.add_special_tokens)
         top = req.logprobs or 0
-        params = req.sampling(await self._max_tokens(req, ids, 16), logprobs=req.logprobs is not None, top_logprobs=top)
+        params = req.sampling(await self._max_tokens(req, ids, 16), logprobs=req.logprobs is not None, top_logprobs=top,
+                              defaults=self.sampling_defaults)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prefix = (req.prompt if isinstance(req.prompt, str) else self._detok(ids)) if req.echo else ""
         if req.stream:
@@ -871,7 +911,7 @@ class Ingress:
         ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
         top = req.top_logprobs or 0
         params = req.sampling(await self._max_tokens(req, ids, DEFAULT_MAX_NEW_TOKENS), logprobs=req.logprobs,
-                              top_logprobs=top)
+                              top_logprobs=top, defaults=self.sampling_defaults)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return await self._openai_stream(ids, params, rid, created, "chat.completion.chunk", req, "", top)

@@ -52,3 +52,54 @@ def test_tgi_frequency_penalty_asks_for_tgis_normalisation():
     for kind in ("chat", "completion"):  # OpenAI's keeps OpenAI's per-count penalty on generated tokens
         sp = SamplingParams(**_openai(kind, frequency_penalty=0.5)).validate()
         assert sp.frequency_penalty == 0.5 and not sp.frequency_penalty_per_context
+
+
+QWEN_DEFAULTS = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_the_models_sampling_defaults_fill_only_what_a_request_leaves_unset(kind):
+    body = CHAT if kind == "chat" else COMPLETION
+    model = ChatRequest if kind == "chat" else CompletionRequest
+
+    def params(**kw) -> dict:
+        return model.model_validate({**body, **kw}).sampling(16, logprobs=False, defaults=QWEN_DEFAULTS)
+
+    got = params()
+    assert {k: got[k] for k in QWEN_DEFAULTS} == QWEN_DEFAULTS
+    SamplingParams(**got).validate()
+    # what OpenAI's client sends for an argument left out (null) is no choice either
+    assert params(temperature=None, top_p=None)["temperature"] == 0.7
+    # what a request sends wins, OpenAI's own default values and "off" included
+    sent = params(temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+    assert (sent["temperature"], sent["top_p"], sent["top_k"], sent["repetition_penalty"]) == (1.0, 1.0, 0, 1.0)
+    assert params(top_k=None)["top_k"] == 0  # an explicit null top_k: off
+    assert params(temperature=0)["temperature"] == 0 and params(temperature=0)["top_k"] == 20
+    # without defaults: OpenAI's
+    plain = model.model_validate(body).sampling(16, logprobs=False)
+    assert (plain["temperature"], plain["top_p"], plain["top_k"], plain["repetition_penalty"]) == (1.0, 1.0, 0, 1.0)
+
+
+def test_sampling_defaults_are_read_from_generation_config_and_checked(tmp_path, caplog):
+    import json
+
+    from app.sampling_defaults import read_sampling_defaults
+
+    assert read_sampling_defaults(tmp_path) == {}  # no file: none
+    gc = tmp_path / "generation_config.json"
+    gc.write_text(json.dumps({"do_sample": True, "eos_token_id": [1, 2], **QWEN_DEFAULTS, "max_new_tokens": 9}))
+    got = read_sampling_defaults(tmp_path)
+    assert got == QWEN_DEFAULTS and isinstance(got["top_k"], int) and isinstance(got["temperature"], float)
+    gc.write_text(json.dumps({"temperature": 1, "top_p": None}))
+    assert read_sampling_defaults(tmp_path) == {"temperature": 1.0}  # an int temperature is a temperature
+    # values a request could not send are left out, each with a warning; the rest stay
+    bad = {"temperature": 3.0, "top_p": 0, "top_k": 20.5, "repetition_penalty": True}
+    gc.write_text(json.dumps(bad))
+    with caplog.at_level("WARNING", logger="app.sampling_defaults"):
+        assert read_sampling_defaults(tmp_path) == {}
+    assert all(name in caplog.text for name in bad)
+    gc.write_text(json.dumps({"temperature": 0.6, "top_k": -1}))
+    assert read_sampling_defaults(tmp_path) == {"temperature": 0.6}
+    for junk in ("{not json", "[0.7]", '{"temperature": NaN}'):
+        gc.write_text(junk)
+        assert read_sampling_defaults(tmp_path) == {}, junk

@@ -765,3 +765,27 @@ def test_cors_headers_only_for_the_origins_set(monkeypatch):
         assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
         monkeypatch.setattr(Cors, "origins", ("*",))
         assert c.get("/nope", headers={"origin": "https://any.example"}).headers["access-control-allow-origin"] == "*"
+
+
+def test_a_browsers_preflight_needs_no_api_key_and_a_401_carries_cors_headers(monkeypatch):
+    """Browsers send no Authorization header on a preflight: CORS answers it before the key is checked,
+    and the 401 of a request without the key still names the origin, so the page can read why."""
+    from starlette.testclient import TestClient
+
+    from deployments.cors import Cors
+    from deployments.ingress import ApiKey, app
+
+    monkeypatch.setattr(Cors, "origins", ("https://app.example",))
+    monkeypatch.setattr(ApiKey, "key", b"k3y")
+    preflight = {"origin": "https://app.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization,content-type"}
+    with TestClient(app) as c:
+        assert c.options("/v1/completions", headers=preflight).status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "x"}, headers={"origin": "https://app.example"})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://app.example"
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/nope").status_code == 401
+        # past the key: this bare app has none of Serve's routes (nor a replica to count POSTs in)
+        assert c.get("/nope", headers={"authorization": "Bearer k3y"}).status_code == 404
+        monkeypatch.setattr(Cors, "origins", ())
+        assert c.options("/v1/completions").status_code == 405  # no CORS: a plain OPTIONS, no 401

@@ -1,0 +1,101 @@
+"""A service started with ``--api-key``, of a model whose ``generation_config.json`` declares a sampling
+default (top_k 1, greedy), over real HTTP: who gets in, and what a request that leaves sampling unset
+gets."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import httpx
+import pytest
+
+from app.cli import main as cli
+from bench.http_load import wait_healthy
+
+ROUTE = "/ktest"
+KEY = "rs-test-key-0123456789"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def keyed(serve_app, model_dir, redis_server, tmp_path_factory):
+    from ray import serve
+
+    from app.config import Settings
+    from app.main import build_app
+
+    folder = tmp_path_factory.mktemp("keyed") / "tiny-top-k-1"
+    shutil.copytree(model_dir("tiny"), folder)
+    gc = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gc, "top_k": 1}))
+    settings = Settings(model_id=str(folder), num_replicas=1, replica_num_cpus=1, max_batch_total_tokens=2048,
+                        redis_url=redis_server.url, api_key=KEY, deployment_name="ktest")
+    serve.run(build_app(settings), name="ktest", route_prefix=ROUTE)
+    url = serve_app + ROUTE
+    wait_healthy(url, timeout=120)  # /health needs no key
+    yield url
+    serve.delete("ktest")
+
+
+def test_an_api_key_guards_every_route_but_health_and_metrics(keyed):
+    with httpx.Client(base_url=keyed, timeout=60) as c:
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
+        tgi = c.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
+        assert tgi.status_code == 401 and tgi.json()["error_type"] == "authentication", tgi.text
+        assert tgi.headers["www-authenticate"] == "Bearer"
+        for headers in ({}, {"authorization": f"Bearer {KEY[:-1]}"}, {"authorization": f"Bearer {KEY}x"},
+                        {"authorization": KEY}, {"authorization": f"Basic {KEY}"}):
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, r.text)
+        for method, path in (("GET", "/info"), ("GET", "/v1/models"), ("POST", "/warmup"), ("GET", "/nope")):
+            assert c.request(method, path).status_code == 401, path  # nothing about the service without the key
+        assert c.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny-top-k-1"
+        r = c.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}},
+                   headers={"authorization": f"bearer {KEY}"})  # the scheme's case does not matter
+        assert r.status_code == 200, r.text
+    from openai import OpenAI  # what OpenAI's client sends
+
+    out = OpenAI(base_url=keyed + "/v1", api_key=KEY).completions.create(model="tiny-top-k-1", prompt="hi", max_tokens=3)
+    assert out.usage.completion_tokens == 3
+
+
+def test_openai_routes_take_what_a_request_leaves_unset_from_the_models_generation_config(keyed):
+    """--sampling-defaults model (the default): the model declares top_k 1, so an OpenAI request that sets
+    no top_k samples greedily at any seed, one that sets it samples as asked; TGI's routes keep TGI's."""
+    with httpx.Client(base_url=keyed, timeout=60, headers=AUTH) as c:
+        assert c.get("/info").json()["sampling_defaults"] == {"top_k": 1}
+        prompt = "Epsilon prompt for the sampling defaults, a few words long. "
+
+        def text(**kw) -> str:
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, **kw})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        def tgi(**parameters) -> str:
+            r = c.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 12, **parameters}})
+            assert r.status_code == 200, r.text
+            return r.json()["generated_text"]
+
+        greedy = text(temperature=0)
+        assert [text(seed=s) for s in range(3)] == [greedy] * 3
+        assert any(text(seed=s, top_k=0) != greedy for s in range(3))
+        assert tgi() == greedy  # TGI's default: greedy
+        assert any(tgi(do_sample=True, seed=s) != greedy for s in range(3))  # no top_k 1 there
+
+
+def test_batch_sends_the_key_and_says_at_once_when_it_has_none(keyed, tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"line {i}", "max_tokens": 2}) + "\n" for i in range(3)))
+    out = tmp_path / "out.jsonl"
+    t0 = time.monotonic()
+    assert cli(["batch", "--input", str(src), "--output", str(out), "--url", keyed, "--wait-s", "30"]) == 2
+    assert "needs --api-key" in capsys.readouterr().err
+    assert time.monotonic() - t0 < 15  # a refusal is no service still starting: no waiting for it
+    assert cli(["batch", "--input", str(src), "--output", str(out), "--url", keyed, "--api-key", "wrong"]) == 2
+    assert "refused the API key" in capsys.readouterr().err
+    assert cli(["batch", "--input", str(src), "--output", str(out), "--url", keyed, "--api-key", KEY]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == [0, 1, 2] and all("error" not in r for r in rows), rows
