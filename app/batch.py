@@ -145,7 +145,12 @@ def prefix_order(lines: list[Line]) -> list[Line]:
 
 
 class Unauthorized(Exception):
-    """The service refused the API key (or wants one)."""
+    """The service refused the API key (or wants one): the run ends, as waiting will not change it."""
+
+    @classmethod
+    def at(cls, client: httpx.AsyncClient) -> Unauthorized:
+        fix = "pass the right --api-key" if "authorization" in client.headers else "it needs --api-key"
+        return cls(f"the service at {client.base_url} refused the API key: {fix} (or RADIXSERVE_API_KEY)")
 
 
 class NotOurs(ValueError):
@@ -220,6 +225,14 @@ class ServiceGone(Exception):
     """A request found the service unreachable or unavailable through all its retries."""
 
 
+def _answer(choice: dict, chat: bool) -> dict:
+    """One choice of an answer as the output records it."""
+    out = {"output": choice["message"]["content"] if chat else choice["text"], "finish_reason": choice.get("finish_reason")}
+    if choice.get("logprobs") is not None:
+        out["logprobs"] = choice["logprobs"]
+    return out
+
+
 async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: int) -> tuple[dict, bool]:
     """The line's answer or error record, and whether a failure was transient (a rerun may answer it);
     ``ServiceGone`` when every try found the service unreachable
@@ -236,21 +249,18 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
             problem = _transport_problem(e)
             gone = gone and isinstance(e, GONE_ERRORS)
         else:
-            if r.status_code == 401:  # a service that is up and refuses this key: waiting will not change it
-                raise Unauthorized(f"the service at {client.base_url} refused the API key: "
-                                      + ("pass the right --api-key (or RADIXSERVE_API_KEY)" if
-                                         "authorization" in client.headers else "it needs --api-key (or RADIXSERVE_API_KEY)"))
+            if r.status_code == 401:
+                raise Unauthorized.at(client)
             if r.status_code == 200:
                 try:
                     out = r.json()
-                    choice = out["choices"][0]
-                    text = choice["message"]["content"] if line.chat else choice["text"]
+                    answers = [_answer(c, line.chat) for c in out["choices"]]
+                    first = answers[0]
                 except (ValueError, LookupError, TypeError) as e:
                     return {**line.ref, "error": f"unexpected answer ({type(e).__name__}): {r.text[:200]}"}, True
-                rec = {**line.ref, "output": text, "finish_reason": choice.get("finish_reason"),
-                       "usage": out.get("usage")}
-                if choice.get("logprobs") is not None:
-                    rec["logprobs"] = choice["logprobs"]
+                rec = {**line.ref, **first, "usage": out.get("usage")}
+                if len(answers) > 1:  # a line that asked for n of them: all, in order (the first also above)
+                    rec["choices"] = answers
                 return rec, False
             problem = _error_message(r)
             engine_failed = r.status_code == 503 and _error_code(r) == ENGINE_FAILURE
@@ -347,12 +357,15 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
 
     async def worker() -> None:
         for line in queue:
-            if "_gone" in totals:
+            if "_gone" in totals or "_unauthorized" in totals:
                 return
             try:
                 rec, transient = await _one(client, line, defaults, args.retries)
             except ServiceGone as e:
                 totals.setdefault("_gone", str(e))  # this line is not written: a rerun sends it
+                continue
+            except Unauthorized as e:  # (a key rotated mid-run) not written either: every line would fail
+                totals.setdefault("_unauthorized", e)
                 continue
             except Exception as e:  # noqa: BLE001 - one odd line must not end the job
                 rec, transient = {**line.ref, "error": f"{type(e).__name__}: {e}"}, True
@@ -367,6 +380,8 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
         await asyncio.gather(*(worker() for _ in range(min(args.concurrency, len(todo)))))
     finally:
         bar.close()
+    if "_unauthorized" in totals:
+        raise totals["_unauthorized"]
 
 
 def _count(totals: dict, rec: dict) -> None:
@@ -387,10 +402,8 @@ async def _model(client: httpx.AsyncClient, wait_s: float) -> str:
     while True:
         try:
             r = await client.get("/v1/models")
-            if r.status_code == 401:  # a service that is up and refuses this key: waiting will not change it
-                raise Unauthorized(f"the service at {client.base_url} refused the API key: "
-                                      + ("pass the right --api-key (or RADIXSERVE_API_KEY)" if
-                                         "authorization" in client.headers else "it needs --api-key (or RADIXSERVE_API_KEY)"))
+            if r.status_code == 401:
+                raise Unauthorized.at(client)
             if r.status_code == 200:
                 try:
                     return str(r.json()["data"][0]["id"])

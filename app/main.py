@@ -61,13 +61,18 @@ def request_router_config(settings: Settings):
         request_routing_stats_period_s=period)
 
 
+# settings only the HTTP ingress reads
+INGRESS_ONLY = frozenset({"api_key", "sampling_defaults", "cors_allow_origin", "payload_limit"})
+
+
 def build_app(settings: Settings):
     settings.resolved_model_id()  # create the built-in model before replicas look for it
     # Replica counts stay out of the replicas' own arguments: changing them through the Python API then
     # scales the deployment in place instead of replacing every replica (`serve deploy` hashes a config
     # file's whole `args`, so there any change restarts every replica).
     s = settings.model_dump(exclude={"num_replicas", "autoscaling", "ingress_replicas"})
-    llm = llm_deployment(settings).bind(s)
+    # nor do the ingress' own settings go to the LLM replicas: a new API key would restart every one of them
+    llm = llm_deployment(settings).bind({k: v for k, v in s.items() if k not in INGRESS_ONLY})
     return Ingress.options(name=f"{settings.deployment_name}-ingress", num_replicas=settings.ingress_replicas,
                            max_ongoing_requests=settings.ingress_max_ongoing_requests,
                            # as the LLM replicas: a frozen ingress is every request's outage

@@ -22,6 +22,9 @@ FIELDS: dict[str, tuple[type, str, Callable[[float], bool]]] = {
     "repetition_penalty": (float, "x > 0", lambda x: x > 0),
 }
 
+# what vLLM also takes from the file, said in the log rather than dropped in silence
+NOT_APPLIED = ("min_p", "max_new_tokens")
+
 
 def read_sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
     """The sampling fields ``generation_config.json`` sets, checked; {} without the file. A file that is
@@ -38,6 +41,9 @@ def read_sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
     if not isinstance(raw, dict):
         log.warning("%s is not a JSON object: no sampling defaults from the model", path)
         return {}
+    unused = [k for k in NOT_APPLIED if raw.get(k) is not None]
+    if unused:
+        log.info("%s: %s not applied (a request sets max_tokens; min_p is not implemented)", path, ", ".join(unused))
     out: dict[str, float | int] = {}
     for name, (kind, allowed, accepts) in FIELDS.items():
         if name not in raw or raw[name] is None:

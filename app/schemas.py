@@ -162,8 +162,10 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+MAX_CHOICES = 128  # OpenAI's own limit on n
+
 # OpenAI's spec makes these nullable and its client sends null for a None argument: null means the default
-NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty",
+NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "repetition_penalty", "n", "stream", "frequency_penalty", "presence_penalty",
                              "logprobs", "echo", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                              "skip_special_tokens", "add_generation_prompt", "continue_final_message",
                              "add_special_tokens"})
@@ -187,7 +189,7 @@ class _OpenAICommon(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # extension (vLLM's): 0 and vLLM's -1 are off
     repetition_penalty: float | None = Field(None, gt=0)  # extension
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices: one engine request each, side by side
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -233,13 +235,6 @@ class _OpenAICommon(_Strict):
                 raise ValueError(f"logit_bias key {k[:12]}... ({len(k)} digits) is not a token id")
             if not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
         return v
 
     def stop_list(self) -> list[str]:

@@ -10,7 +10,9 @@ mid-stream cancels its request, which aborts it in the engine and frees its bloc
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
+import hashlib
 import hmac
 import inspect
 import json
@@ -21,6 +23,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import TaskCancelledError
+from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import Settings
@@ -255,7 +259,7 @@ class ApiKey:
     a browser's preflight must carry ``Authorization: Bearer <key>`` (what OpenAI's and Hugging Face's
     clients send), else 401 in the API's error format."""
 
-    key: bytes | None = None  # set from the settings by Ingress.__init__ (one ingress per process)
+    key: bytes | None = None  # the key's SHA-256, set from the settings by Ingress.__init__ (one ingress per process)
     OPEN_PATHS = frozenset({"/health", "/metrics"})
 
     def __init__(self, asgi_app):
@@ -266,10 +270,11 @@ class ApiKey:
         if (key is None or scope["type"] != "http" or scope.get("method") == "OPTIONS"
                 or _route_path(scope) in ApiKey.OPEN_PATHS):
             return await self.app(scope, receive, send)
-        sent = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        scheme, _, token = sent.partition(b" ")
-        # compared in constant time: how long a refusal takes says nothing of how much of the key matched
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key):
+        # the first Authorization header, as Starlette reads it
+        sent = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"")
+        scheme, token = (*sent.split(None, 1), b"", b"")[:2]  # "Bearer <key>", any whitespace between
+        # digests compared in constant time: how long a refusal takes says nothing of the key, its length included
+        if scheme.lower() == b"bearer" and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), key):
             return await self.app(scope, receive, send)
         err = ApiError(401, "a valid API key is required: send it as the header Authorization: Bearer <key>",
                        "authentication", code="invalid_api_key")
@@ -425,10 +430,78 @@ def _error_text(e: BaseException) -> str:
     return rest if sep and "." in head and " " not in head else text
 
 
-def _usage(ev: dict) -> dict:
-    p, c = ev["num_prompt_tokens"], ev["num_output_tokens"]
+def _usage(*finals: dict) -> dict:
+    """OpenAI ``usage`` of the last events of a request's choices: the prompt counts once, and its cached
+    part is what the first of them found (the others then find what it computed)."""
+    p, c = finals[0]["num_prompt_tokens"], sum(ev["num_output_tokens"] for ev in finals)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": ev["num_cached_tokens"]}}
+            "prompt_tokens_details": {"cached_tokens": min(ev["num_cached_tokens"] for ev in finals)}}
+
+
+@dataclass
+class _StreamedChoice:
+    """One choice of an OpenAI stream: its token events since its last chunk (for their log-probs; tokens
+    without text are coalesced), the characters it has sent, and whether its first token is still due."""
+
+    index: int
+    unsent: list[dict] = field(default_factory=list)
+    sent: int = 0
+    first_token: bool = True
+
+
+def _choice_params(params: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """One engine request per choice; with a seed, choice i samples with seed + i (as vLLM), so each is
+    reproducible alone, and the n draws differ."""
+    if n == 1 or params.get("seed") is None:
+        return [params] * n
+    return [{**params, "seed": (params["seed"] + i) - (2**64 if params["seed"] + i >= 2**64 else 0)}
+            for i in range(n)]
+
+
+async def _all(aws) -> list:
+    """``asyncio.gather``, but a failure cancels the rest (their requests are aborted in the engines)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+    """(choice, event) from several streams as their events come; closing it cancels those still running."""
+    if len(streams) == 1:  # the common case, without a task and a queue per token
+        async for ev in streams[0]:
+            yield 0, ev
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[dict]) -> None:
+        try:
+            async for ev in stream:
+                queue.put_nowait((i, ev))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, ev = await queue.get()
+            if ev is None:
+                running -= 1
+            elif isinstance(ev, Exception):
+                raise ev
+            else:
+                yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -453,7 +526,7 @@ class Ingress:
         # loop keeps streaming other users' tokens and answering /health meanwhile
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         PayloadLimit.max_bytes = self.settings.payload_limit
-        ApiKey.key = self.settings.api_key.encode() if self.settings.api_key else None
+        ApiKey.key = hashlib.sha256(self.settings.api_key.encode()).digest() if self.settings.api_key else None
         Cors.origins = tuple(self.settings.cors_allow_origin)
         # no token covers more characters than the longest vocabulary entry: bounds a text's token count
         self._max_token_chars = max((len(k) for k in self.tokenizer.get_vocab()), default=1)
@@ -671,7 +744,28 @@ class Ingress:
         return first, events
 
     async def _collect(self, ids: list[int], params: dict[str, Any]) -> list[dict]:
-        first, rest = await self._stream(ids, params)
+        return await self._drain(*await self._stream(ids, params))
+
+    async def _choices(self, ids: list[int], params: dict[str, Any], n: int, stream: bool
+                       ) -> list[tuple[dict, AsyncIterator[dict]]] | list[list[dict]]:
+        """``n`` choices of one prompt, one engine request each: started (``stream``: their first events
+        and the rest) or run to the end (their events). The first starts alone, so its prompt is cached
+        (and the router knows where) before the others start, side by side: they find it there and
+        compute only its last block. A choice that fails or is refused ends them all."""
+        each = _choice_params(params, n)
+        started = [await self._stream(ids, each[0])]
+        started += await _all(self._stream_alone(ids, p) for p in each[1:])
+        return started if stream else await _all(self._drain(first, rest) for first, rest in started)
+
+    async def _stream_alone(self, ids: list[int], params: dict[str, Any]) -> tuple[dict, AsyncIterator[dict]]:
+        """``_stream`` under a Serve request id of its own (in this task's copy of Serve's request context).
+        The calls of one HTTP request share its id, and Serve's router (2.60) indexes pending calls by
+        it: a second call routed while one with its id is pending is never assigned a replica."""
+        ctx = serve_context._get_serve_request_context()
+        serve_context._serve_request_context.set(replace(ctx, _internal_request_id=uuid.uuid4().hex))
+        return await self._stream(ids, params)
+
+    async def _drain(self, first: dict, rest: AsyncIterator[dict]) -> list[dict]:
         events = [first]
         async for ev in rest:
             events.append(ev)
@@ -880,14 +974,17 @@ class Ingress:
         prefix = (req.prompt if isinstance(req.prompt, str) else self._detok(ids)) if req.echo else ""
         if req.stream:
             return await self._openai_stream(ids, params, rid, created, "text_completion", req, prefix, top)
-        events = await self._collect(ids, params)
-        last = events[-1]
-        choice = {"index": 0, "text": prefix + "".join(ev["text"] for ev in events),
-                  "finish_reason": _oai_finish(last["finish_reason"]), "logprobs": None}
-        if req.logprobs is not None:
-            choice["logprobs"] = self._oai_logprobs(events, False, top, len(prefix), len(choice["text"]))
+        runs = await self._choices(ids, params, req.n, stream=False)
+        choices = []
+        for i, events in enumerate(runs):
+            choice = {"index": i, "text": prefix + "".join(ev["text"] for ev in events),
+                      "finish_reason": _oai_finish(events[-1]["finish_reason"]), "logprobs": None}
+            if req.logprobs is not None:
+                choice["logprobs"] = self._oai_logprobs(events, False, top, len(prefix), len(choice["text"]))
+            choices.append(choice)
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                             "choices": [choice], "usage": _usage(last)}, headers=_replica_header(events))
+                             "choices": choices, "usage": _usage(*(events[-1] for events in runs))},
+                            headers=_replica_header(runs[0]))
 
     @app.post("/v1/chat/completions")
     async def chat(self, req: ChatRequest):
@@ -915,73 +1012,79 @@ class Ingress:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return await self._openai_stream(ids, params, rid, created, "chat.completion.chunk", req, "", top)
-        events = await self._collect(ids, params)
-        last = events[-1]
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(ev["text"] for ev in events)},
-                  "finish_reason": _oai_finish(last["finish_reason"]), "logprobs": None}
-        if req.logprobs:
-            choice["logprobs"] = self._oai_logprobs(events, True, top)
+        runs = await self._choices(ids, params, req.n, stream=False)
+        choices = []
+        for i, events in enumerate(runs):
+            choice = {"index": i, "message": {"role": "assistant", "content": "".join(ev["text"] for ev in events)},
+                      "finish_reason": _oai_finish(events[-1]["finish_reason"]), "logprobs": None}
+            if req.logprobs:
+                choice["logprobs"] = self._oai_logprobs(events, True, top)
+            choices.append(choice)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                             "choices": [choice], "usage": _usage(last)}, headers=_replica_header(events))
+                             "choices": choices, "usage": _usage(*(events[-1] for events in runs))},
+                            headers=_replica_header(runs[0]))
 
     async def _openai_stream(self, ids, params, rid, created, obj, req, prefix: str, top: int = 0):
-        first, rest = await self._stream(ids, params)
+        started = await self._choices(ids, params, req.n, stream=True)
         chat = obj == "chat.completion.chunk"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         want_logprobs = params["logprobs"]
-        unsent: list[dict] = []  # token events since the last chunk (tokens without text are coalesced)
-        sent = 0  # characters of text sent so far (the echoed prompt included)
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
-            nonlocal sent
-            c = _chunk(text, finish, role)
-            sent += len(text or "")
-            if want_logprobs and unsent:  # the last chunk knows the text's length: a stop string left out
+        def chunk(st: _StreamedChoice, text: str | None, finish: str | None, role: bool = False) -> dict:
+            c = _chunk(st.index, text, finish, role)
+            st.sent += len(text or "")
+            if want_logprobs and st.unsent:  # the last chunk knows the text's length: a stop string left out
                 # a token's text_offset is final once the text sent reaches it (a stop string cuts at or
                 # after what was sent); later ones wait for their text, or they could point past the end
-                ready = len(unsent) if chat or finish else next(
-                    (i for i, ev in enumerate(unsent) if len(prefix) + ev["text_offset"] > sent), len(unsent))
+                ready = len(st.unsent) if chat or finish else next(
+                    (i for i, ev in enumerate(st.unsent) if len(prefix) + ev["text_offset"] > st.sent), len(st.unsent))
                 if ready:
-                    c["choices"][0]["logprobs"] = self._oai_logprobs(unsent[:ready], chat, top, len(prefix),
-                                                                     sent if finish else None)
-                    del unsent[:ready]
+                    c["choices"][0]["logprobs"] = self._oai_logprobs(st.unsent[:ready], chat, top, len(prefix),
+                                                                     st.sent if finish else None)
+                    del st.unsent[:ready]
             return c
 
-        def _chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+        def _chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> dict:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if text:
                     delta["content"] = text
-                c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                c = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
-                c = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                c = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
             return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
 
         async def body():
-            first_token = True
-            if chat:
-                yield _sse(chunk("", None, role=True))
-            elif prefix:
-                yield _sse(chunk(prefix, None))
-            async for ev in _chain(first, rest):
-                if ev.get("error"):
-                    yield _sse({"error": {"message": ev["error"], "type": "server_error", "param": None,
-                                          "code": ENGINE_FAILURE}})
-                    return
-                # the first token is sent even while its text is held back (a partial UTF-8 character,
-                # a stop string in the making), so clients see generation start: a true TTFT; later
-                # tokens without text are not sent (each chunk costs a trip through Serve's proxy)
-                if ev.get("token_id") is not None:
-                    unsent.append(ev)
-                if ev["text"] or ev["finished"] or (first_token and ev.get("token_id") is not None):
-                    first_token = False
-                    yield _sse(chunk(ev["text"], _oai_finish(ev["finish_reason"]) if ev["finished"] else None))
-                if ev["finished"] and include_usage:
-                    yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                "choices": [], "usage": _usage(ev)})
+            states = [_StreamedChoice(i) for i in range(len(started))]
+            for st in states:
+                if chat:
+                    yield _sse(chunk(st, "", None, role=True))
+                elif prefix:
+                    yield _sse(chunk(st, prefix, None))
+            finals: dict[int, dict] = {}
+            async with contextlib.aclosing(_merged([_chain(first, rest) for first, rest in started])) as events:
+                async for i, ev in events:
+                    if ev.get("error"):  # one choice failed: the others end with it (closing the merge)
+                        yield _sse({"error": {"message": ev["error"], "type": "server_error", "param": None,
+                                              "code": ENGINE_FAILURE}})
+                        return
+                    st = states[i]
+                    # the first token is sent even while its text is held back (a partial UTF-8 character,
+                    # a stop string in the making), so clients see generation start: a true TTFT; later
+                    # tokens without text are not sent (each chunk costs a trip through Serve's proxy)
+                    if ev.get("token_id") is not None:
+                        st.unsent.append(ev)
+                    if ev["text"] or ev["finished"] or (st.first_token and ev.get("token_id") is not None):
+                        st.first_token = False
+                        yield _sse(chunk(st, ev["text"], _oai_finish(ev["finish_reason"]) if ev["finished"] else None))
+                    if ev["finished"]:
+                        finals[i] = ev
+            if include_usage and len(finals) == len(states):
+                yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                            "choices": [], "usage": _usage(*(finals[i] for i in range(len(states))))})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream", headers=_stream_headers(first))
+        return StreamingResponse(body(), media_type="text/event-stream", headers=_stream_headers(started[0][0]))
 
     # ------------------------------------------------------------------ RadixServe's own
     @app.post("/warmup")

@@ -73,7 +73,8 @@ def test_the_models_sampling_defaults_fill_only_what_a_request_leaves_unset(kind
     # what a request sends wins, OpenAI's own default values and "off" included
     sent = params(temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
     assert (sent["temperature"], sent["top_p"], sent["top_k"], sent["repetition_penalty"]) == (1.0, 1.0, 0, 1.0)
-    assert params(top_k=None)["top_k"] == 0  # an explicit null top_k: off
+    assert params(top_k=None, repetition_penalty=None)["top_k"] == 20  # null: the default, the model's
+    assert params(top_k=-1)["top_k"] == 0  # vLLM's "off"
     assert params(temperature=0)["temperature"] == 0 and params(temperature=0)["top_k"] == 20
     # without defaults: OpenAI's
     plain = model.model_validate(body).sampling(16, logprobs=False)

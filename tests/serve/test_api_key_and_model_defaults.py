@@ -88,7 +88,8 @@ def test_openai_routes_take_what_a_request_leaves_unset_from_the_models_generati
 
 def test_batch_sends_the_key_and_says_at_once_when_it_has_none(keyed, tmp_path, capsys):
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"id": i, "prompt": f"line {i}", "max_tokens": 2}) + "\n" for i in range(3)))
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"line {i}", "max_tokens": 2, "n": i + 1}) + "\n"
+                           for i in range(3)))
     out = tmp_path / "out.jsonl"
     t0 = time.monotonic()
     assert cli(["batch", "--input", str(src), "--output", str(out), "--url", keyed, "--wait-s", "30"]) == 2
@@ -99,3 +100,6 @@ def test_batch_sends_the_key_and_says_at_once_when_it_has_none(keyed, tmp_path, 
     assert cli(["batch", "--input", str(src), "--output", str(out), "--url", keyed, "--api-key", KEY]) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == [0, 1, 2] and all("error" not in r for r in rows), rows
+    by_id = {r["id"]: r for r in rows}
+    assert "choices" not in by_id[0] and [len(by_id[i]["choices"]) for i in (1, 2)] == [2, 3]  # n > 1: all of them
+    assert by_id[2]["choices"][0]["output"] == by_id[2]["output"] and by_id[2]["usage"]["completion_tokens"] == 6

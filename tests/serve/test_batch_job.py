@@ -253,6 +253,21 @@ def test_batch_stops_sending_when_the_service_is_gone(tmp_path, capsys):
     assert all("HTTP 504" in json.loads(x)["error"] for x in out.read_text().splitlines())
 
 
+def test_a_key_refused_mid_run_ends_the_run_without_marking_lines_failed(tmp_path, capsys):
+    """The service was redeployed with another key while the job ran: its model list still came (this
+    stand-in needs no key for it), then every request gets 401. Recording each line as failed would
+    only make the rerun send them all again; the run stops at once instead, exit 2, output untouched."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": i, "prompt": f"line {i}"} for i in range(40)])
+    with _DownService(401) as url:
+        t0 = time.monotonic()
+        code = cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--api-key", "old",
+                    "--concurrency", "2"])
+        assert time.monotonic() - t0 < 10
+    assert code == 2 and "refused the API key: pass the right --api-key" in capsys.readouterr().err
+    assert out.read_text() == ""
+
+
 def test_a_line_that_failed_its_engine_is_its_own_failure_and_a_408_is_retried(tmp_path, capsys):
     """A 503 for a request that was running when its engine failed (it may be what failed it) is that
     line's failure after one more try: taken for the service being gone, it stopped the job there, and

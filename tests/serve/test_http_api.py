@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 
@@ -115,7 +116,7 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     ("/generate_stream", {"inputs": "x" * 1500}, 422, "max_input_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "nope"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n=1"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 129}, 400, "less than or equal to 128"),
     ("/v1/completions", {"model": "tiny", "prompt": [999999]}, 400, "vocabulary"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 5}, 400, "temperature"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
@@ -523,24 +524,25 @@ def test_warmup_reports_what_the_cache_holds_and_refuses_more_than_a_pool(client
     assert r.status_code == 200 and r.json()["cached_tokens"] <= 4096  # shared blocks counted once
 
 
-def test_disconnect_mid_stream_frees_blocks(serve_app, client):
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_mid_stream_frees_blocks(serve_app, client, n):
     aborted = metrics(client).get(("radixserve_requests_aborted_total", "all"), 0.0)
     # ignore_eos: a request that met EOS before the client left would end normally, not as an abort
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True, "n": n}
     with httpx.Client(base_url=serve_app, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
-        for n, _ in enumerate(r.iter_lines()):
-            if n >= 6:
+        for lines, _ in enumerate(r.iter_lines()):
+            if lines >= 6:
                 break  # leave mid-stream
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = metrics(client)
         if (m[("radixserve_cache_blocks_in_use", "all")] == 0 and m[("radixserve_running_requests", "all")] == 0
-                and m[("radixserve_requests_aborted_total", "all")] > aborted):
+                and m[("radixserve_requests_aborted_total", "all")] >= aborted + n):
             break
         time.sleep(0.5)
     assert m[("radixserve_cache_blocks_in_use", "all")] == 0
     assert m[("radixserve_running_requests", "all")] == 0
-    assert m[("radixserve_requests_aborted_total", "all")] == aborted + 1  # counted, as an abort
+    assert m[("radixserve_requests_aborted_total", "all")] == aborted + n  # counted, as aborts (each choice)
 
 
 def test_more_concurrent_streams_than_serve_default_are_all_served_at_once(serve_app):
@@ -776,7 +778,7 @@ def test_a_browsers_preflight_needs_no_api_key_and_a_401_carries_cors_headers(mo
     from deployments.ingress import ApiKey, app
 
     monkeypatch.setattr(Cors, "origins", ("https://app.example",))
-    monkeypatch.setattr(ApiKey, "key", b"k3y")
+    monkeypatch.setattr(ApiKey, "key", hashlib.sha256(b"k3y").digest())
     preflight = {"origin": "https://app.example", "access-control-request-method": "POST",
                  "access-control-request-headers": "authorization,content-type"}
     with TestClient(app) as c:
@@ -789,3 +791,67 @@ def test_a_browsers_preflight_needs_no_api_key_and_a_401_carries_cors_headers(mo
         assert c.get("/nope", headers={"authorization": "Bearer k3y"}).status_code == 404
         monkeypatch.setattr(Cors, "origins", ())
         assert c.options("/v1/completions").status_code == 405  # no CORS: a plain OPTIONS, no 401
+
+
+def test_n_choices_each_with_its_own_seed_and_the_prompt_computed_once(client):
+    from tests.serve.helpers import fleet, wait_for
+
+    prompt = "Zeta is a prompt for several choices at once, long enough to fill a good many blocks. " * 4
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    counter = "radixserve_prefill_tokens_computed_total"
+    time.sleep(2.5)  # the replicas' reports of earlier tests are in
+    before = fleet(client)[counter]
+    r = client.post("/v1/completions", json={**body, "n": 4})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    p = out["usage"]["prompt_tokens"]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert out["usage"]["completion_tokens"] == 4 * 6 and out["usage"]["total_tokens"] == p + 24
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # what the first choice found: nothing
+    # the router sent them to one replica, whose engine computed the prompt once (each of the others
+    # recomputes its last, partial block: its logits start its answer)
+    assert wait_for(lambda: fleet(client)[counter] - before >= p, 15)
+    time.sleep(1.5)  # and any other replica's report
+    computed = fleet(client)[counter] - before
+    assert p <= computed < p + 3 * 16, (computed, p)
+    # choice i is what seed + i gives alone: reproducible one by one, and the draws differ
+    alone = [client.post("/v1/completions", json={**body, "seed": 11 + i}).json()["choices"][0]["text"]
+             for i in range(4)]
+    assert [c["text"] for c in out["choices"]] == alone and len(set(alone)) > 1
+    # chat too; greedy choices are all the same answer
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                                      "max_tokens": 4, "temperature": 0}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    assert chat["choices"][0]["message"] == chat["choices"][1]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_n_choices_stream_side_by_side_with_one_usage_and_one_done(client, path):
+    chat = path.endswith("chat/completions")
+    body = {"max_tokens": 6, "temperature": 1.0, "seed": 5, "ignore_eos": True, "n": 3,
+            **({"messages": [{"role": "user", "content": "Eta, streamed."}], "logprobs": True} if chat
+               else {"prompt": "Eta, streamed.", "logprobs": 1})}
+    whole = client.post(path, json=body).json()
+    with client.stream("POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    *chunks, usage = events[:-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 18
+    assert usage["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+    texts, finishes, logprobs = {}, {}, {}
+    for ch in chunks:
+        (c,) = ch["choices"]
+        i = c["index"]
+        texts[i] = texts.get(i, "") + ((c["delta"].get("content") or "") if chat else c["text"])
+        if c["finish_reason"]:
+            assert i not in finishes
+            finishes[i] = c["finish_reason"]
+        if c["logprobs"]:
+            logprobs.setdefault(i, []).extend(c["logprobs"]["content"] if chat else c["logprobs"]["tokens"])
+    want = [c["message"]["content"] if chat else c["text"] for c in whole["choices"]]
+    assert [texts[i] for i in range(3)] == want
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert [len(logprobs[i]) for i in range(3)] == [6, 6, 6]  # each choice's own tokens
+    if chat:
+        assert all(ch["choices"][0]["delta"] == {"role": "assistant"} for ch in chunks[:3])  # one role chunk each
