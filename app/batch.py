@@ -227,7 +227,8 @@ class ServiceGone(Exception):
 
 def _answer(choice: dict, chat: bool) -> dict:
     """One choice of an answer as the output records it."""
-    out = {"output": choice["message"]["content"] if chat else choice["text"], "finish_reason": choice.get("finish_reason")}
+    out = {"index": choice.get("index"), "output": choice["message"]["content"] if chat else choice["text"],
+           "finish_reason": choice.get("finish_reason")}
     if choice.get("logprobs") is not None:
         out["logprobs"] = choice["logprobs"]
     return out
@@ -258,7 +259,7 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
                     first = answers[0]
                 except (ValueError, LookupError, TypeError) as e:
                     return {**line.ref, "error": f"unexpected answer ({type(e).__name__}): {r.text[:200]}"}, True
-                rec = {**line.ref, **first, "usage": out.get("usage")}
+                rec = {**line.ref, **{k: v for k, v in first.items() if k != "index"}, "usage": out.get("usage")}
                 if len(answers) > 1:  # a line that asked for n of them: all, in order (the first also above)
                     rec["choices"] = answers
                 return rec, False

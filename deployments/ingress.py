@@ -435,7 +435,7 @@ def _usage(*finals: dict) -> dict:
     part is what the first of them found (the others then find what it computed)."""
     p, c = finals[0]["num_prompt_tokens"], sum(ev["num_output_tokens"] for ev in finals)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": min(ev["num_cached_tokens"] for ev in finals)}}
+            "prompt_tokens_details": {"cached_tokens": finals[0]["num_cached_tokens"]}}
 
 
 @dataclass
@@ -467,6 +467,7 @@ async def _all(aws) -> list:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        tasks.clear()  # the error's traceback holds this frame: let the tasks' results go
         raise
 
 
@@ -661,9 +662,11 @@ class Ingress:
             self._bytes_cache[tid] = got
         return got
 
-    async def _stream(self, ids: list[int], params: dict[str, Any]) -> tuple[dict, AsyncIterator[dict]]:
+    async def _stream(self, ids: list[int], params: dict[str, Any], aborts: list | None = None
+                      ) -> tuple[dict, AsyncIterator[dict]]:
         """Start a request; returns its first event and an iterator over the rest. A refused
-        request raises ``ApiError`` here, before any response byte is sent."""
+        request raises ``ApiError`` here, before any response byte is sent. ``aborts`` gets a call that
+        ends the request while the rest is not being read yet (once; later, closing the rest does)."""
         await self._refuse_past_context(len(ids), params.get("max_new_tokens"))
         for attempt in range(2):  # a replica or engine that fails before the first token: retry once
             request_id = uuid.uuid4().hex
@@ -740,7 +743,10 @@ class Ingress:
             if not started:
                 cancel(generated=generated)
 
-        weakref.finalize(events, never_read).atexit = False
+        abort = weakref.finalize(events, never_read)
+        abort.atexit = False
+        if aborts is not None:
+            aborts.append(abort)
         return first, events
 
     async def _collect(self, ids: list[int], params: dict[str, Any]) -> list[dict]:
@@ -752,18 +758,29 @@ class Ingress:
         and the rest) or run to the end (their events). The first starts alone, so its prompt is cached
         (and the router knows where) before the others start, side by side: they find it there and
         compute only its last block. A choice that fails or is refused ends them all."""
+        most = self.settings.max_ongoing_requests
+        if n > most:  # the rest would queue in Serve, and a stream's headers wait for every first token
+            raise ApiError(422, f"n ({n}) is more than one replica runs at once (max_ongoing_requests {most}); "
+                                "ask for fewer choices", param="n")
         each = _choice_params(params, n)
-        started = [await self._stream(ids, each[0])]
-        started += await _all(self._stream_alone(ids, p) for p in each[1:])
+        aborts: list = []
+        started = [await self._stream(ids, each[0], aborts)]
+        try:
+            started += await _all(self._stream_alone(ids, p, aborts) for p in each[1:])
+        except BaseException:  # those that started end now, not when the garbage collector finds them
+            for abort in aborts:
+                abort()
+            raise
         return started if stream else await _all(self._drain(first, rest) for first, rest in started)
 
-    async def _stream_alone(self, ids: list[int], params: dict[str, Any]) -> tuple[dict, AsyncIterator[dict]]:
+    async def _stream_alone(self, ids: list[int], params: dict[str, Any], aborts: list
+                            ) -> tuple[dict, AsyncIterator[dict]]:
         """``_stream`` under a Serve request id of its own (in this task's copy of Serve's request context).
         The calls of one HTTP request share its id, and Serve's router (2.60) indexes pending calls by
         it: a second call routed while one with its id is pending is never assigned a replica."""
         ctx = serve_context._get_serve_request_context()
         serve_context._serve_request_context.set(replace(ctx, _internal_request_id=uuid.uuid4().hex))
-        return await self._stream(ids, params)
+        return await self._stream(ids, params, aborts)
 
     async def _drain(self, first: dict, rest: AsyncIterator[dict]) -> list[dict]:
         events = [first]

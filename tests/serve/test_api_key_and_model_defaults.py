@@ -102,4 +102,5 @@ def test_batch_sends_the_key_and_says_at_once_when_it_has_none(keyed, tmp_path, 
     assert sorted(r["id"] for r in rows) == [0, 1, 2] and all("error" not in r for r in rows), rows
     by_id = {r["id"]: r for r in rows}
     assert "choices" not in by_id[0] and [len(by_id[i]["choices"]) for i in (1, 2)] == [2, 3]  # n > 1: all of them
+    assert [c["index"] for c in by_id[2]["choices"]] == [0, 1, 2] and "index" not in by_id[2]
     assert by_id[2]["choices"][0]["output"] == by_id[2]["output"] and by_id[2]["usage"]["completion_tokens"] == 6

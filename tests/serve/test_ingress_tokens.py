@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from app.config import Settings
 from deployments.ingress import Ingress, _anchor_token
 from tests.sp_tokenizer import sentencepiece_like
 
@@ -19,7 +20,9 @@ class Tokens:
     _token_bytes = IngressClass._token_bytes
     _oai_logprobs = IngressClass._oai_logprobs
     _openai_stream = IngressClass._openai_stream
+    _choices = IngressClass._choices
     model_name = "m"
+    settings = Settings()
 
     def __init__(self, tokenizer, byte_level: bool = False):
         self.tokenizer, self._byte_level = tokenizer, byte_level
@@ -45,7 +48,7 @@ def test_streamed_text_offsets_never_pass_the_text_a_stop_string_cut():
                "finished": i == 6, "finish_reason": "stop" if i == 6 else None, "replica": "A"}
               for i, t in enumerate(texts)]
 
-    async def stream(ids, params):
+    async def stream(ids, params, aborts=None):
         async def rest():
             for ev in events[1:]:
                 yield ev
@@ -55,6 +58,7 @@ def test_streamed_text_offsets_never_pass_the_text_a_stop_string_cut():
 
     class Req:
         stream_options = None
+        n = 1
 
     async def go() -> list[dict]:
         resp = await ing._openai_stream([1], {"logprobs": True}, "id", 0, "text_completion", Req(), "")
