@@ -265,7 +265,7 @@ class _OpenAICommon(_Strict):
 
 class CompletionRequest(_OpenAICommon):
     _also_refused: ClassVar[dict[str, tuple[str, tuple]]] = {"suffix": ("suffix (text after the insertion)", _OFF)}
-    # one prompt: text or token ids; OpenAI's client also wraps one in a list ([text], [[ids]])
+    # one prompt (text or token ids) or a list of them, each answered with n choices
     prompt: str | list[int] | list[str] | list[list[int]] = Field(...)
     logprobs: int | None = Field(None, ge=0, le=5)  # with this many alternatives per token
     echo: bool = False
@@ -277,21 +277,20 @@ class CompletionRequest(_OpenAICommon):
             raise ValueError("echo with logprobs (the prompt's log-probabilities) is not supported by this server")
         return self
 
-    @field_validator("prompt", mode="after")
-    @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("one prompt per request (a batch of prompts is not supported)")
-            v = v[0]
-        return v
-
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, v):
-        if (isinstance(v, str) and not v) or (isinstance(v, list) and not v):
-            raise ValueError("prompt must not be empty")
+        many = isinstance(v, list) and bool(v) and isinstance(v[0], (str, list))
+        if not v or (many and not all(v)):
+            raise ValueError("prompt must not be empty" + (" (nor any prompt in its list)" if many else ""))
+        if many and len(v) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} prompts in one request, got {len(v)}")
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or more: a text or a list of token ids is one."""
+        v = self.prompt
+        return v if isinstance(v, list) and isinstance(v[0], (str, list)) else [v]
 
 
 class ChatMessage(_Strict):

@@ -430,20 +430,24 @@ def _error_text(e: BaseException) -> str:
     return rest if sep and "." in head and " " not in head else text
 
 
-def _usage(*finals: dict) -> dict:
-    """OpenAI ``usage`` of the last events of a request's choices: the prompt counts once, and its cached
-    part is what the first of them found (the others then find what it computed)."""
-    p, c = finals[0]["num_prompt_tokens"], sum(ev["num_output_tokens"] for ev in finals)
+def _usage(finals: list[dict], n: int = 1) -> dict:
+    """OpenAI ``usage`` of the last events of a request's choices, ``n`` per prompt in prompt order: each
+    prompt counts once, and its cached part is what its first choice found (the others then find what
+    that one computed)."""
+    firsts = finals[::n]
+    p, c = sum(ev["num_prompt_tokens"] for ev in firsts), sum(ev["num_output_tokens"] for ev in finals)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": finals[0]["num_cached_tokens"]}}
+            "prompt_tokens_details": {"cached_tokens": sum(ev["num_cached_tokens"] for ev in firsts)}}
 
 
 @dataclass
 class _StreamedChoice:
-    """One choice of an OpenAI stream: its token events since its last chunk (for their log-probs; tokens
-    without text are coalesced), the characters it has sent, and whether its first token is still due."""
+    """One choice of an OpenAI stream: its echoed prompt, its token events since its last chunk (for their
+    log-probs; tokens without text are coalesced), the characters it has sent, and whether its first
+    token is still due."""
 
     index: int
+    prefix: str = ""
     unsent: list[dict] = field(default_factory=list)
     sent: int = 0
     first_token: bool = True
@@ -752,25 +756,32 @@ class Ingress:
     async def _collect(self, ids: list[int], params: dict[str, Any]) -> list[dict]:
         return await self._drain(*await self._stream(ids, params))
 
-    async def _choices(self, ids: list[int], params: dict[str, Any], n: int, stream: bool
+    async def _choices(self, jobs: list[tuple[list[int], dict[str, Any]]], n: int, stream: bool
                        ) -> list[tuple[dict, AsyncIterator[dict]]] | list[list[dict]]:
-        """``n`` choices of one prompt, one engine request each: started (``stream``: their first events
-        and the rest) or run to the end (their events). The first starts alone, so its prompt is cached
-        (and the router knows where) before the others start, side by side: they find it there and
-        compute only its last block. A choice that fails or is refused ends them all."""
+        """``n`` choices of each prompt of ``jobs`` (its ids and sampling parameters), one engine request
+        each, prompt by prompt: started (``stream``: their first events and the rest) or run to the end
+        (their events). A prompt's first choice starts before its others, so the prompt is cached (and
+        the router knows where) when they start, side by side: they find it there and compute only its
+        last block. A choice that fails or is refused ends them all."""
         most = self.settings.max_ongoing_requests
-        if n > most:  # the rest would queue in Serve, and a stream's headers wait for every first token
-            raise ApiError(422, f"n ({n}) is more than one replica runs at once (max_ongoing_requests {most}); "
-                                "ask for fewer choices", param="n")
-        each = _choice_params(params, n)
+        if len(jobs) * n > most:  # the rest would queue in Serve, and a stream's headers wait for every first token
+            what = f"n ({n})" if len(jobs) == 1 else f"{len(jobs)} prompts x n ({n})"
+            raise ApiError(422, f"{what} is more than one replica runs at once (max_ongoing_requests {most}); "
+                                "ask for fewer choices", param="n" if len(jobs) == 1 else "prompt")
+        each = [_choice_params(params, n) for _, params in jobs]
         aborts: list = []
-        started = [await self._stream(ids, each[0], aborts)]
+
+        def start(ids: list[int], params: dict[str, Any], alone: bool):
+            return self._stream_alone(ids, params, aborts) if alone else self._stream(ids, params, aborts)
+
         try:
-            started += await _all(self._stream_alone(ids, p, aborts) for p in each[1:])
+            firsts = await _all(start(ids, ps[0], len(jobs) > 1) for (ids, _), ps in zip(jobs, each, strict=True))
+            others = iter(await _all(start(ids, p, True) for (ids, _), ps in zip(jobs, each, strict=True) for p in ps[1:]))
         except BaseException:  # those that started end now, not when the garbage collector finds them
             for abort in aborts:
                 abort()
             raise
+        started = [s for first in firsts for s in (first, *(next(others) for _ in range(n - 1)))]
         return started if stream else await _all(self._drain(first, rest) for first, rest in started)
 
     async def _stream_alone(self, ids: list[int], params: dict[str, Any], aborts: list
@@ -981,26 +992,31 @@ class Ingress:
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest):
         self._check_model(req.model)
-        if isinstance(req.prompt, str):
-            await self._refuse_overlong(len(req.prompt), "prompt")
-        ids = req.prompt if isinstance(req.prompt, list) else await self._tokenize(req.prompt, req.add_special_tokens)
+        prompts = req.prompts()
+        for p in prompts:
+            if isinstance(p, str):
+                await self._refuse_overlong(len(p), "prompt")
         top = req.logprobs or 0
-        params = req.sampling(await self._max_tokens(req, ids, 16), logprobs=req.logprobs is not None, top_logprobs=top,
-                              defaults=self.sampling_defaults)
+        jobs, prefixes = [], []
+        for p in prompts:
+            ids = p if isinstance(p, list) else await self._tokenize(p, req.add_special_tokens)
+            jobs.append((ids, req.sampling(await self._max_tokens(req, ids, 16), logprobs=req.logprobs is not None,
+                                           top_logprobs=top, defaults=self.sampling_defaults)))
+            prefixes.append((p if isinstance(p, str) else self._detok(ids)) if req.echo else "")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        prefix = (req.prompt if isinstance(req.prompt, str) else self._detok(ids)) if req.echo else ""
         if req.stream:
-            return await self._openai_stream(ids, params, rid, created, "text_completion", req, prefix, top)
-        runs = await self._choices(ids, params, req.n, stream=False)
+            return await self._openai_stream(jobs, rid, created, "text_completion", req, prefixes, top)
+        runs = await self._choices(jobs, req.n, stream=False)
         choices = []
-        for i, events in enumerate(runs):
+        for i, events in enumerate(runs):  # n per prompt, in prompt order (as OpenAI numbers them)
+            prefix = prefixes[i // req.n]
             choice = {"index": i, "text": prefix + "".join(ev["text"] for ev in events),
                       "finish_reason": _oai_finish(events[-1]["finish_reason"]), "logprobs": None}
             if req.logprobs is not None:
                 choice["logprobs"] = self._oai_logprobs(events, False, top, len(prefix), len(choice["text"]))
             choices.append(choice)
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                             "choices": choices, "usage": _usage(*(events[-1] for events in runs))},
+                             "choices": choices, "usage": _usage([events[-1] for events in runs], req.n)},
                             headers=_replica_header(runs[0]))
 
     @app.post("/v1/chat/completions")
@@ -1028,8 +1044,8 @@ class Ingress:
                               top_logprobs=top, defaults=self.sampling_defaults)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return await self._openai_stream(ids, params, rid, created, "chat.completion.chunk", req, "", top)
-        runs = await self._choices(ids, params, req.n, stream=False)
+            return await self._openai_stream([(ids, params)], rid, created, "chat.completion.chunk", req, [""], top)
+        runs = await self._choices([(ids, params)], req.n, stream=False)
         choices = []
         for i, events in enumerate(runs):
             choice = {"index": i, "message": {"role": "assistant", "content": "".join(ev["text"] for ev in events)},
@@ -1038,14 +1054,14 @@ class Ingress:
                 choice["logprobs"] = self._oai_logprobs(events, True, top)
             choices.append(choice)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                             "choices": choices, "usage": _usage(*(events[-1] for events in runs))},
+                             "choices": choices, "usage": _usage([events[-1] for events in runs], req.n)},
                             headers=_replica_header(runs[0]))
 
-    async def _openai_stream(self, ids, params, rid, created, obj, req, prefix: str, top: int = 0):
-        started = await self._choices(ids, params, req.n, stream=True)
+    async def _openai_stream(self, jobs, rid, created, obj, req, prefixes: list[str], top: int = 0):
+        started = await self._choices(jobs, req.n, stream=True)
         chat = obj == "chat.completion.chunk"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        want_logprobs = params["logprobs"]
+        want_logprobs = jobs[0][1]["logprobs"]
 
         def chunk(st: _StreamedChoice, text: str | None, finish: str | None, role: bool = False) -> dict:
             c = _chunk(st.index, text, finish, role)
@@ -1054,9 +1070,9 @@ class Ingress:
                 # a token's text_offset is final once the text sent reaches it (a stop string cuts at or
                 # after what was sent); later ones wait for their text, or they could point past the end
                 ready = len(st.unsent) if chat or finish else next(
-                    (i for i, ev in enumerate(st.unsent) if len(prefix) + ev["text_offset"] > st.sent), len(st.unsent))
+                    (i for i, ev in enumerate(st.unsent) if len(st.prefix) + ev["text_offset"] > st.sent), len(st.unsent))
                 if ready:
-                    c["choices"][0]["logprobs"] = self._oai_logprobs(st.unsent[:ready], chat, top, len(prefix),
+                    c["choices"][0]["logprobs"] = self._oai_logprobs(st.unsent[:ready], chat, top, len(st.prefix),
                                                                      st.sent if finish else None)
                     del st.unsent[:ready]
             return c
@@ -1072,12 +1088,12 @@ class Ingress:
             return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
 
         async def body():
-            states = [_StreamedChoice(i) for i in range(len(started))]
+            states = [_StreamedChoice(i, prefixes[i // req.n]) for i in range(len(started))]
             for st in states:
                 if chat:
                     yield _sse(chunk(st, "", None, role=True))
-                elif prefix:
-                    yield _sse(chunk(st, prefix, None))
+                elif st.prefix:
+                    yield _sse(chunk(st, st.prefix, None))
             finals: dict[int, dict] = {}
             async with contextlib.aclosing(_merged([_chain(first, rest) for first, rest in started])) as events:
                 async for i, ev in events:
@@ -1098,7 +1114,7 @@ class Ingress:
                         finals[i] = ev
             if include_usage and len(finals) == len(states):
                 yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                            "choices": [], "usage": _usage(*(finals[i] for i in range(len(states))))})
+                            "choices": [], "usage": _usage([finals[i] for i in range(len(states))], req.n)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=_stream_headers(started[0][0]))

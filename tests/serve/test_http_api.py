@@ -161,7 +161,7 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     ("/generate", {"inputs": "hi", "parameters": {"grammar": {"type": "json", "value": {}}}}, 422, "grammar"),
     ("/generate", {"inputs": "hi", "parameters": {"typical_p": 0.5}}, 422, "typical_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
-    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "one prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", ""]}, 400, "nor any prompt in its list"),
     ("/v1/completions", {"model": "other", "prompt": "hi"}, 404, "other"),
     # vLLM's and OpenAI's fields that would change the answer: refused by name, not ignored
     ("/v1/chat/completions", {"model": "tiny", "guided_json": {"type": "object"},
@@ -856,3 +856,30 @@ def test_n_choices_stream_side_by_side_with_one_usage_and_one_done(client, path)
     assert [len(logprobs[i]) for i in range(3)] == [6, 6, 6]  # each choice's own tokens
     if chat:
         assert all(ch["choices"][0]["delta"] == {"role": "assistant"} for ch in chunks[:3])  # one role chunk each
+
+
+def test_a_list_of_prompts_gets_n_choices_each_numbered_prompt_by_prompt(client):
+    prompts = ["Theta one.", "Theta two, a little longer.", "Theta three."]
+    body = {"prompt": prompts, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "n": 2, "echo": True}
+    out = client.post("/v1/completions", json=body).json()
+    alone = [client.post("/v1/completions", json={**body, "prompt": p, "n": 1}).json() for p in prompts]
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    texts = [c["text"] for c in out["choices"]]
+    assert texts == [a["choices"][0]["text"] for a in alone for _ in range(2)]  # greedy: both choices alike
+    assert texts[0].startswith("Theta one.") and texts[2].startswith("Theta two")  # each echoes its own prompt
+    lp = client.post("/v1/completions", json={**body, "echo": False, "logprobs": 1}).json()["choices"]
+    assert [len(c["logprobs"]["tokens"]) for c in lp] == [4] * 6  # each choice's own tokens
+    assert out["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert out["usage"]["completion_tokens"] == 6 * 4
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [e for e in sse_events(r) if e != "[DONE]"]
+    streamed: dict[int, str] = {}
+    for ch in chunks:
+        (c,) = ch["choices"]
+        streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert [streamed[i] for i in range(6)] == texts
+    ids = client.post("/v1/completions", json={**body, "prompt": [[72, 101, 108], [72, 105]], "echo": False}).json()
+    assert [c["index"] for c in ids["choices"]] == [0, 1, 2, 3]  # token-id prompts too
+    for bad, needle in ((["a", ""], "empty"), (["x"] * 129, "at most 128"), (["x"] * 33, "max_ongoing_requests 64")):
+        r = client.post("/v1/completions", json={"prompt": bad, "max_tokens": 1, "n": 2})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

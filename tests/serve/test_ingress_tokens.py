@@ -61,7 +61,7 @@ def test_streamed_text_offsets_never_pass_the_text_a_stop_string_cut():
         n = 1
 
     async def go() -> list[dict]:
-        resp = await ing._openai_stream([1], {"logprobs": True}, "id", 0, "text_completion", Req(), "")
+        resp = await ing._openai_stream([([1], {"logprobs": True})], "id", 0, "text_completion", Req(), [""])
         out = []
         async for part in resp.body_iterator:
             part = part.decode() if isinstance(part, bytes) else part
