@@ -318,30 +318,68 @@ class ChatMessage(_Strict):
         return "".join(parts)
 
 
-class ChatRequest(_OpenAICommon):
-    # vLLM's chat extras: the template adds the special tokens (true would add a second BOS); echo
-    # would prepend the last message
-    _also_refused: ClassVar[dict[str, tuple[str, tuple]]] = {
-        "add_special_tokens": ("true in chat (the chat template adds the special tokens)", (None, False)),
-        "echo": ("echo in chat", (None, False))}
+class ChatPrompt(_Strict):
+    """A chat rendered by the model's template: the messages and how their end is rendered."""
+
     messages: list[ChatMessage] = Field(..., min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # extensions, as vLLM's: end the prompt with the assistant's turn opening (default), or carry on
     # the last (assistant) message instead of starting a new one
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
     @model_validator(mode="after")
-    def _top_needs_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+    def _continued_turn(self):
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise ValueError("continue_final_message needs add_generation_prompt: false")
             if self.messages[-1].role != "assistant":
                 raise ValueError("continue_final_message needs the last message to be the assistant's")
         return self
+
+
+class ChatRequest(_OpenAICommon, ChatPrompt):
+    # vLLM's chat extras: the template adds the special tokens (true would add a second BOS); echo
+    # would prepend the last message
+    _also_refused: ClassVar[dict[str, tuple[str, tuple]]] = {
+        "add_special_tokens": ("true in chat (the chat template adds the special tokens)", (None, False)),
+        "echo": ("echo in chat", (None, False))}
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
+# ----------------------------------------------------------------------------- tokenizer routes
+class TGITokenizeRequest(_Strict):
+    """TGI's ``/tokenize``: a generate request's body (its parameters are accepted and not used)."""
+
+    inputs: str = Field(..., min_length=1)
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize`` of a text."""
+
+    model: str | None = None
+    prompt: str = Field(..., min_length=1)
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class ChatTokenizeRequest(ChatPrompt):
+    """vLLM's ``/tokenize`` of a chat, rendered as ``/v1/chat/completions`` renders it."""
+
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(..., max_length=1_000_000)
 
 
 # ----------------------------------------------------------------------------- warm-up

@@ -36,7 +36,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import Settings
 from app.sampling_defaults import read_sampling_defaults
-from app.schemas import TGI_FINISH, ChatRequest, CompletionRequest, TGIRequest, WarmupRequest
+from app.schemas import (
+    TGI_FINISH,
+    ChatPrompt,
+    ChatRequest,
+    ChatTokenizeRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TGIRequest,
+    TGITokenizeRequest,
+    TokenizeRequest,
+    WarmupRequest,
+)
 from cache.hashing import block_hashes
 from deployments.cors import Cors
 from deployments.logs import show_our_info_logs
@@ -246,7 +257,7 @@ class JsonOnly:
 # The routes that take a JSON body by POST (below, in Ingress); other paths answer 404 or 405 whatever
 # the body's type. (Serve wraps the class's routes in its own router, so app.routes does not list them.)
 JSON_POST_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",
-                             "/warmup"})
+                             "/warmup", "/tokenize", "/detokenize"})
 
 
 def _too_large(limit: int) -> ApiError:
@@ -801,8 +812,8 @@ class Ingress:
             raise ApiError(503, events[-1]["error"], "generation", code=ENGINE_FAILURE)
         return events
 
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name and name not in PLACEHOLDER_MODELS:
+    def _check_model(self, name: str | None, placeholders: bool = True) -> None:
+        if name is not None and name != self.model_name and not (placeholders and name in PLACEHOLDER_MODELS):
             raise ApiError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`).",
                            code="model_not_found", param="model")
 
@@ -958,7 +969,7 @@ class Ingress:
 
     @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
     async def model(self, model: str):
-        self._check_model(model)
+        self._check_model(model, placeholders=False)  # the placeholders requests may name ("tgi") are no model
         return self._model_card()
 
     async def _max_tokens(self, req, ids: list[int], default: int) -> int:
@@ -1022,23 +1033,7 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat(self, req: ChatRequest):
         self._check_model(req.model)
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ApiError(400, "this model has no chat template; use /v1/completions")
-        try:
-            # "developer" is OpenAI's newer name for the system role, which chat templates know: one
-            # they do not know is dropped (Qwen's) or rendered as a role the model never saw (Llama 3's)
-            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-            await self._refuse_overlong(sum(len(m["content"]) for m in msgs), "messages")
-        except ValueError as e:
-            raise ApiError(422, str(e), param="messages") from None
-        try:
-            enc = await self._off_loop(self.tokenizer.apply_chat_template, msgs, tokenize=True,
-                                       add_generation_prompt=req.add_generation_prompt,
-                                       continue_final_message=req.continue_final_message, **self._sanitize)
-        except Exception as e:  # noqa: BLE001 - the template refused these messages (raise_exception, ...)
-            raise ApiError(422, f"the model's chat template cannot render these messages: {_error_text(e)}",
-                           param="messages") from None
-        ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+        ids = await self._chat_ids(req)
         top = req.top_logprobs or 0
         params = req.sampling(await self._max_tokens(req, ids, DEFAULT_MAX_NEW_TOKENS), logprobs=req.logprobs,
                               top_logprobs=top, defaults=self.sampling_defaults)
@@ -1056,6 +1051,56 @@ class Ingress:
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": _usage([events[-1] for events in runs], req.n)},
                             headers=_replica_header(runs[0]))
+
+    async def _chat_ids(self, req: ChatPrompt) -> list[int]:
+        """The token ids of a chat as the model's template renders it."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions")
+        try:
+            # "developer" is OpenAI's newer name for the system role, which chat templates know: one
+            # they do not know is dropped (Qwen's) or rendered as a role the model never saw (Llama 3's)
+            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+            await self._refuse_overlong(sum(len(m["content"]) for m in msgs), "messages")
+        except ValueError as e:
+            raise ApiError(422, str(e), param="messages") from None
+        try:
+            enc = await self._off_loop(self.tokenizer.apply_chat_template, msgs, tokenize=True,
+                                       add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message, **self._sanitize)
+        except Exception as e:  # noqa: BLE001 - the template refused these messages (raise_exception, ...)
+            raise ApiError(422, f"the model's chat template cannot render these messages: {_error_text(e)}",
+                           param="messages") from None
+        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+    # ------------------------------------------------------------------ tokenizer
+    @app.post("/tokenize")
+    async def tokenize(self, req: TGITokenizeRequest | TokenizeRequest | ChatTokenizeRequest):
+        """TGI's (a generate request's body: each token with its span of the text) or vLLM's (a prompt, or
+        messages as chat renders them: the ids and their count), told apart by the body's fields."""
+        if isinstance(req, TGITokenizeRequest):
+            if not getattr(self.tokenizer, "is_fast", False):
+                raise ApiError(501, "this model's tokenizer does not give character offsets (it is not a fast "
+                                    "tokenizer): use {\"prompt\": ...} for the ids alone", "tokenizer")
+            enc = await self._off_loop(lambda: self.tokenizer(req.inputs, return_offsets_mapping=True))
+            return [{"id": tid, "text": req.inputs[a:b], "start": a, "stop": b}
+                    for tid, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)]
+        self._check_model(req.model)
+        if isinstance(req, ChatTokenizeRequest):
+            ids = await self._chat_ids(req)
+        else:
+            ids = await self._tokenize(req.prompt, req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": (await self.info_cached())["max_total_tokens"], "tokens": ids,
+                "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(self, req: DetokenizeRequest):
+        """vLLM's: the text of token ids, special tokens included."""
+        self._check_model(req.model)
+        vocab = (await self.info_cached())["vocab_size"]
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(422, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        return {"prompt": await self._off_loop(self.tokenizer.decode, req.tokens, skip_special_tokens=False)}
 
     async def _openai_stream(self, jobs, rid, created, obj, req, prefixes: list[str], top: int = 0):
         started = await self._choices(jobs, req.n, stream=True)

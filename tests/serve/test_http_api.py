@@ -344,6 +344,7 @@ def test_unknown_paths_and_methods_answer_in_the_apis_format(client):
     r = client.post("/v1/chat/completions/", json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404 and "no such endpoint" in r.json()["error"]["message"]
     assert client.get("/v1/models/other").status_code == 404
+    assert client.get("/v1/models/tgi").status_code == 404  # a placeholder a request may name, not a model
 
 
 def test_a_tiny_temperature_is_greedy_and_the_engine_stays_up(client):
@@ -883,3 +884,32 @@ def test_a_list_of_prompts_gets_n_choices_each_numbered_prompt_by_prompt(client)
     for bad, needle in ((["a", ""], "empty"), (["x"] * 129, "at most 128"), (["x"] * 33, "max_ongoing_requests 64")):
         r = client.post("/v1/completions", json={"prompt": bad, "max_tokens": 1, "n": 2})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_tokenize_as_tgi_and_as_vllm_and_detokenize(client):
+    text = "Iota counts its tokens."
+    completion = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1, "temperature": 0}).json()
+    # TGI's: each token with its span of the text (the spans rebuild it)
+    tgi = client.post("/tokenize", json={"inputs": text, "parameters": {"max_new_tokens": 5}})
+    assert tgi.status_code == 200, tgi.text
+    toks = tgi.json()
+    assert len(toks) == completion["usage"]["prompt_tokens"]  # what a request of that text would count
+    assert "".join(t["text"] for t in toks) == text and all(text[t["start"]:t["stop"]] == t["text"] for t in toks)
+    # vLLM's: ids, their count, the context; token strings on request; chat rendered as chat renders it
+    v = client.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert v["tokens"] == [t["id"] for t in toks] and v["count"] == len(toks) and len(v["token_strs"]) == len(toks)
+    assert v["max_model_len"] == client.get("/info").json()["max_total_tokens"]
+    bare = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert bare["count"] <= v["count"] and bare["token_strs"] is None
+    msgs = [{"role": "user", "content": "Kappa?"}]
+    chat = client.post("/tokenize", json={"messages": msgs}).json()
+    answered = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()
+    assert chat["count"] == answered["usage"]["prompt_tokens"]
+    back = client.post("/detokenize", json={"tokens": bare["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"].strip() == text
+    for path, body, needle in (("/tokenize", {"inputs": ""}, "inputs"), ("/tokenize", {"text": "x"}, "prompt"),
+                               ("/tokenize", {"prompt": "x", "model": "nope"}, "nope"),
+                               ("/detokenize", {"tokens": [10**6]}, "outside the vocabulary"),
+                               ("/detokenize", {"tokens": [-1]}, "tokens")):
+        r = client.post(path, json=body)
+        assert 400 <= r.status_code < 500 and needle in r.text, (body, r.status_code, r.text)
