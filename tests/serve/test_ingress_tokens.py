@@ -74,3 +74,34 @@ def test_streamed_text_offsets_never_pass_the_text_a_stop_string_cut():
     offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
     assert text == "hel" and len(offsets) == 7
     assert offsets == sorted(offsets) and max(offsets) <= len(text), offsets
+
+
+def test_choices_that_started_end_at_once_when_a_later_one_is_refused():
+    """n choices: the first starts alone, the others side by side; when one of those is refused (or its
+    replica fails), the ones already started are aborted then, not when the garbage collector finds
+    their unread streams (their engines would generate on meanwhile)."""
+    from deployments.ingress import ApiError
+
+    ing = Tokens(sentencepiece_like())
+    aborted, calls = [], []
+
+    async def stream(ids, params, aborts=None):
+        calls.append(params["seed"])
+        if params["seed"] == 12:  # the third choice: refused after the fourth has started
+            await asyncio.sleep(0.05)
+            raise ApiError(422, "refused")
+        aborts.append(lambda seed=params["seed"]: aborted.append(seed))
+
+        async def rest():
+            yield {"finished": True}
+        return {"token_id": 1}, rest()
+
+    ing._stream = stream
+    ing._stream_alone = lambda ids, params, aborts: stream(ids, params, aborts)
+    try:
+        asyncio.run(ing._choices([([1], {"seed": 10})], 4, stream=True))
+        raise AssertionError("the refusal did not reach the caller")
+    except ApiError:
+        pass
+    assert calls[0] == 10 and sorted(calls) == [10, 11, 12, 13]  # the first alone, then the rest
+    assert sorted(aborted) == [10, 11, 13]  # every choice that had started
