@@ -1017,18 +1017,14 @@ class Ingress:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return await self._openai_stream(jobs, rid, created, "text_completion", req, prefixes, top)
-        runs = await self._choices(jobs, req.n, stream=False)
-        choices = []
-        for i, events in enumerate(runs):  # n per prompt, in prompt order (as OpenAI numbers them)
+        def choice(i: int, events: list[dict]) -> dict:  # n per prompt, in prompt order (as OpenAI numbers them)
             prefix = prefixes[i // req.n]
-            choice = {"index": i, "text": prefix + "".join(ev["text"] for ev in events),
-                      "finish_reason": _oai_finish(events[-1]["finish_reason"]), "logprobs": None}
-            if req.logprobs is not None:
-                choice["logprobs"] = self._oai_logprobs(events, False, top, len(prefix), len(choice["text"]))
-            choices.append(choice)
-        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                             "choices": choices, "usage": _usage([events[-1] for events in runs], req.n)},
-                            headers=_replica_header(runs[0]))
+            text = prefix + "".join(ev["text"] for ev in events)
+            logprobs = self._oai_logprobs(events, False, top, len(prefix), len(text)) if req.logprobs is not None else None
+            return {"text": text, "logprobs": logprobs}
+
+        return self._openai_answer(await self._choices(jobs, req.n, stream=False), req.n, rid, created,
+                                   "text_completion", choice)
 
     @app.post("/v1/chat/completions")
     async def chat(self, req: ChatRequest):
@@ -1040,16 +1036,20 @@ class Ingress:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return await self._openai_stream([(ids, params)], rid, created, "chat.completion.chunk", req, [""], top)
-        runs = await self._choices([(ids, params)], req.n, stream=False)
-        choices = []
-        for i, events in enumerate(runs):
-            choice = {"index": i, "message": {"role": "assistant", "content": "".join(ev["text"] for ev in events)},
-                      "finish_reason": _oai_finish(events[-1]["finish_reason"]), "logprobs": None}
-            if req.logprobs:
-                choice["logprobs"] = self._oai_logprobs(events, True, top)
-            choices.append(choice)
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                             "choices": choices, "usage": _usage([events[-1] for events in runs], req.n)},
+        def choice(i: int, events: list[dict]) -> dict:
+            return {"message": {"role": "assistant", "content": "".join(ev["text"] for ev in events)},
+                    "logprobs": self._oai_logprobs(events, True, top) if req.logprobs else None}
+
+        return self._openai_answer(await self._choices([(ids, params)], req.n, stream=False), req.n, rid, created,
+                                   "chat.completion", choice)
+
+    def _openai_answer(self, runs: list[list[dict]], n: int, rid: str, created: int, obj: str, choice) -> JSONResponse:
+        """A whole OpenAI answer of its choices' events (``n`` per prompt): ``choice(i, events)`` gives the
+        API's own fields of choice ``i``; the index, the finish reason and the envelope are the same."""
+        choices = [{"index": i, **choice(i, events), "finish_reason": _oai_finish(events[-1]["finish_reason"])}
+                   for i, events in enumerate(runs)]
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                             "choices": choices, "usage": _usage([events[-1] for events in runs], n)},
                             headers=_replica_header(runs[0]))
 
     async def _chat_ids(self, req: ChatPrompt) -> list[int]:
