@@ -20,10 +20,12 @@ FIELDS: dict[str, tuple[type, str, Callable[[float], bool]]] = {
     "top_p": (float, "0 < x <= 1", lambda x: 0 < x <= 1),
     "top_k": (int, "an integer >= 0", lambda x: x >= 0),
     "repetition_penalty": (float, "x > 0", lambda x: x > 0),
+    # the default max_tokens (still cut to the room the context leaves), as vLLM takes it
+    "max_new_tokens": (int, "an integer >= 1", lambda x: x >= 1),
 }
 
 # what vLLM also takes from the file, said in the log rather than dropped in silence
-NOT_APPLIED = ("min_p", "max_new_tokens")
+NOT_APPLIED = ("min_p",)
 
 
 def read_sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
@@ -43,7 +45,7 @@ def read_sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
         return {}
     unused = [k for k in NOT_APPLIED if raw.get(k) is not None]
     if unused:
-        log.info("%s: %s not applied (a request sets max_tokens; min_p is not implemented)", path, ", ".join(unused))
+        log.info("%s: %s not applied (not implemented)", path, ", ".join(unused))
     out: dict[str, float | int] = {}
     for name, (kind, allowed, accepts) in FIELDS.items():
         if name not in raw or raw[name] is None:

@@ -1009,9 +1009,10 @@ class Ingress:
                 await self._refuse_overlong(len(p), "prompt")
         top = req.logprobs or 0
         jobs, prefixes = [], []
+        default = self.sampling_defaults.get("max_new_tokens", 16)
         for p in prompts:
             ids = p if isinstance(p, list) else await self._tokenize(p, req.add_special_tokens)
-            jobs.append((ids, req.sampling(await self._max_tokens(req, ids, 16), logprobs=req.logprobs is not None,
+            jobs.append((ids, req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs is not None,
                                            top_logprobs=top, defaults=self.sampling_defaults)))
             prefixes.append((p if isinstance(p, str) else self._detok(ids)) if req.echo else "")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -1031,7 +1032,8 @@ class Ingress:
         self._check_model(req.model)
         ids = await self._chat_ids(req)
         top = req.top_logprobs or 0
-        params = req.sampling(await self._max_tokens(req, ids, DEFAULT_MAX_NEW_TOKENS), logprobs=req.logprobs,
+        default = self.sampling_defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        params = req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs,
                               top_logprobs=top, defaults=self.sampling_defaults)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:

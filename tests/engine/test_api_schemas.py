@@ -90,7 +90,8 @@ def test_sampling_defaults_are_read_from_generation_config_and_checked(tmp_path,
     gc = tmp_path / "generation_config.json"
     gc.write_text(json.dumps({"do_sample": True, "eos_token_id": [1, 2], **QWEN_DEFAULTS, "max_new_tokens": 9}))
     got = read_sampling_defaults(tmp_path)
-    assert got == QWEN_DEFAULTS and isinstance(got["top_k"], int) and isinstance(got["temperature"], float)
+    assert got == {**QWEN_DEFAULTS, "max_new_tokens": 9}  # the default max_tokens too
+    assert isinstance(got["top_k"], int) and isinstance(got["temperature"], float)
     gc.write_text(json.dumps({"temperature": 1, "top_p": None}))
     assert read_sampling_defaults(tmp_path) == {"temperature": 1.0}  # an int temperature is a temperature
     # values a request could not send are left out, each with a warning; the rest stay

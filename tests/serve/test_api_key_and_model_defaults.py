@@ -29,7 +29,7 @@ def keyed(serve_app, model_dir, redis_server, tmp_path_factory):
     folder = tmp_path_factory.mktemp("keyed") / "tiny-top-k-1"
     shutil.copytree(model_dir("tiny"), folder)
     gc = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**gc, "top_k": 1}))
+    (folder / "generation_config.json").write_text(json.dumps({**gc, "top_k": 1, "max_new_tokens": 5}))
     settings = Settings(model_id=str(folder), num_replicas=1, replica_num_cpus=1, max_batch_total_tokens=2048,
                         redis_url=redis_server.url, api_key=KEY, deployment_name="ktest")
     serve.run(build_app(settings), name="ktest", route_prefix=ROUTE)
@@ -63,10 +63,11 @@ def test_an_api_key_guards_every_route_but_health_and_metrics(keyed):
 
 
 def test_openai_routes_take_what_a_request_leaves_unset_from_the_models_generation_config(keyed):
-    """--sampling-defaults model (the default): the model declares top_k 1, so an OpenAI request that sets
-    no top_k samples greedily at any seed, one that sets it samples as asked; TGI's routes keep TGI's."""
+    """--sampling-defaults model (the default): the model declares top_k 1 and max_new_tokens 5, so an
+    OpenAI request that sets no top_k samples greedily at any seed, one that sets it samples as asked,
+    and one without max_tokens gets 5; TGI's routes keep TGI's."""
     with httpx.Client(base_url=keyed, timeout=60, headers=AUTH) as c:
-        assert c.get("/info").json()["sampling_defaults"] == {"top_k": 1}
+        assert c.get("/info").json()["sampling_defaults"] == {"top_k": 1, "max_new_tokens": 5}
         prompt = "Epsilon prompt for the sampling defaults, a few words long. "
 
         def text(**kw) -> str:
@@ -82,6 +83,9 @@ def test_openai_routes_take_what_a_request_leaves_unset_from_the_models_generati
         greedy = text(temperature=0)
         assert [text(seed=s) for s in range(3)] == [greedy] * 3
         assert any(text(seed=s, top_k=0) != greedy for s in range(3))
+        # its max_new_tokens is the default max_tokens (OpenAI's would be 16 for completions)
+        r = c.post("/v1/completions", json={"prompt": prompt, "ignore_eos": True}).json()
+        assert r["usage"]["completion_tokens"] == 5
         assert tgi() == greedy  # TGI's default: greedy
         assert any(tgi(do_sample=True, seed=s) != greedy for s in range(3))  # no top_k 1 there
 
