@@ -74,6 +74,10 @@ class PagedBatch:
     batched: BatchedPrefills | None = None  # after the prefills above
     # flash backend metadata (CUDA only)
     flash: dict | None = None
+    # models whose layers differ (Gemma 3): these layers attend through ``sliding``, the same step's
+    # metadata for their window (it shares ``slot_mapping``: every layer writes its K/V alike)
+    sliding: PagedBatch | None = None
+    sliding_layers: frozenset[int] = frozenset()
 
 
 def decode_metadata(groups: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int | None = None,
@@ -139,6 +143,8 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
     v_new = value[0].transpose(0, 1)
     b.pool.write(layer, b.slot_mapping, k_new, v_new)
+    if b.sliding is not None and layer in b.sliding_layers:
+        b = b.sliding
     if b.flash is not None:
         return _flash_attention(b, layer, q, scaling), None
 

@@ -71,14 +71,18 @@ class _Bucket:
     slot_mapping: torch.Tensor  # [B]
     ctx_slots: torch.Tensor  # [B, L] flat slots of each row's context (per KV head: inside the graph)
     decode_mask: torch.Tensor  # [B, 1, 1, L]
+    sliding_mask: torch.Tensor | None = None  # [B, 1, 1, L] the sliding layers' (models whose layers differ)
     logits: torch.Tensor | None = None  # [B, V], written by the replay
     graph: torch.cuda.CUDAGraph | None = None
 
 
 class StepGraphs:
     def __init__(self, model: torch.nn.Module, pool: KVPool, batch_sizes: tuple[int, ...] | list[int],
-                 max_context: int, capture: bool = True):
+                 max_context: int, capture: bool = True, sliding_layers: frozenset[int] = frozenset()):
         self.model = model
+        # layers that attend through ``_Bucket.sliding_mask`` (the same gathered context, masked to
+        # their window); empty for a model whose layers are alike
+        self.sliding_layers = sliding_layers
         self.pool = pool
         self.sizes = sorted(set(batch_sizes))
         self.max_context = min(next_pow2(max_context), MAX_GRAPH_CONTEXT)
@@ -115,15 +119,17 @@ class StepGraphs:
         return min(self.max_context, max(MIN_GRAPH_CONTEXT, next_pow2(context)))
 
     def run(self, ids: list[int], positions: torch.Tensor, slots: torch.Tensor,
-            groups: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor | None:
+            groups: list[tuple[torch.Tensor, torch.Tensor | None]],
+            sliding: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None) -> torch.Tensor | None:
         """Logits ``[n, V]`` (float32) of a step's ``n`` tokens (id, position and new slot each; ``groups``:
-        the chunks' contexts and masks, as ``attention.decode_metadata`` takes them), or None when no
-        graph fits: the caller runs the step eagerly."""
+        the chunks' contexts and masks, as ``attention.decode_metadata`` takes them; ``sliding``: the
+        same contexts masked for the sliding layers, when they differ), or None when no graph fits: the
+        caller runs the step eagerly."""
         n = len(ids)
         key = self.bucket(n, max(len(ctx) for ctx, _ in groups))
         if key is None:
             return None
-        host = self._host(ids, positions, slots, groups, *key)
+        host = self._host(ids, positions, slots, groups, *key, sliding)
         b = self._buckets.get(key)
         if b is None:
             b = self._new_bucket(key, host)
@@ -150,24 +156,32 @@ class StepGraphs:
                 key = self.bucket(size, width)  # None: over the size bound, skipped, or graphs are off
                 if key is not None and key not in self._buckets:
                     empty = torch.empty(0, dtype=torch.long)  # padding rows only: they write the spare slot
-                    self._new_bucket(key, self._host([], empty, empty, [], *key))
+                    self._new_bucket(key, self._host([], empty, empty, [], *key, []))
         return self.stats.captured - before
 
     def _host(self, ids: list[int], positions: torch.Tensor, slots: torch.Tensor,
-              groups: list[tuple[torch.Tensor, torch.Tensor | None]], size: int, width: int) -> dict[str, torch.Tensor]:
+              groups: list[tuple[torch.Tensor, torch.Tensor | None]], size: int, width: int,
+              sliding: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None) -> dict[str, torch.Tensor]:
         """A bucket's inputs on the host: the rows given, then padding rows up to ``size``."""
         pad = self.pool.pad_slot
         ctx_slots, mask = decode_metadata(groups, size, width, pad)
         filler = size - len(ids)
-        return {"input_ids": torch.tensor([ids + [0] * filler], dtype=torch.long),
+        host = {"input_ids": torch.tensor([ids + [0] * filler], dtype=torch.long),
                 "position_ids": torch.cat([positions, positions.new_zeros(filler)]).unsqueeze(0),
                 "slot_mapping": torch.cat([slots, slots.new_full((filler,), pad)]),
                 "ctx_slots": ctx_slots, "decode_mask": mask}
+        if self.sliding_layers:
+            host["sliding_mask"] = decode_metadata(sliding or [], size, width, pad)[1]
+        return host
 
     def _forward(self, b: _Bucket) -> torch.Tensor:
         batch = PagedBatch(pool=self.pool, slot_mapping=b.slot_mapping, num_decodes=b.input_ids.shape[1],
                            decode_slots=head_slots(b.ctx_slots, self.pool.shape.num_kv_heads),
                            decode_mask=b.decode_mask)
+        if b.sliding_mask is not None:
+            batch.sliding = PagedBatch(pool=self.pool, slot_mapping=b.slot_mapping, num_decodes=batch.num_decodes,
+                                       decode_slots=batch.decode_slots, decode_mask=b.sliding_mask)
+            batch.sliding_layers = self.sliding_layers
         out = self.model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False, logits_to_keep=0,
                          paged_batch=batch)
         return out.logits[0]

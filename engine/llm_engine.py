@@ -72,9 +72,13 @@ class LLMEngine:
         self.eos_ids = self._eos_ids()
 
         self.window = config.window_size or m.sliding_window
+        # a model whose layers differ (Gemma 3): no window frees blocks, its sliding layers mask theirs
+        self.sliding_layers = frozenset() if self.window is not None else frozenset(
+            i for i, w in enumerate(m.layer_windows) if w is not None)
         if config.window_size and config.window_size != m.sliding_window:  # a choice that changes the answers
             log.warning("window_size %d: attention sees the last %d tokens only (the model's own window: %s)",
-                        config.window_size, config.window_size, m.sliding_window or "none, it attends to all")
+                        config.window_size, config.window_size, m.sliding_window or next(
+                            (f"{w} on some layers" for w in m.layer_windows if w), "none, it attends to all"))
         token_bytes = bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, config.kv_cache_dtype, m.dtype)
         num_blocks = num_blocks_for(config.block_size, token_bytes, config.max_batch_total_tokens,
                                     config.kv_memory_fraction, m.device)
@@ -111,7 +115,7 @@ class LLMEngine:
         if head is not None and m.device.type == "cpu" and m.dtype == torch.float32:
             use_skinny_linear(head)  # a faster decode lm_head (engine.cpu_linear)
         self.runner = ModelRunner(m.model, self.pool, config.block_size, self.window, use_flash,
-                                  self._step_graphs(use_flash))
+                                  self._step_graphs(use_flash), m.layer_windows if self.sliding_layers else ())
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.capture_logits: dict[str, list[torch.Tensor]] | None = None  # tests: raw logits per step
@@ -136,7 +140,7 @@ class LLMEngine:
         context = self.max_total_tokens  # a windowed prefill chunk's rows see up to window + chunk - 1 tokens
         if self.window is not None:
             context = min(self.window + max(self.config.cuda_graphs) - 1, context)
-        return StepGraphs(m.model, self.pool, self.config.cuda_graphs, context)
+        return StepGraphs(m.model, self.pool, self.config.cuda_graphs, context, sliding_layers=self.sliding_layers)
 
     def capture_graphs(self) -> int:
         """Capture the CUDA graphs of every (rows, context) bucket now rather than on first use, so that

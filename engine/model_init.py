@@ -44,6 +44,11 @@ PRESETS: dict[str, dict] = {
     "tiny-gemma": dict(architecture="gemma", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,
                        max_position_embeddings=4096),
+    # Gemma 3's text model: sliding-window layers beside full-attention ones, each with its own RoPE
+    "tiny-gemma3": dict(architecture="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,
+                        max_position_embeddings=4096, sliding_window=24,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
     "tiny-phi3": dict(architecture="phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=320, max_position_embeddings=4096),
     "tiny-olmo2": dict(architecture="olmo2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,

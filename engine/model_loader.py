@@ -12,7 +12,14 @@ from pathlib import Path
 import torch
 
 from engine.kv_scales import SCALE_NAME
-from engine.model_support import SUPPORTED, head_dim, kv_heads, sliding_window, unsupported_type
+from engine.model_support import (
+    SUPPORTED,
+    head_dim,
+    kv_heads,
+    layer_windows,
+    sliding_window,
+    unsupported_type,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model id that is not a folder must fail, not download
 
@@ -47,6 +54,10 @@ class LoadedModel:
     @property
     def sliding_window(self) -> int | None:
         return sliding_window(self.config)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return layer_windows(self.config, self.num_layers)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -12,11 +12,20 @@ from engine.scheduler import Chunk
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, block_size: int, window_size: int | None,
-                 use_flash: bool = False, graphs: StepGraphs | None = None):
+                 use_flash: bool = False, graphs: StepGraphs | None = None,
+                 layer_windows: tuple[int | None, ...] = ()):
         self.model = model
         self.pool = pool
         self.block_size = block_size
-        self.window = window_size
+        self.window = window_size  # one window for every layer (its blocks leave the pool), or None
+        # a model whose layers differ (Gemma 3: five sliding layers to one full): the full layers' metadata
+        # as usual, and the sliding layers' built beside it (attention.PagedBatch.sliding)
+        windows = {w for w in layer_windows if w is not None}
+        if len(windows) > 1:
+            raise ValueError(f"one sliding window per model, not {sorted(windows)}")
+        self.sliding = windows.pop() if windows and window_size is None else None
+        self.sliding_layers = frozenset() if self.sliding is None else frozenset(
+            i for i, w in enumerate(layer_windows) if w is not None)
         self.device = pool.device
         self.use_flash = use_flash
         self.graphs = graphs  # small steps as CUDA graphs (engine.cuda_graphs); None: always eager
@@ -32,24 +41,32 @@ class ModelRunner:
         table = torch.tensor(block_table, dtype=torch.long)
         return (table[:, None] * self.block_size + self._offsets).view(-1)
 
-    def _ctx_start(self, first_query_pos: int) -> int:
+    @staticmethod
+    def _ctx_start(first_query_pos: int, window: int | None) -> int:
         """First key position any query from ``first_query_pos`` on can see."""
-        return 0 if self.window is None else max(0, first_query_pos - self.window + 1)
+        return 0 if window is None else max(0, first_query_pos - window + 1)
 
-    def _mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
         m = k_pos[None, :] <= q_pos[:, None]
-        if self.window is not None:
-            m &= k_pos[None, :] > q_pos[:, None] - self.window
+        if window is not None:
+            m &= k_pos[None, :] > q_pos[:, None] - window
         return m
 
-    def _rows(self, flat: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _rows(self, flat: torch.Tensor, start: int, end: int, window: int | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One chunk as attention rows (``attention.decode_metadata``): its context's slots, and which of
         them each query sees (None: one query that sees them all)."""
-        ctx0 = self._ctx_start(start)
+        ctx0 = self._ctx_start(start, window)
         ctx = flat[ctx0:end]
-        if end - start == 1:
+        if end - start == 1:  # a decode sees all of its context (the window's start is where it begins)
             return ctx, None
-        return ctx, self._mask(torch.arange(start, end), torch.arange(ctx0, end))
+        return ctx, self._mask(torch.arange(start, end), torch.arange(ctx0, end), window)
+
+    def _graph_rows(self, flat: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A chunk's rows for the sliding layers of a graph: the full layers' context (a graph has one
+        gather per step), masked to the window."""
+        return flat[:end], self._mask(torch.arange(start, end), torch.arange(0, end), self.sliding)
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk], sample_mask: list[bool]) -> torch.Tensor:
@@ -75,29 +92,19 @@ class ModelRunner:
             spans.append((flat, start, end))
         rows = [keep[i] for i in range(len(chunks)) if i in keep]  # logits rows to return, in chunk order
         if self.graphs is not None and self.graphs.takes(len(ids)):
-            logits = self.graphs.run(ids, torch.cat(positions), torch.cat(slots), [self._rows(*x) for x in spans])
+            sliding = None if self.sliding is None else [self._graph_rows(*x) for x in spans]
+            logits = self.graphs.run(ids, torch.cat(positions), torch.cat(slots),
+                                     [self._rows(*x, self.window) for x in spans], sliding)
             if logits is not None:
                 return logits[rows]
         dev = self.device
-        batch = PagedBatch(pool=self.pool, slot_mapping=torch.cat(slots).to(dev))
-        if self.use_flash:
-            batch.flash = self._flash_meta(chunks, order, spans)
-        else:
-            decodes = [self._rows(*x) for x in spans if x[2] - x[1] == 1]
-            if decodes:
-                batch.num_decodes = len(decodes)
-                slots_d, mask = decode_metadata(decodes, pad_slot=self.pool.pad_slot)
-                batch.decode_slots = head_slots(slots_d.to(dev), self.pool.shape.num_kv_heads)
-                batch.decode_mask = mask.to(dev)
-            q_start = len(decodes)
-            chunks_left = spans[len(decodes):]
-            cached = [x for x in chunks_left if x[1] > 0]
-            if self.batch_prefills and len(cached) > 1:  # they come last in the row
-                chunks_left = chunks_left[: len(chunks_left) - len(cached)]
-                batch.batched = self._batched(cached, len(ids) - sum(end - start for _, start, end in cached))
-            for flat, start, end in chunks_left:
-                batch.prefills.append(self._prefill(flat, start, end, q_start))
-                q_start += end - start
+        slot_mapping = torch.cat(slots).to(dev)
+        flash = self._flash_meta(chunks, order, spans) if self.use_flash else None
+        batch = self._batch(spans, len(ids), self.window, slot_mapping, flash)
+        if self.sliding is not None:
+            flash = flash and {**flash, "window": (self.sliding - 1, 0)}
+            batch.sliding = self._batch(spans, len(ids), self.sliding, slot_mapping, flash)
+            batch.sliding_layers = self.sliding_layers
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
         position_ids = torch.cat(positions).unsqueeze(0).to(dev)
         keep_idx = torch.tensor(rows, dtype=torch.long, device=dev)
@@ -105,21 +112,46 @@ class ModelRunner:
                          logits_to_keep=keep_idx, paged_batch=batch)
         return out.logits[0].float()
 
-    def _prefill(self, flat: torch.Tensor, start: int, end: int, q_start: int) -> PrefillGroup:
+    def _batch(self, spans: list[tuple[torch.Tensor, int, int]], num_ids: int, window: int | None,
+               slot_mapping: torch.Tensor, flash: dict | None) -> PagedBatch:
+        """The attention metadata of one step for layers with this ``window``."""
+        dev = self.device
+        batch = PagedBatch(pool=self.pool, slot_mapping=slot_mapping, flash=flash)
+        if flash is not None:
+            return batch
+        decodes = [self._rows(*x, window) for x in spans if x[2] - x[1] == 1]
+        if decodes:
+            batch.num_decodes = len(decodes)
+            slots_d, mask = decode_metadata(decodes, pad_slot=self.pool.pad_slot)
+            batch.decode_slots = head_slots(slots_d.to(dev), self.pool.shape.num_kv_heads)
+            batch.decode_mask = mask.to(dev)
+        q_start = len(decodes)
+        chunks_left = spans[len(decodes):]
+        cached = [x for x in chunks_left if x[1] > 0]
+        if self.batch_prefills and len(cached) > 1:  # they come last in the row
+            chunks_left = chunks_left[: len(chunks_left) - len(cached)]
+            batch.batched = self._batched(cached, num_ids - sum(end - start for _, start, end in cached), window)
+        for flat, start, end in chunks_left:
+            batch.prefills.append(self._prefill(flat, start, end, q_start, window))
+            q_start += end - start
+        return batch
+
+    def _prefill(self, flat: torch.Tensor, start: int, end: int, q_start: int, window: int | None) -> PrefillGroup:
         """A prefill chunk for SDPA: plain causal over its own K/V when it starts the sequence (and no
         window cuts in), else masked over its context read back from the pool."""
         n = end - start
         if start == 0:
             mask = None
-            if self.window is not None and end > self.window:
+            if window is not None and end > window:
                 p = torch.arange(0, end)
-                mask = self._mask(p, p).to(self.device)
+                mask = self._mask(p, p, window).to(self.device)
             return PrefillGroup(q_start, n, None, mask)
-        ctx, mask = self._rows(flat, start, end)
+        ctx, mask = self._rows(flat, start, end, window)
         return PrefillGroup(q_start, n, ctx.to(self.device), mask.to(self.device))
 
-    def _batched(self, spans: list[tuple[torch.Tensor, int, int]], q_start: int) -> BatchedPrefills:
-        rows = [self._rows(*x) for x in spans]
+    def _batched(self, spans: list[tuple[torch.Tensor, int, int]], q_start: int, window: int | None
+                 ) -> BatchedPrefills:
+        rows = [self._rows(*x, window) for x in spans]
         q_max = max(end - start for _, start, end in spans)
         l_max = max(len(ctx) for ctx, _ in rows)
         q_rows = torch.zeros(len(spans), q_max, dtype=torch.long)

@@ -7,17 +7,22 @@ from __future__ import annotations
 
 from engine.config import ConfigError, request_limits
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2")
+LAYER_KINDS = ("full_attention", "sliding_attention")  # config.json layer_types the engine computes
 LONGROPE = ("longrope", "su")  # "su": its older name in Phi-3 configs
 
 
 def rope_type(config) -> str | None:
     """The RoPE scaling type (transformers 5 keeps it in ``rope_parameters``, older configs in
-    ``rope_scaling``); None for plain RoPE."""
+    ``rope_scaling``; models whose layers differ, such as Gemma 3, keep one per layer kind); None for
+    plain RoPE."""
     for name in ("rope_parameters", "rope_scaling"):
         params = getattr(config, name, None)
-        if isinstance(params, dict):
-            kind = params.get("rope_type") or params.get("type")
+        if not isinstance(params, dict):
+            continue
+        per_kind = [v for k, v in params.items() if k in LAYER_KINDS and isinstance(v, dict)]
+        for p in per_kind or [params]:
+            kind = p.get("rope_type") or p.get("type")
             if kind and kind != "default":
                 return str(kind)
     return None
@@ -31,16 +36,28 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def sliding_window(config) -> int | None:
-    """The model's attention window in tokens, if its layers slide (see ``unsupported`` for models whose
-    layers differ)."""
+def _window(config) -> int | None:
     window = getattr(config, "sliding_window", None)
     if window is None or getattr(config, "use_sliding_window", True) is False:
         return None
-    types = getattr(config, "layer_types", None)
-    if types and "sliding_attention" not in types:
-        return None
     return int(window)
+
+
+def layer_windows(config, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's attention window in tokens (None: it sees the whole context), from ``layer_types``
+    where the config has them (Gemma 3, Qwen2's ``max_window_layers``), else one window for all."""
+    window = _window(config)
+    types = getattr(config, "layer_types", None)
+    if not types or window is None:
+        return (window,) * num_layers
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def sliding_window(config) -> int | None:
+    """The window of a model whose every layer slides, else None (a model whose layers differ keeps its
+    whole context: its full-attention layers read it all; see ``layer_windows``)."""
+    windows = set(layer_windows(config, getattr(config, "num_hidden_layers", 1)))
+    return windows.pop() if len(windows) == 1 else None
 
 
 class UnsupportedModel(ConfigError):
@@ -101,10 +118,10 @@ def unsupported(config, max_total_tokens: int | None = None) -> str | None:
         return (f"quantized weights (quantization_config: {method or 'unknown'}) are not supported: serve the "
                 "bf16/fp16 checkpoint")
     types = set(getattr(config, "layer_types", None) or ())
-    if {"sliding_attention", "full_attention"} <= types:
-        # one window for every layer: blocks that leave it are freed, which full-attention layers still read
-        return ("sliding-window attention on some layers only (config.json layer_types, or Qwen2's "
-                "max_window_layers) is not supported: the engine applies one window to every layer")
+    if types - set(LAYER_KINDS):
+        return f"layer types {sorted(types - set(LAYER_KINDS))} are not supported (only {', '.join(LAYER_KINDS)})"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention (use_bidirectional_attention) is not supported: the engine generates causally"
     if getattr(config, "attn_logit_softcapping", None):
         return "attention logit soft-capping (attn_logit_softcapping) is not supported"
     rope = rope_type(config)

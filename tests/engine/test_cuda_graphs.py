@@ -23,7 +23,8 @@ CUDA = DEVICE.startswith("cuda")
 
 def through_buckets(engine, sizes=(1, 2, 4, 8)) -> StepGraphs:
     """Route the engine's decode steps through buckets: graphs on CUDA, padded eager runs elsewhere."""
-    g = StepGraphs(engine.loaded.model, engine.pool, sizes, engine.max_total_tokens, capture=CUDA)
+    g = StepGraphs(engine.loaded.model, engine.pool, sizes, engine.max_total_tokens, capture=CUDA,
+                   sliding_layers=engine.sliding_layers)
     engine.runner.graphs = g
     return g
 
@@ -57,7 +58,8 @@ def test_rows_are_one_per_query_each_over_its_own_context_and_padding_sees_the_s
     assert decode_metadata([decode_a, chunk])[0].shape == (3, 3)  # default: just enough
 
 
-@pytest.mark.parametrize("preset,ahead", [("tiny", False), ("tiny-mistral", False), ("tiny-qwen3", True)])
+@pytest.mark.parametrize("preset,ahead", [("tiny", False), ("tiny-mistral", False), ("tiny-qwen3", True),
+                                          ("tiny-gemma3", True)])
 def test_decodes_through_buckets_match_hf(preset, ahead, make_engine, hf_model):
     """Five sequences (a bucket of 8), shared prefixes, a sliding window (Mistral): tokens and logits
     as transformers' ``generate``, with buckets made on first use or all ahead (as a replica does)."""
@@ -72,7 +74,7 @@ def test_decodes_through_buckets_match_hf(preset, ahead, make_engine, hf_model):
     assert g.stats.captured == (len(g._buckets) if CUDA else 0)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma3"])
 def test_steps_with_short_prefill_chunks_run_through_buckets_and_match_hf(preset, make_engine, hf_model):
     """Prompts prefilled 16 tokens at a time beside running decodes (the shape of a cached prompt's
     uncached tail): each token a row over its context, causal and windowed (Mistral) by its mask."""

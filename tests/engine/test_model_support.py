@@ -13,7 +13,14 @@ from transformers import AutoConfig
 from engine.attention import paged_attention
 from engine.config import ConfigError, EngineConfig, request_limits
 from engine.model_loader import ModelLoadError, check_model_folder, load_model, resolve_device
-from engine.model_support import UnsupportedModel, serving_limits, sliding_window, unsupported
+from engine.model_support import (
+    UnsupportedModel,
+    layer_windows,
+    rope_type,
+    serving_limits,
+    sliding_window,
+    unsupported,
+)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -33,14 +40,28 @@ def test_architectures_it_cannot_compute_are_refused(kind):
     assert "not supported" in unsupported(AutoConfig.for_model(kind))
 
 
-def test_a_window_on_some_layers_only_is_refused():
+def test_windows_are_read_per_layer_and_unknown_layer_kinds_are_refused():
     mixed = AutoConfig.for_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1, **SMALL)
-    assert "some layers only" in unsupported(mixed)
+    assert unsupported(mixed) is None
+    assert layer_windows(mixed, 2) == (None, 16) and sliding_window(mixed) is None  # its full layer reads all
     every = AutoConfig.for_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0, **SMALL)
-    assert unsupported(every) is None and sliding_window(every) == 16
+    assert unsupported(every) is None and sliding_window(every) == 16 and layer_windows(every, 2) == (16, 16)
     off = AutoConfig.for_model("qwen2", use_sliding_window=False, sliding_window=16, **SMALL)
-    assert unsupported(off) is None and sliding_window(off) is None
-    assert unsupported(AutoConfig.for_model("mistral", sliding_window=16, **SMALL)) is None
+    assert unsupported(off) is None and sliding_window(off) is None and layer_windows(off, 2) == (None, None)
+    mistral = AutoConfig.for_model("mistral", sliding_window=16, **SMALL)
+    assert unsupported(mistral) is None and layer_windows(mistral, 2) == (16, 16)
+    chunked = AutoConfig.for_model("gemma3_text", sliding_window=16, layer_types=["chunked_attention"] * 2, **SMALL)
+    assert "chunked_attention" in unsupported(chunked)
+    both_ways = AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True, **SMALL)
+    assert "bidirectional" in unsupported(both_ways)
+
+
+def test_rope_scaling_is_found_per_layer_kind():
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    gemma3 = AutoConfig.for_model("gemma3_text", sliding_window=16, rope_parameters=rope, **SMALL)
+    assert rope_type(gemma3) == "linear" and unsupported(gemma3) is None
+    assert rope_type(AutoConfig.for_model("gemma3_text", **SMALL)) is None
 
 
 def test_softcapping_and_batch_dependent_rope_are_refused():
