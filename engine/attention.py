@@ -36,8 +36,8 @@ FUSED_DECODE_DEVICES = ("cpu",)
 
 
 # attention arguments some transformers models pass that this function would otherwise ignore:
-# logit soft-capping (Gemma 2) and attention sinks (gpt-oss)
-UNSUPPORTED_KWARGS = ("softcap", "s_aux")
+# attention sinks (gpt-oss)
+UNSUPPORTED_KWARGS = ("s_aux",)
 
 
 @dataclass
@@ -137,6 +137,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"radixserve paged attention does not implement {name!r}")
     b = paged_batch
+    softcap = kwargs.get("softcap")  # Gemma 2: scores become tanh(s / cap) * cap before the softmax
     layer = module.layer_idx
     groups = module.num_key_value_groups
     q = query[0]  # [H, T, D]
@@ -146,7 +147,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if b.sliding is not None and layer in b.sliding_layers:
         b = b.sliding
     if b.flash is not None:
-        return _flash_attention(b, layer, q, scaling), None
+        return _flash_attention(b, layer, q, scaling, softcap), None
 
     outs: list[torch.Tensor] = []
     prefills = bool(b.prefills) or b.batched is not None
@@ -154,17 +155,40 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     # once per layer, and only around SDPA: it sets (and restores) process-wide flags
     with sdpa_kernel(SDPA_BACKENDS) if sdpa else nullcontext():
         if b.num_decodes:
-            outs.append(_decode_attention(b, layer, q[:, : b.num_decodes], groups, scaling))
+            outs.append(_decode_attention(b, layer, q[:, : b.num_decodes], groups, scaling, softcap))
         if prefills:
-            outs.extend(_prefill_attention(b, layer, query, key, value, groups, scaling))
+            outs.extend(_prefill_attention(b, layer, query, key, value, groups, scaling, softcap))
             if b.batched is not None:
-                outs.append(_batched_prefill_attention(b, layer, q, groups, scaling))
+                outs.append(_batched_prefill_attention(b, layer, q, groups, scaling, softcap))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     return out.unsqueeze(0), None
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+          is_causal: bool = False, scale: float | None = None, softcap: float | None = None,
+          enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA; with ``softcap``, the same arithmetic with soft-capped scores, in float32 (no fused kernel
+    here takes a cap)."""
+    if softcap is None:
+        gqa = {"enable_gqa": True} if enable_gqa else {}
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **gqa)
+    if enable_gqa:
+        k, v = _expand_kv(k, q.shape[-3] // k.shape[-3]), _expand_kv(v, q.shape[-3] // v.shape[-3])
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2))
+    scores = _capped(scores.mul_(q.shape[-1] ** -0.5 if scale is None else scale), softcap)
+    if is_causal:  # SDPA's: query i sees keys 0..i
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril_()
+    if attn_mask is not None:
+        scores.masked_fill_(~attn_mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else scores.div_(softcap).tanh_().mul_(softcap)
+
+
 def _prefill_attention(b: PagedBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       groups: int, scaling: float | None) -> list[torch.Tensor]:
+                       groups: int, scaling: float | None, softcap: float | None) -> list[torch.Tensor]:
     """Each prefill chunk over its context (its own new K/V when it starts the sequence, else the
     context read back from the pool): ``[n, H, Dh]`` per chunk."""
     outs = []
@@ -181,15 +205,15 @@ def _prefill_attention(b: PagedBatch, layer: int, query: torch.Tensor, key: torc
             kp, vp = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)
         kp, vp, gqa = _grouped(kp, vp, groups, masked=g.mask is not None)
         if g.mask is None:
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, **gqa)
+            op = _sdpa(qp, kp, vp, is_causal=True, scale=scaling, softcap=softcap, **gqa)
         else:
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, scale=scaling, **gqa)
+            op = _sdpa(qp, kp, vp, attn_mask=g.mask, scale=scaling, softcap=softcap, **gqa)
         outs.append(op[0].transpose(0, 1))  # [n, H, Dh]
     return outs
 
 
-def _batched_prefill_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, scaling: float | None
-                               ) -> torch.Tensor:
+def _batched_prefill_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, scaling: float | None,
+                               softcap: float | None = None) -> torch.Tensor:
     """``b.batched``'s chunks in one SDPA call: q ``[H, T, Dh]`` -> ``[n, H, Dh]`` of their queries."""
     p = b.batched
     c, lmax = p.ctx_slots.shape
@@ -198,12 +222,12 @@ def _batched_prefill_attention(b: PagedBatch, layer: int, q: torch.Tensor, group
     k = k.view(c, lmax, *k.shape[1:]).transpose(1, 2)  # [C, Hkv, Lmax, Dh]
     v = v.view(c, lmax, *v.shape[1:]).transpose(1, 2)
     k, v, gqa = _grouped(k, v, groups, masked=True)
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=p.mask, scale=scaling, **gqa)  # [C, H, Qmax, Dh]
+    out = _sdpa(qb, k, v, attn_mask=p.mask, scale=scaling, softcap=softcap, **gqa)  # [C, H, Qmax, Dh]
     return out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])[p.real]
 
 
-def _decode_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, scaling: float | None
-                      ) -> torch.Tensor:
+def _decode_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, scaling: float | None,
+                      softcap: float | None = None) -> torch.Tensor:
     """One query per sequence over its paged context, its query heads grouped by their KV head, so GQA's
     shared K/V heads are read once instead of being repeated per query head. q ``[H, D, Dh]`` -> ``[D, H, Dh]``. Rows go
     ``DECODE_ROW_TOKENS`` (rows x padded context) at a time: the gathered K/V and scores grow with
@@ -211,18 +235,18 @@ def _decode_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, s
     d, width = q.shape[1], b.decode_slots.shape[-1]
     step = max(1, DECODE_ROW_TOKENS // width)
     if d <= step:
-        return _decode_rows(b.pool, layer, q, b.decode_slots, b.decode_mask, groups, scaling)
+        return _decode_rows(b.pool, layer, q, b.decode_slots, b.decode_mask, groups, scaling, softcap)
     return torch.cat([_decode_rows(b.pool, layer, q[:, i:i + step], b.decode_slots[i:i + step],
-                                   b.decode_mask[i:i + step], groups, scaling) for i in range(0, d, step)])
+                                   b.decode_mask[i:i + step], groups, scaling, softcap) for i in range(0, d, step)])
 
 
 def _decode_rows(pool: KVPool, layer: int, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, groups: int,
-                 scaling: float | None) -> torch.Tensor:
+                 scaling: float | None, softcap: float | None = None) -> torch.Tensor:
     h, d, dh = q.shape
     k, v = pool.read_heads(layer, slots)  # [D, Hkv, L, Dh], contiguous
     hkv = k.shape[1]
     qg = q.transpose(0, 1).reshape(d, hkv, groups, dh)  # query heads grouped by their KV head
-    if k.device.type in FUSED_DECODE_DEVICES:
+    if k.device.type in FUSED_DECODE_DEVICES and softcap is None:
         # the query heads that share a KV head go in as that head's queries: K/V are read once, and the
         # fused kernel keeps its scores in float32 without writing them out (a decode step of the bench
         # model on one CPU thread: 54-63 ms against 76-84 with the matmuls below)
@@ -230,7 +254,7 @@ def _decode_rows(pool: KVPool, layer: int, q: torch.Tensor, slots: torch.Tensor,
     # scores in float32: a bf16 matmul would round them before the softmax, as fused kernels do not
     # (costs a float32 copy of the gathered K for 16-bit models, twice the gather's own size)
     scores = torch.matmul(qg.float(), k.float().transpose(-1, -2))  # [D, Hkv, G, L]
-    scores.mul_(dh ** -0.5 if scaling is None else scaling)
+    _capped(scores.mul_(dh ** -0.5 if scaling is None else scaling), softcap)
     scores.masked_fill_(~mask, float("-inf"))  # mask [D, 1, 1, L]
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(d, h, dh)
@@ -253,7 +277,8 @@ def flash_fits(block_size: int, head_dim: int) -> bool:
     return block_size % 16 == 0 and head_dim % 32 == 0 and 32 <= head_dim <= 256
 
 
-def _flash_attention(b: PagedBatch, layer: int, q: torch.Tensor, scaling: float | None) -> torch.Tensor:
+def _flash_attention(b: PagedBatch, layer: int, q: torch.Tensor, scaling: float | None,
+                     softcap: float | None = None) -> torch.Tensor:
     from vllm_flash_attn import flash_attn_varlen_func
 
     f = b.flash
@@ -262,7 +287,8 @@ def _flash_attention(b: PagedBatch, layer: int, q: torch.Tensor, scaling: float 
         q.transpose(0, 1).contiguous(), k_cache, v_cache,
         cu_seqlens_q=f["cu_seqlens_q"], cu_seqlens_k=f["cu_seqlens_k"],
         max_seqlen_q=f["max_seqlen_q"], max_seqlen_k=f["max_seqlen_k"],
-        softmax_scale=scaling, causal=True, window_size=f["window"], block_table=f["block_table"])
+        softmax_scale=scaling, causal=True, window_size=f["window"], block_table=f["block_table"],
+        **({"softcap": softcap} if softcap else {}))  # (only when set: vllm-flash-attn before 2.6 has no such argument)
     return out.unsqueeze(0)  # [1, T, H, D]
 
 

@@ -44,6 +44,13 @@ PRESETS: dict[str, dict] = {
     "tiny-gemma": dict(architecture="gemma", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,
                        max_position_embeddings=4096),
+    # Gemma 2: alternating sliding and full layers, soft-capped attention scores and logits (caps far
+    # below the real 50 and 30, so that random weights feel them)
+    "tiny-gemma2": dict(architecture="gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,
+                        max_position_embeddings=4096, sliding_window=24, attn_logit_softcapping=1.5,
+                        final_logit_softcapping=4.0, query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # Gemma 3's text model: sliding-window layers beside full-attention ones, each with its own RoPE
     "tiny-gemma3": dict(architecture="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,

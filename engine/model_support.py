@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from engine.config import ConfigError, request_limits
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2")
 LAYER_KINDS = ("full_attention", "sliding_attention")  # config.json layer_types the engine computes
 LONGROPE = ("longrope", "su")  # "su": its older name in Phi-3 configs
 
@@ -122,8 +122,6 @@ def unsupported(config, max_total_tokens: int | None = None) -> str | None:
         return f"layer types {sorted(types - set(LAYER_KINDS))} are not supported (only {', '.join(LAYER_KINDS)})"
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention (use_bidirectional_attention) is not supported: the engine generates causally"
-    if getattr(config, "attn_logit_softcapping", None):
-        return "attention logit soft-capping (attn_logit_softcapping) is not supported"
     rope = rope_type(config)
     if rope in LONGROPE:
         # transformers picks the short or long factors from the longest position in the whole batch,

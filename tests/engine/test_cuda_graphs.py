@@ -74,7 +74,7 @@ def test_decodes_through_buckets_match_hf(preset, ahead, make_engine, hf_model):
     assert g.stats.captured == (len(g._buckets) if CUDA else 0)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma3"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"])
 def test_steps_with_short_prefill_chunks_run_through_buckets_and_match_hf(preset, make_engine, hf_model):
     """Prompts prefilled 16 tokens at a time beside running decodes (the shape of a cached prompt's
     uncached tail): each token a row over its context, causal and windowed (Mistral) by its mask."""

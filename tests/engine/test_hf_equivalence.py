@@ -41,8 +41,8 @@ def assert_matches_hf(engine, hf, batch, n=NEW):
     return seqs, worst
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma", "tiny-gemma3",
-                                    "tiny-phi3", "tiny-olmo2", "bench"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma", "tiny-gemma2",
+                                    "tiny-gemma3", "tiny-phi3", "tiny-olmo2", "bench"])
 def test_batch_with_shared_prefixes_matches_hf(preset, make_engine, hf_model):
     eng = make_engine(preset)
     batch = prompts(eng.vocab_size)
@@ -69,14 +69,14 @@ def test_generated_tokens_are_cached_for_the_next_turn(make_engine, hf_model):
     assert seqs[0].num_cached_prompt_tokens == (len(p) + 40 - 1) // 16 * 16
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma3"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"])
 def test_chunked_prefill_matches_hf(preset, make_engine, hf_model):
     eng = make_engine(preset, max_batch_prefill_tokens=16)
     assert_matches_hf(eng, hf_model(preset), prompts(eng.vocab_size))
     assert eng.stats.steps > 10
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma3"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"])
 def test_preemption_under_a_tiny_pool_matches_hf(preset, make_engine, hf_model):
     eng = make_engine(preset, max_batch_total_tokens=160, block_size=16)  # 10 blocks for 5 requests
     assert_matches_hf(eng, hf_model(preset), prompts(eng.vocab_size))
@@ -110,7 +110,7 @@ def test_sliding_window_frees_generated_blocks(make_engine, hf_model):
     assert seq.output_ids == ref
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma3"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"])
 def test_cache_hits_prefilled_together_in_one_padded_call_match_hf(preset, make_engine, hf_model, monkeypatch):
     """Four prompts over a cached prefix, with tails of 3 to 40 tokens, in one step: on a GPU their
     chunks share one SDPA call per layer (padded; windowed for Mistral). Forced on here."""
@@ -129,7 +129,7 @@ def test_cache_hits_prefilled_together_in_one_padded_call_match_hf(preset, make_
     assert {tuple(b.batched.q_rows.shape) for b in calls} == {(4, 40)}
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma3"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"])
 def test_batched_cache_hits_beside_decodes_and_a_fresh_prompt_match_hf(preset, make_engine, hf_model, monkeypatch):
     """One step with two running decodes, a prompt that starts its sequence and three cache hits (the
     batched call comes last in the packed row): every output as transformers' ``generate``."""

@@ -35,7 +35,7 @@ def test_every_preset_is_a_supported_architecture_the_cli_offers():
     assert {p["architecture"] for p in PRESETS.values()} == set(SUPPORTED)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "gpt_neox", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["gpt2", "gpt_neox", "falcon", "gpt_oss"])
 def test_architectures_it_cannot_compute_are_refused(kind):
     assert "not supported" in unsupported(AutoConfig.for_model(kind))
 
@@ -64,11 +64,8 @@ def test_rope_scaling_is_found_per_layer_kind():
     assert rope_type(AutoConfig.for_model("gemma3_text", **SMALL)) is None
 
 
-def test_softcapping_and_batch_dependent_rope_are_refused():
-    cfg = AutoConfig.for_model("llama", **SMALL)
-    assert unsupported(cfg, 4096) is None
-    cfg.attn_logit_softcapping = 50.0
-    assert "soft-capping" in unsupported(cfg)
+def test_batch_dependent_rope_is_refused():
+    assert unsupported(AutoConfig.for_model("llama", **SMALL), 4096) is None
     rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
             "original_max_position_embeddings": 32}
     cfg = AutoConfig.for_model("llama", rope_scaling=rope, **SMALL)
@@ -80,8 +77,8 @@ def test_softcapping_and_batch_dependent_rope_are_refused():
 
 
 def test_the_attention_never_drops_an_argument_it_does_not_implement():
-    with pytest.raises(NotImplementedError, match="softcap"):
-        paged_attention(None, None, None, None, None, paged_batch=object(), softcap=30.0)
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        paged_attention(None, None, None, None, None, paged_batch=object(), s_aux=torch.zeros(4))
 
 
 @pytest.fixture
