@@ -80,7 +80,7 @@ class Settings(BaseModel):
                                     "--replica-num-cpus")
     seed: int = 0
     sampling_defaults: Literal["model", "api"] = Field("model", description="what the OpenAI routes use for "
-                                                       "temperature, top_p, top_k, repetition_penalty and max_tokens "
+                                                       "temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
                                                        "a request leaves unset: model (the model's generation_config.json, "
                                                        "as vLLM and SGLang) or api (OpenAI's own); "
                                                        "the TGI routes always keep TGI's (default: model)")

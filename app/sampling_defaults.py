@@ -19,14 +19,11 @@ FIELDS: dict[str, tuple[type, str, Callable[[float], bool]]] = {
     "temperature": (float, "0 <= x <= 2", lambda x: 0 <= x <= 2),
     "top_p": (float, "0 < x <= 1", lambda x: 0 < x <= 1),
     "top_k": (int, "an integer >= 0", lambda x: x >= 0),
+    "min_p": (float, "0 <= x <= 1", lambda x: 0 <= x <= 1),
     "repetition_penalty": (float, "x > 0", lambda x: x > 0),
     # the default max_tokens (still cut to the room the context leaves), as vLLM takes it
     "max_new_tokens": (int, "an integer >= 1", lambda x: x >= 1),
 }
-
-# what vLLM also takes from the file, said in the log rather than dropped in silence
-NOT_APPLIED = ("min_p",)
-
 
 def read_sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
     """The sampling fields ``generation_config.json`` sets, checked; {} without the file. A file that is
@@ -43,9 +40,6 @@ def read_sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
     if not isinstance(raw, dict):
         log.warning("%s is not a JSON object: no sampling defaults from the model", path)
         return {}
-    unused = [k for k in NOT_APPLIED if raw.get(k) is not None]
-    if unused:
-        log.info("%s: %s not applied (not implemented)", path, ", ".join(unused))
     out: dict[str, float | int] = {}
     for name, (kind, allowed, accepts) in FIELDS.items():
         if name not in raw or raw[name] is None:

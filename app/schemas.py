@@ -70,7 +70,6 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "prompt_logprobs": ("prompt log-probabilities", (None,)),  # 0 asks for the prompt tokens' own
     "use_beam_search": ("beam search", _OFF),
     "length_penalty": ("beam search", (None, 1, 1.0)),
-    "min_p": ("min_p", (None, 0, 0.0)),
     "allowed_token_ids": ("allowed_token_ids", _OFF),
     "bad_words": ("bad_words", _OFF),
     "logits_processors": ("logits processors", _OFF),
@@ -119,7 +118,7 @@ class TGIParameters(_Strict):
     best_of: int | None = Field(None, ge=1)
     watermark: bool = False
     grammar: Any = None
-    typical_p: float | None = None
+    typical_p: float | None = Field(None, gt=0, le=1)  # locally typical sampling (1.0: off)
     adapter_id: str | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
@@ -129,7 +128,6 @@ class TGIParameters(_Strict):
         _unsupported("best_of > 1", self.best_of, (None, 1))
         _unsupported("watermark", self.watermark, (False,))
         _unsupported("grammar (constrained decoding)", self.grammar)
-        _unsupported("typical_p", self.typical_p, (None, 1.0))
         _unsupported("adapter_id (LoRA adapters)", self.adapter_id)
         return self
 
@@ -141,11 +139,13 @@ class TGIRequest(_Strict):
 
     def sampling(self, default_max_new_tokens: int) -> dict[str, Any]:
         p = self.parameters
-        sample = p.do_sample or p.temperature not in (None, 1.0) or p.top_k is not None or p.top_p is not None
+        sample = (p.do_sample or p.temperature not in (None, 1.0) or p.top_k is not None or p.top_p is not None
+                  or p.typical_p not in (None, 1.0))  # as TGI: any warper samples
         sample = sample and (p.temperature or 1.0) >= GREEDY_BELOW  # a tinier one is greedy in the engine
         return dict(max_new_tokens=p.max_new_tokens or default_max_new_tokens,
                     temperature=(p.temperature or 1.0) if sample else 0.0,
-                    top_k=p.top_k or 0, top_p=p.top_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
+                    top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
+                    repetition_penalty=p.repetition_penalty or 1.0,
                     # TGI's frequency penalty: over prompt and output, per token of the context
                     frequency_penalty=p.frequency_penalty or 0.0, frequency_penalty_per_context=True,
                     top_logprobs=p.top_n_tokens or 0,
@@ -165,7 +165,7 @@ class StreamOptions(_Strict):
 MAX_CHOICES = 128  # OpenAI's own limit on n
 
 # OpenAI's spec makes these nullable and its client sends null for a None argument: null means the default
-NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "repetition_penalty", "n", "stream", "frequency_penalty", "presence_penalty",
+NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "n", "stream", "frequency_penalty", "presence_penalty",
                              "logprobs", "echo", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                              "skip_special_tokens", "add_generation_prompt", "continue_final_message",
                              "add_special_tokens"})
@@ -188,6 +188,8 @@ class _OpenAICommon(_Strict):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # extension (vLLM's): 0 and vLLM's -1 are off
+    min_p: float = Field(0.0, ge=0, le=1)  # extension (vLLM's): 0 is off
+    typical_p: float = Field(1.0, gt=0, le=1)  # extension (TGI's parameter): 1 is off
     repetition_penalty: float | None = Field(None, gt=0)  # extension
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices: one engine request each, side by side
     stream: bool = False
@@ -249,11 +251,12 @@ class _OpenAICommon(_Strict):
                  defaults: Mapping[str, float] | None = None) -> dict[str, Any]:
         """The engine's sampling parameters. ``defaults`` (the model's, ``app.sampling_defaults``) stand in
         for the sampling fields this request did not send (or sent as null where null means the default)."""
-        own = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "repetition_penalty")}
+        own = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
         given = {**own, **{k: v for k, v in (defaults or {}).items() if k in own and k not in self.model_fields_set}}
         return dict(max_new_tokens=max_new_tokens, temperature=given["temperature"],
                     top_k=max(given["top_k"] or 0, 0),  # vLLM's -1 is off, as 0
-                    top_p=given["top_p"], repetition_penalty=given["repetition_penalty"] or 1.0, seed=self.seed,
+                    top_p=given["top_p"], min_p=given["min_p"], typical_p=self.typical_p,
+                    repetition_penalty=given["repetition_penalty"] or 1.0, seed=self.seed,
                     frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                     logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
                     stop=self.stop_list(), logprobs=logprobs, top_logprobs=top_logprobs,

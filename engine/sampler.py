@@ -1,5 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, repetition/frequency/presence penalties, logit
-bias, per-request seeds, log-probabilities with the most likely alternatives."""
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, typical-p, repetition/frequency/presence
+penalties, logit bias, per-request seeds, log-probabilities with the most likely alternatives."""
 
 from __future__ import annotations
 
@@ -69,10 +69,11 @@ def _adjusts(seq: Sequence) -> bool:
 TOP_P_CANDIDATES = 256
 
 
-def _filter(dists: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Top-k, then top-p, over the rows of ``dists`` ``[S, V]`` (logits over temperature), each row with
-    its own values. Both cut at a logit value, so tokens tied with the last one kept stay too (the same
-    set on every device, whatever order a sort gives ties)."""
+def _filter(dists: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float] | None = None,
+            typical_p: list[float] | None = None) -> torch.Tensor:
+    """Top-k, top-p, min-p, then typical-p (transformers' order) over the rows of ``dists`` ``[S, V]``
+    (logits over temperature), each row with its own values. Each cuts at a value, so tokens tied with
+    the last one kept stay too (the same set on every device, whatever order a sort gives ties)."""
     v = dists.shape[-1]
     if any(0 < k < v for k in top_k):
         vals = torch.topk(dists, max(k for k in top_k if 0 < k < v)).values  # (a k past the vocabulary cuts nothing)
@@ -83,7 +84,35 @@ def _filter(dists: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.
         dists = dists.masked_fill((dists < kth) & ~off, float("-inf"))
     if any(p < 1.0 for p in top_p):
         dists = _nucleus(dists, top_p)
+    if min_p and any(m > 0 for m in min_p):
+        # p < min_p x p_max is logit < max logit + log(min_p): no softmax, no sort (log 0 = -inf cuts nothing)
+        floor = torch.log(_to_device(torch.tensor(min_p, dtype=dists.dtype), dists.device)).unsqueeze(1)
+        dists = dists.masked_fill(dists < dists.max(dim=-1, keepdim=True).values + floor, float("-inf"))
+    if typical_p and any(t < 1.0 for t in typical_p):
+        dists = _typical(dists, typical_p)
     return dists
+
+
+def _typical(dists: torch.Tensor, typical_p: list[float]) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022): keep the tokens whose surprisal is closest to the
+    distribution's entropy, most typical first, until they hold ``typical_p`` of the probability (the
+    one that crosses it included, and at least one). Only the rows that ask for it pay for the sort."""
+    rows = [i for i, t in enumerate(typical_p) if t < 1.0]
+    idx = _to_device(torch.tensor(rows), dists.device)
+    sub = dists[idx]
+    logp = torch.log_softmax(sub, dim=-1)
+    probs = logp.exp()
+    entropy = -(logp * probs).nansum(dim=-1, keepdim=True)  # (-inf x 0 is NaN: an impossible token adds nothing)
+    distance = (-logp - entropy).abs()  # +inf for impossible tokens: sorted last, never kept
+    order_vals, order = torch.sort(distance, dim=-1)
+    cum = probs.gather(1, order).cumsum(dim=-1)
+    mass = _to_device(torch.tensor([typical_p[i] for i in rows], dtype=cum.dtype), dists.device).unsqueeze(1)
+    last = (cum < mass).sum(dim=-1, keepdim=True).clamp(max=sub.shape[-1] - 1)
+    cut = order_vals.gather(1, last)
+    sub = sub.masked_fill(distance > cut, float("-inf"))
+    out = dists.clone()
+    out[idx] = sub
+    return out
 
 
 def _nucleus(dists: torch.Tensor, top_p: list[float]) -> torch.Tensor:
@@ -186,7 +215,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
     if drawn:
         temps = _to_device(torch.tensor([seqs[i].params.temperature for i in drawn], dtype=logits.dtype), logits.device)
         dists = _filter(torch.stack([rows[i] for i in drawn]) / temps.unsqueeze(1),
-                        [seqs[i].params.top_k for i in drawn], [seqs[i].params.top_p for i in drawn])
+                        [seqs[i].params.top_k for i in drawn], [seqs[i].params.top_p for i in drawn],
+                        [seqs[i].params.min_p for i in drawn], [seqs[i].params.typical_p for i in drawn])
         chosen[drawn] = _draw(dists, [seqs[i].generator for i in drawn])
     out = [Sampled(t) for t in chosen.tolist()]
     want = [i for i in rest if seqs[i].params.logprobs]

@@ -47,6 +47,8 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the best one's probability (0: off)
+    typical_p: float = 1.0  # TGI's (and HF's) locally typical sampling: 1.0 is off
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)  # end the request (not part of its text)
@@ -82,7 +84,8 @@ class SamplingParams:
         for name in ("top_k", "top_logprobs") + (("seed",) if self.seed is not None else ()):
             if not _is_int(getattr(self, name)):
                 raise SamplingError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        for name in ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
             if not _is_number(getattr(self, name)):
                 raise SamplingError(f"{name} must be a number, got {getattr(self, name)!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "logprobs",
@@ -108,6 +111,10 @@ class SamplingParams:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.typical_p <= 1.0:
+            raise SamplingError(f"typical_p must be in (0, 1], got {self.typical_p}")
         if not 0.0 < self.repetition_penalty < math.inf:
             raise SamplingError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):

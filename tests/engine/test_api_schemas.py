@@ -45,6 +45,23 @@ def test_tgi_top_k_must_be_positive_as_in_tgi(top_k):
     assert _tgi(top_k=3)["top_k"] == 3 and _tgi()["top_k"] == 0
 
 
+def test_typical_p_and_min_p_reach_the_engine():
+    # TGI's typical_p samples (as any of TGI's warpers does) and is refused outside (0, 1]
+    params = _tgi(typical_p=0.5)
+    assert params["typical_p"] == 0.5 and params["temperature"] == 1.0
+    assert SamplingParams(**params).validate().typical_p == 0.5
+    assert _tgi()["typical_p"] == 1.0 and _tgi()["temperature"] == 0.0  # unset: greedy, as TGI
+    for bad in (0, 1.5):
+        with pytest.raises(ValidationError, match="typical_p"):
+            _tgi(typical_p=bad)
+    for kind in ("chat", "completion"):  # vLLM's min_p; typical_p as an extension
+        sp = SamplingParams(**_openai(kind, min_p=0.1, typical_p=0.9, temperature=0.8)).validate()
+        assert (sp.min_p, sp.typical_p) == (0.1, 0.9)
+        assert _openai(kind, min_p=None)["min_p"] == 0.0  # null: the default
+        with pytest.raises(ValidationError, match="min_p"):
+            _openai(kind, min_p=1.5)
+
+
 def test_tgi_frequency_penalty_asks_for_tgis_normalisation():
     params = _tgi(frequency_penalty=0.5)
     assert params["frequency_penalty"] == 0.5 and params["frequency_penalty_per_context"] is True
@@ -54,7 +71,7 @@ def test_tgi_frequency_penalty_asks_for_tgis_normalisation():
         assert sp.frequency_penalty == 0.5 and not sp.frequency_penalty_per_context
 
 
-QWEN_DEFAULTS = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+QWEN_DEFAULTS = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05}
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
@@ -71,8 +88,9 @@ def test_the_models_sampling_defaults_fill_only_what_a_request_leaves_unset(kind
     # what OpenAI's client sends for an argument left out (null) is no choice either
     assert params(temperature=None, top_p=None)["temperature"] == 0.7
     # what a request sends wins, OpenAI's own default values and "off" included
-    sent = params(temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
-    assert (sent["temperature"], sent["top_p"], sent["top_k"], sent["repetition_penalty"]) == (1.0, 1.0, 0, 1.0)
+    sent = params(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+    assert (sent["temperature"], sent["top_p"], sent["top_k"], sent["min_p"], sent["repetition_penalty"]) == \
+        (1.0, 1.0, 0, 0.0, 1.0)
     assert params(top_k=None, repetition_penalty=None)["top_k"] == 20  # null: the default, the model's
     assert params(top_k=-1)["top_k"] == 0  # vLLM's "off"
     assert params(temperature=0)["temperature"] == 0 and params(temperature=0)["top_k"] == 20

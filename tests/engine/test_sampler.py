@@ -292,3 +292,50 @@ def test_a_token_range_is_the_slice_of_the_context():
         for end in range(start, 10):  # past the end too, as the scheduler asks
             assert s.token_range(start, end) == s.tokens[start:end], (start, end)
         assert s.token_range(start) == s.tokens[start:]
+
+
+def _kept(row: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(row > float("-inf")).flatten().tolist())
+
+
+@pytest.mark.parametrize("vocab", [50, 3000])
+def test_min_p_and_typical_p_keep_what_transformers_keeps(vocab):
+    # transformers' own warpers are the reference (what TGI and HF's generate apply): rows of each kind,
+    # peaked, nearly flat and tied, each with its own value beside rows that leave the filter off
+    from transformers.generation.logits_process import MinPLogitsWarper, TypicalLogitsWarper
+
+    from engine.sampler import _filter
+
+    g = torch.Generator().manual_seed(vocab)
+    rows = torch.cat([torch.randn(3, vocab, generator=g) * 3, torch.randn(2, vocab, generator=g) * 0.01,
+                      torch.randint(0, 4, (2, vocab), generator=g).float()])
+    rows[0, :3] = float("-inf")  # impossible tokens (a logit bias of -inf, a mask) stay out
+    n = len(rows)
+    for value in (0.02, 0.3, 0.9):
+        out = _filter(rows, [0] * n, [1.0] * n, [value] * n)
+        ref = MinPLogitsWarper(value, min_tokens_to_keep=1)(None, rows.clone())
+        assert [_kept(r) for r in out] == [_kept(r) for r in ref], value
+        out = _filter(rows, [0] * n, [1.0] * n, None, [value] * n)
+        ref = TypicalLogitsWarper(value, min_tokens_to_keep=1)(None, rows.clone())
+        assert [_kept(r) for r in out] == [_kept(r) for r in ref], value
+    # per row: off (0 / 1.0) beside on, and after top-k as transformers orders them
+    out = _filter(rows[:3], [0, 0, 10], [1.0] * 3, [0.0, 0.3, 0.0], [1.0, 1.0, 0.5])
+    assert torch.equal(out[0], rows[0])
+    assert _kept(out[1]) == _kept(MinPLogitsWarper(0.3)(None, rows[1:2].clone())[0])
+    top10 = rows[2].masked_fill(rows[2] < rows[2].topk(10).values[-1], float("-inf"))
+    assert _kept(out[2]) == _kept(TypicalLogitsWarper(0.5)(None, top10.unsqueeze(0))[0])
+
+
+def test_min_p_and_typical_p_narrow_the_draws():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0, 0.5]])  # probabilities 0.56 0.21 0.08 0.03 0 0.13
+    # min_p 0.3: only tokens at least 0.3 x 0.56 likely (0 and 1); typical_p: the tokens whose surprisal
+    # is closest to the entropy (1.21 nats), up to the one that crosses the mass: 1 (surprisal 1.58,
+    # 0.21 of the mass) alone for 0.15, the best token too (0.58) for 0.3; token 5 (2.08) after them
+    min_p = seq(temperature=1.0, min_p=0.3)
+    assert {sample(logits, [min_p])[0].token for _ in range(400)} == {0, 1}
+    for mass, kept in ((0.15, {1}), (0.3, {0, 1}), (0.85, {0, 1, 5})):
+        typical = seq(temperature=1.0, typical_p=mass)
+        assert {sample(logits, [typical])[0].token for _ in range(400)} == kept, mass
+    for bad in (dict(min_p=-0.1), dict(min_p=1.5), dict(typical_p=0.0), dict(typical_p=1.1), dict(min_p="0.1")):
+        with pytest.raises(SamplingError):
+            SamplingParams(**bad).validate()
