@@ -16,6 +16,7 @@ import time
 import typing
 
 from app.config import Settings
+from engine.presets import PRESETS
 
 SERVE_FLAGS_SKIP = {"autoscaling"}
 
@@ -503,8 +504,7 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
     return code
 
 
-# engine.model_init's PRESETS, named here so that --help does not import torch (a test keeps them equal)
-PRESET_NAMES = ["tiny", "bench", "bench-1b", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-olmo2"]
+PRESET_NAMES = list(PRESETS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -516,13 +516,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     add_settings_flags(s)
     s.set_defaults(func=_serve)
-    p = sub.add_parser("init-model", help="write a small random-weight model (Llama, Mistral, Qwen, Gemma 1-3, Phi-3, "
-                                          "OLMo 2) with a byte-level tokenizer")
+    p = sub.add_parser("init-model", help="write a small random-weight model of any supported architecture "
+                                          "(Llama, Mistral, Qwen, Gemma, Phi, OLMo, Mixtral and more) with a "
+                                          "byte-level tokenizer")
     p.add_argument("path", help="folder to write (created if missing)")
     p.add_argument("--preset", default="tiny", choices=PRESET_NAMES,
                    help="tiny: the built-in model; bench: the benchmarks' 57M-parameter Llama; bench-1b: a 0.85B-parameter "
-                        "Llama for GPU benchmarks (3.4 GB); the others: small "
-                        "models of each supported architecture (tiny-mistral has a sliding window, tiny-gemma2 and tiny-gemma3 one on some layers; default: tiny)")
+                        "Llama for GPU benchmarks (3.4 GB); tiny-ARCH: a small model of each supported architecture "
+                        "(engine/presets.py; default: tiny)")
     p.add_argument("--seed", type=int, default=0, help="of the random weights (default: 0)")
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
     p.set_defaults(func=_init_model)

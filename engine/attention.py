@@ -38,6 +38,7 @@ FUSED_DECODE_DEVICES = ("cpu",)
 # attention arguments some transformers models pass that this function would otherwise ignore:
 # attention sinks (gpt-oss)
 UNSUPPORTED_KWARGS = ("s_aux",)
+PROBE_KWARG = "radixserve_probe"
 
 
 @dataclass
@@ -131,6 +132,9 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                     attention_mask: torch.Tensor | None, scaling: float | None = None,
                     dropout: float = 0.0, paged_batch: PagedBatch | None = None, **kwargs):
     """The function transformers calls per layer: q/k/v ``[1, H, T, D]`` -> ``([1, T, H, D], None)``."""
+    if (asked := kwargs.get(PROBE_KWARG)) is not None:  # engine.layer_probe: record what the layer asks, attend to nothing
+        asked[module.layer_idx] = {"sliding_window": kwargs.get("sliding_window"), "groups": module.num_key_value_groups}
+        return torch.zeros_like(query).transpose(1, 2), None
     if paged_batch is None:
         raise RuntimeError("radixserve paged attention called without batch metadata")
     for name in UNSUPPORTED_KWARGS:  # model_support refuses these models; never drop them silently

@@ -22,9 +22,10 @@ from engine.detokenizer import find_stop, flush_text, take_delta, update_text
 from engine.kv_manager import KVManager
 from engine.kv_scales import KVScaleError, read_kv_scales
 from engine.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram
+from engine.layer_probe import layer_problem
 from engine.model_loader import LoadedModel, load_model, weight_files
 from engine.model_runner import ModelRunner
-from engine.model_support import serving_limits
+from engine.model_support import UnsupportedModel, serving_limits
 from engine.sampler import Sampled, make_generator, sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingError, SamplingParams, Sequence, Status, TokenEvent
@@ -67,6 +68,8 @@ class LLMEngine:
         self.loaded = loaded or load_model(config.model_id, config.device, config.dtype)
         m = self.loaded
         m.model.set_attn_implementation(name)
+        if problem := layer_problem(m.model, m.device, m.layer_windows):
+            raise UnsupportedModel(f"{m.model_id}: {problem}")
         self.tokenizer = m.tokenizer
         self.vocab_size = m.config.vocab_size
         self.eos_ids = self._eos_ids()

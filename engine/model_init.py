@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from engine.presets import PRESETS
+
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -20,47 +22,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-
-PRESETS: dict[str, dict] = {
-    # The embedded default for serving and most tests: fast on two CPU cores.
-    "tiny": dict(architecture="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=320, max_position_embeddings=4096),
-    # The benchmark model of the project's design notes.
-    "bench": dict(architecture="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                  num_attention_heads=8, num_key_value_heads=2, vocab_size=32000, max_position_embeddings=8192),
-    # For GPUs: a 0.85B-parameter Llama (3.4 GB on disk), big enough that prefill arithmetic shows
-    "bench-1b": dict(architecture="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                     num_attention_heads=16, num_key_value_heads=4, vocab_size=32000, max_position_embeddings=8192),
-    # Sliding-window and Qwen variants, for architecture coverage in tests.
-    "tiny-mistral": dict(architecture="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
-                         max_position_embeddings=4096, sliding_window=24),
-    "tiny-qwen2": dict(architecture="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, vocab_size=320, max_position_embeddings=4096),
-    "tiny-qwen3": dict(architecture="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,
-                       max_position_embeddings=4096),
-    # Further architectures the engine supports (engine.model_support), each checked against HF in tests.
-    "tiny-gemma": dict(architecture="gemma", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,
-                       max_position_embeddings=4096),
-    # Gemma 2: alternating sliding and full layers, soft-capped attention scores and logits (caps far
-    # below the real 50 and 30, so that random weights feel them)
-    "tiny-gemma2": dict(architecture="gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,
-                        max_position_embeddings=4096, sliding_window=24, attn_logit_softcapping=1.5,
-                        final_logit_softcapping=4.0, query_pre_attn_scalar=16,
-                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-    # Gemma 3's text model: sliding-window layers beside full-attention ones, each with its own RoPE
-    "tiny-gemma3": dict(architecture="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,
-                        max_position_embeddings=4096, sliding_window=24,
-                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
-    "tiny-phi3": dict(architecture="phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=320, max_position_embeddings=4096),
-    "tiny-olmo2": dict(architecture="olmo2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, vocab_size=320, max_position_embeddings=4096),
-}
 
 
 def build_tokenizer(vocab_size: int):
@@ -97,14 +58,17 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(keep, map(chr, chars), strict=True))
 
 
-def write_model(path: str | Path, preset: str = "tiny", seed: int = 0, init_scale: float = 0.2) -> Path:
-    """Create ``preset`` with random weights under ``path`` (config, safetensors, tokenizer)."""
+def write_model(path: str | Path, preset: str = "tiny", seed: int = 0, init_scale: float | None = None) -> Path:
+    """Create ``preset`` with random weights under ``path`` (config, safetensors, tokenizer); their
+    scale is ``init_scale``, else the preset's, else 0.2."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     spec = dict(PRESETS[preset])
     arch = spec.pop("architecture")
+    init_scale = init_scale or spec.pop("init_scale", None) or 0.2
+    spec.pop("init_scale", None)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec["vocab_size"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,11 +179,35 @@ def check_tensor_names(path: Path, config, names: set[str]) -> None:
     except Exception as e:  # noqa: BLE001 - leave the verdict to the load itself
         log.warning("cannot check the tensor names of %s: %s", path, _first_line(e))
         return
+    renames, made = _conversions(getattr(config, "model_type", None))
+    for source, target in renames:
+        names = {re.sub(source, target, n) for n in names}
     prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
     have = names | {prefix + n for n in names}
-    missing = sorted(n for n, _ in model.named_parameters() if n not in have)
+    # a parameter transformers makes from several tensors (a mixture's experts, stacked) is left to the
+    # load, which reports whatever it could not make
+    missing = sorted(n for n, _ in model.named_parameters() if n not in have and not any(re.search(p, n) for p in made))
     if missing:
         raise ModelLoadError(_missing_message(path, missing))
+
+
+def _conversions(model_type: str | None) -> tuple[list[tuple[str, str]], list[str]]:
+    """What transformers does to a checkpoint's tensor names as it loads this model type: the renames
+    (pattern, replacement) and the patterns of the parameters it makes from several tensors."""
+    try:
+        from transformers.conversion_mapping import WeightConverter, get_checkpoint_conversion_mapping
+        steps = get_checkpoint_conversion_mapping(model_type) or ()
+    except Exception:  # noqa: BLE001 - a transformers without conversions renames nothing
+        return [], []
+    renames: list[tuple[str, str]] = []
+    made: list[str] = []
+    for step in steps:
+        sources, targets = list(getattr(step, "source_patterns", ())), list(getattr(step, "target_patterns", ()))
+        if isinstance(step, WeightConverter) or len(sources) != 1 or len(targets) != 1:
+            made.extend(re.escape(t) for t in targets)
+        else:
+            renames.append((sources[0], targets[0]))
+    return renames, made
 
 
 def _missing_message(path: Path, missing: list[str]) -> str:

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from engine.config import ConfigError, request_limits
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "olmo", "olmo3",
+             "phi", "granite", "starcoder2", "smollm3", "cohere", "cohere2", "glm4", "ernie4_5", "seed_oss", "arcee",
+             "exaone4", "hunyuan_v1_dense", "ministral", "helium",
+             # mixtures of experts
+             "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granitemoe", "glm4_moe", "ernie4_5_moe")
 LAYER_KINDS = ("full_attention", "sliding_attention")  # config.json layer_types the engine computes
 LONGROPE = ("longrope", "su")  # "su": its older name in Phi-3 configs
 

@@ -59,7 +59,7 @@ def test_rows_are_one_per_query_each_over_its_own_context_and_padding_sees_the_s
 
 
 @pytest.mark.parametrize("preset,ahead", [("tiny", False), ("tiny-mistral", False), ("tiny-qwen3", True),
-                                          ("tiny-gemma3", True)])
+                                          ("tiny-gemma3", True), ("tiny-qwen3_moe", True), ("tiny-mixtral", False)])
 def test_decodes_through_buckets_match_hf(preset, ahead, make_engine, hf_model):
     """Five sequences (a bucket of 8), shared prefixes, a sliding window (Mistral): tokens and logits
     as transformers' ``generate``, with buckets made on first use or all ahead (as a replica does)."""

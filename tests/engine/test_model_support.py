@@ -26,13 +26,12 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2)
 
 
-def test_every_preset_is_a_supported_architecture_the_cli_offers():
-    from app.cli import PRESET_NAMES
-    from engine.model_init import PRESETS
+def test_every_supported_architecture_has_a_preset_the_tests_check():
     from engine.model_support import SUPPORTED
+    from engine.presets import PRESETS
+    from tests.engine.test_hf_equivalence import CHECKED
 
-    assert PRESET_NAMES == list(PRESETS)
-    assert {p["architecture"] for p in PRESETS.values()} == set(SUPPORTED)
+    assert {PRESETS[p]["architecture"] for p in CHECKED} == set(SUPPORTED)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "gpt_neox", "falcon", "gpt_oss"])
@@ -113,6 +112,27 @@ def test_a_checkpoint_missing_tensors_is_refused_not_filled_with_random_values(t
         check_model_folder(str(tiny_folder))  # the command line's check, from the headers alone
     with pytest.raises(ModelLoadError, match="lack 9 of the model's tensors"):
         load_model(str(tiny_folder))
+
+
+def test_a_mixtures_experts_are_checked_as_transformers_stacks_them(tmp_path):
+    # a Mixtral checkpoint names each expert's matrices (w1, w2, w3 under block_sparse_moe), which
+    # transformers renames and stacks into one tensor per layer: those names are what it loads from
+    from engine.model_init import write_model
+
+    folder = write_model(tmp_path / "m", "tiny-mixtral")
+    weights = folder / "model.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(weights).items()}
+    assert any(".block_sparse_moe.experts.0.w1." in k for k in tensors)
+    check_model_folder(str(folder))
+    save_file({k: v for k, v in tensors.items() if ".layers.1.block_sparse_moe.gate." not in k}, weights,
+              metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"lack 1 of the model's tensors \(e.g. model.layers.1.mlp.gate"):
+        check_model_folder(str(folder))
+    # the stacked experts are the load's to check: one expert's matrices missing, it reports them
+    save_file({k: v for k, v in tensors.items() if ".layers.1.block_sparse_moe.experts." not in k}, weights,
+              metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"lack 2 of the model's tensors \(e.g. model.layers.1.mlp.experts"):
+        load_model(str(folder))
 
 
 def test_tensor_names_are_checked_from_the_headers_as_transformers_would_load_them(tiny_folder):
