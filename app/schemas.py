@@ -67,7 +67,6 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "guided_whitespace_pattern": ("guided decoding", _OFF),
     "guided_decoding_backend": ("guided decoding", (*_OFF, "auto")),
     "structured_outputs": ("structured outputs", _OFF),
-    "prompt_logprobs": ("prompt log-probabilities", (None,)),  # 0 asks for the prompt tokens' own
     "use_beam_search": ("beam search", _OFF),
     "length_penalty": ("beam search", (None, 1, 1.0)),
     "allowed_token_ids": ("allowed_token_ids", _OFF),
@@ -124,7 +123,6 @@ class TGIParameters(_Strict):
 
     @model_validator(mode="after")
     def _supported(self):
-        _unsupported("decoder_input_details", self.decoder_input_details, (False,))
         _unsupported("best_of > 1", self.best_of, (None, 1))
         _unsupported("watermark", self.watermark, (False,))
         _unsupported("grammar (constrained decoding)", self.grammar)
@@ -151,7 +149,8 @@ class TGIRequest(_Strict):
                     top_logprobs=p.top_n_tokens or 0,
                     # a greedy answer has no seed to report; TGI keeps the stop sequence in the text
                     seed=p.seed if sample else None, stop=p.stop, include_stop_str_in_output=True, logprobs=True,
-                    cache_salt=p.cache_salt)
+                    # details.prefill: the prompt tokens' own log-probabilities
+                    prompt_logprobs=0 if p.details and p.decoder_input_details else None, cache_salt=p.cache_salt)
 
 
 TGI_FINISH = {"length": "length", "eos": "eos_token", "stop": "stop_sequence", "abort": "length"}
@@ -165,7 +164,7 @@ class StreamOptions(_Strict):
 MAX_CHOICES = 128  # OpenAI's own limit on n
 
 # OpenAI's spec makes these nullable and its client sends null for a None argument: null means the default
-NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "n", "stream", "frequency_penalty", "presence_penalty",
+NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "prompt_logprobs", "n", "stream", "frequency_penalty", "presence_penalty",
                              "logprobs", "echo", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                              "skip_special_tokens", "add_generation_prompt", "continue_final_message",
                              "add_special_tokens"})
@@ -205,6 +204,9 @@ class _OpenAICommon(_Strict):
     # extensions, as vLLM's
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
     min_tokens: int = Field(0, ge=0)
+    # the prompt tokens' own log-probabilities, with this many alternatives each (vLLM's; its -1, the
+    # whole vocabulary, is refused)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
@@ -215,6 +217,8 @@ class _OpenAICommon(_Strict):
             raise ValueError("response_format other than {\"type\": \"text\"} is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM
+            raise ValueError("prompt_logprobs is not available with stream: true")
         asked = self.requested_max_tokens()
         if asked is not None and self.min_tokens > asked:
             raise ValueError(f"min_tokens ({self.min_tokens}) is more than max_tokens ({asked})")
@@ -262,6 +266,7 @@ class _OpenAICommon(_Strict):
                     stop=self.stop_list(), logprobs=logprobs, top_logprobs=top_logprobs,
                     cache_salt=self.cache_salt, ignore_eos=self.ignore_eos,
                     stop_token_ids=list(self.stop_token_ids or ()), min_tokens=self.min_tokens,
+                    prompt_logprobs=self.prompt_logprobs,
                     include_stop_str_in_output=self.include_stop_str_in_output,
                     skip_special_tokens=self.skip_special_tokens)
 
@@ -273,12 +278,6 @@ class CompletionRequest(_OpenAICommon):
     logprobs: int | None = Field(None, ge=0, le=5)  # with this many alternatives per token
     echo: bool = False
     add_special_tokens: bool = True  # extension (vLLM's): false leaves out the BOS a text prompt gets
-
-    @model_validator(mode="after")
-    def _no_prompt_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs (the prompt's log-probabilities) is not supported by this server")
-        return self
 
     @field_validator("prompt")
     @classmethod

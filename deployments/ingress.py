@@ -451,6 +451,14 @@ def _usage(finals: list[dict], n: int = 1) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(ev["num_cached_tokens"] for ev in firsts)}}
 
 
+def _engine_prompt_logprobs(events: list[dict], n: int) -> list:
+    """The engine's ``prompt_logprobs`` of a request's events (on its first token's): one per prompt token."""
+    plps = next((ev["prompt_logprobs"] for ev in events if ev.get("prompt_logprobs") is not None), None)
+    if plps is None or len(plps) != n:
+        raise ApiError(503, "the engine returned no prompt log-probabilities", "generation", code=ENGINE_FAILURE)
+    return plps
+
+
 @dataclass
 class _StreamedChoice:
     """One choice of an OpenAI stream: its echoed prompt, its token events since its last chunk (for their
@@ -839,6 +847,15 @@ class Ingress:
         return [{"id": t, "text": self._token_text(t), "logprob": lp, "special": t in self._special}
                 for t, lp in ev.get("top_logprobs") or ()]
 
+    def _tgi_prefill(self, ids: list[int], events: list[dict]) -> list[dict]:
+        """``details.prefill`` (with ``decoder_input_details``): each prompt token with its log-probability,
+        null for the first, as TGI writes it; else empty."""
+        plps = next((ev["prompt_logprobs"] for ev in events if ev.get("prompt_logprobs") is not None), None)
+        if plps is None:
+            return []
+        return [{"id": t, "text": self._token_text(t), "logprob": None if e is None else e[0]}
+                for t, e in zip(ids, plps, strict=True)]
+
     async def _tgi_answer(self, req: TGIRequest) -> tuple[dict[str, Any], dict[str, str]]:
         """``/generate``'s answer body and headers (``POST /`` wraps the same body in a list)."""
         ids = await self._tgi_ids(req)
@@ -850,7 +867,7 @@ class Ingress:
             toks = [ev for ev in events if ev.get("token_id") is not None]
             out["details"] = {
                 "finish_reason": TGI_FINISH.get(events[-1]["finish_reason"], "length"),
-                "generated_tokens": len(toks), "seed": params["seed"], "prefill": [],
+                "generated_tokens": len(toks), "seed": params["seed"], "prefill": self._tgi_prefill(ids, events),
                 "cached_tokens": events[-1]["num_cached_tokens"],
                 "tokens": [self._tgi_token(ev) for ev in toks]}
             if req.parameters.top_n_tokens:
@@ -873,6 +890,9 @@ class Ingress:
 
     @app.post("/generate_stream")
     async def generate_stream(self, req: TGIRequest):
+        if req.parameters.decoder_input_details:  # as TGI: its stream events have no place for them
+            raise ApiError(422, "`decoder_input_details` == true is not supported when streaming tokens",
+                           param="decoder_input_details")
         ids = await self._tgi_ids(req)
         params = _seeded(req.sampling(DEFAULT_MAX_NEW_TOKENS))
         first, rest = await self._stream(ids, params)
@@ -1000,6 +1020,36 @@ class Ingress:
                 "text_offset": [prefix + ev["text_offset"] if end is None else min(prefix + ev["text_offset"], end)
                                 for ev in toks]}
 
+    def _vllm_prompt_logprobs(self, ids: list[int], events: list[dict], top: int | None) -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first) its own entry and its ``top``
+        best alternatives, keyed by token id, each with its log-probability, rank and text; None when not
+        asked for."""
+        if top is None:
+            return None
+        plps = _engine_prompt_logprobs(events, len(ids))
+
+        def entry(lp: float, rank: int, t: int) -> dict:
+            return {"logprob": lp, "rank": rank, "decoded_token": self._token_text(t)}
+        return [None if e is None else {**{str(t): entry(lp, r, t) for r, (t, lp) in enumerate(e[2][:top], 1)},
+                                        str(tid): entry(e[0], e[1], tid)}
+                for tid, e in zip(ids, plps, strict=True)]
+
+    def _prompt_logprobs(self, ids: list[int], events: list[dict], top: int, length: int) -> dict:
+        """Completions' ``logprobs`` lists of an echoed prompt, from the engine's ``prompt_logprobs`` (on
+        its first token's event): the first token has none. A token's ``text_offset`` is where its text
+        starts in the echoed prompt of ``length`` characters, counted from the tokens' own texts (special
+        tokens have none there), as vLLM counts them."""
+        plps = _engine_prompt_logprobs(events, len(ids))
+        offsets, at = [], 0
+        for t in ids:
+            offsets.append(min(at, length))
+            at += 0 if t in self._special else len(self._token_text(t))
+        return {"tokens": [self._listed_token(t) for t in ids],
+                "token_logprobs": [None if e is None else e[0] for e in plps],
+                "top_logprobs": [None if e is None else {self._listed_token(t): lp for t, lp in e[2]} for e in plps]
+                if top else None,
+                "text_offset": offsets}
+
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest):
         self._check_model(req.model)
@@ -1012,8 +1062,11 @@ class Ingress:
         default = self.sampling_defaults.get("max_new_tokens", 16)
         for p in prompts:
             ids = p if isinstance(p, list) else await self._tokenize(p, req.add_special_tokens)
-            jobs.append((ids, req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs is not None,
-                                           top_logprobs=top, defaults=self.sampling_defaults)))
+            params = req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs is not None,
+                                  top_logprobs=top, defaults=self.sampling_defaults)
+            if req.echo and req.logprobs is not None:  # the echoed prompt's tokens come with theirs
+                params["prompt_logprobs"] = max(top, req.prompt_logprobs or 0)
+            jobs.append((ids, params))
             prefixes.append((p if isinstance(p, str) else self._detok(ids)) if req.echo else "")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
@@ -1022,7 +1075,11 @@ class Ingress:
             prefix = prefixes[i // req.n]
             text = prefix + "".join(ev["text"] for ev in events)
             logprobs = self._oai_logprobs(events, False, top, len(prefix), len(text)) if req.logprobs is not None else None
-            return {"text": text, "logprobs": logprobs}
+            if logprobs is not None and req.echo:
+                echoed = self._prompt_logprobs(jobs[i // req.n][0], events, top, len(prefix))
+                logprobs = {k: None if v is None else echoed[k] + v for k, v in logprobs.items()}
+            return {"text": text, "logprobs": logprobs,
+                    "prompt_logprobs": self._vllm_prompt_logprobs(jobs[i // req.n][0], events, req.prompt_logprobs)}
 
         return self._openai_answer(await self._choices(jobs, req.n, stream=False), req.n, rid, created,
                                    "text_completion", choice)
@@ -1042,16 +1099,19 @@ class Ingress:
             return {"message": {"role": "assistant", "content": "".join(ev["text"] for ev in events)},
                     "logprobs": self._oai_logprobs(events, True, top) if req.logprobs else None}
 
-        return self._openai_answer(await self._choices([(ids, params)], req.n, stream=False), req.n, rid, created,
-                                   "chat.completion", choice)
+        runs = await self._choices([(ids, params)], req.n, stream=False)
+        return self._openai_answer(runs, req.n, rid, created, "chat.completion", choice,
+                                   {"prompt_logprobs": self._vllm_prompt_logprobs(ids, runs[0], req.prompt_logprobs)})
 
-    def _openai_answer(self, runs: list[list[dict]], n: int, rid: str, created: int, obj: str, choice) -> JSONResponse:
+    def _openai_answer(self, runs: list[list[dict]], n: int, rid: str, created: int, obj: str, choice,
+                       extra: dict | None = None) -> JSONResponse:
         """A whole OpenAI answer of its choices' events (``n`` per prompt): ``choice(i, events)`` gives the
-        API's own fields of choice ``i``; the index, the finish reason and the envelope are the same."""
+        API's own fields of choice ``i``, ``extra`` its own top-level ones; the index, the finish reason and
+        the envelope are the same."""
         choices = [{"index": i, **choice(i, events), "finish_reason": _oai_finish(events[-1]["finish_reason"])}
                    for i, events in enumerate(runs)]
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                             "choices": choices, "usage": _usage([events[-1] for events in runs], n)},
+                             "choices": choices, "usage": _usage([events[-1] for events in runs], n), **(extra or {})},
                             headers=_replica_header(runs[0]))
 
     async def _chat_ids(self, req: ChatPrompt) -> list[int]:
@@ -1109,6 +1169,7 @@ class Ingress:
         chat = obj == "chat.completion.chunk"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         want_logprobs = jobs[0][1]["logprobs"]
+        echo_ids = [ids for ids, _ in jobs] if jobs[0][1].get("prompt_logprobs") is not None else None
 
         def chunk(st: _StreamedChoice, text: str | None, finish: str | None, role: bool = False) -> dict:
             c = _chunk(st.index, text, finish, role)
@@ -1140,7 +1201,11 @@ class Ingress:
                 if chat:
                     yield _sse(chunk(st, "", None, role=True))
                 elif st.prefix:
-                    yield _sse(chunk(st, st.prefix, None))
+                    c = chunk(st, st.prefix, None)
+                    if want_logprobs and echo_ids:  # the echoed prompt's own log-probabilities
+                        c["choices"][0]["logprobs"] = self._prompt_logprobs(
+                            echo_ids[st.index // req.n], [started[st.index][0]], top, len(st.prefix))
+                    yield _sse(c)
             finals: dict[int, dict] = {}
             async with contextlib.aclosing(_merged([_chain(first, rest) for first, rest in started])) as events:
                 async for i, ev in events:

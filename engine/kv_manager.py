@@ -26,7 +26,7 @@ class KVManager:
         """Take the cached prefix: lock it and start the block table with its blocks."""
         assert not seq.block_table and seq.lock_node is None
         seq.num_computed = 0
-        if self.cache is None:
+        if self.cache is None or seq.wants_prompt_logprobs:  # every prompt token's logits are needed
             return
         max_blocks = len(seq.tokens) // self.block_size if seq.prefill_only else None
         # after a preemption the sequence takes back the blocks it held: matching them is no reuse

@@ -26,7 +26,7 @@ from engine.layer_probe import layer_problem
 from engine.model_loader import LoadedModel, load_model, weight_files
 from engine.model_runner import ModelRunner
 from engine.model_support import UnsupportedModel, serving_limits
-from engine.sampler import Sampled, make_generator, sample
+from engine.sampler import Sampled, finite_logprob, make_generator, sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingError, SamplingParams, Sequence, Status, TokenEvent
 
@@ -261,7 +261,10 @@ class LLMEngine:
             self._hot, self._hot_walk = self._hot_walk.blocks, None
         sample_mask = [c.seq.num_computed + c.num_tokens == c.seq.num_tokens and not c.seq.prefill_only
                        for c in plan.chunks]
-        logits = self.runner.forward(plan.chunks, sample_mask)
+        all_rows = [c.seq.wants_prompt_logprobs for c in plan.chunks]
+        logits = self.runner.forward(plan.chunks, sample_mask, all_rows if any(all_rows) else None)
+        if any(all_rows):
+            logits = self._prompt_logprobs(plan.chunks, sample_mask, all_rows, logits)
         now = time.monotonic()
         to_sample: list[Sequence] = []
         for c, wants in zip(plan.chunks, sample_mask, strict=True):
@@ -281,6 +284,36 @@ class LLMEngine:
             for seq, s in zip(to_sample, sample(logits, to_sample), strict=True):
                 events.append(self._append_token(seq, s, now))
         return events
+
+    def _prompt_logprobs(self, chunks: list, sample_mask: list[bool], all_rows: list[bool],
+                         logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt log-probabilities the rows of ``all_rows`` chunks give (row p: the
+        distribution of token p + 1); returns the rows to sample from."""
+        sampled, r = [], 0
+        for c, wants, every in zip(chunks, sample_mask, all_rows, strict=True):
+            n = c.num_tokens if every else int(wants)
+            seq, rows = c.seq, logits[r:r + n]
+            r += n
+            if wants:
+                sampled.append(rows[-1:])
+            if not every:
+                continue
+            start = seq.num_computed
+            if start == 0 or seq.prompt_logprobs is None:  # (again from the start after a preemption)
+                seq.prompt_logprobs = [None]
+            m = min(c.num_tokens, len(seq.prompt_ids) - 1 - start)
+            if m <= 0:
+                continue
+            lp = torch.log_softmax(rows[:m], dim=-1)
+            targets = torch.tensor(seq.prompt_ids[start + 1:start + 1 + m], device=lp.device)
+            picked = lp.gather(1, targets.unsqueeze(1))
+            ranks = (lp > picked).sum(dim=1).add(1).tolist()
+            k = min(seq.params.prompt_logprobs, lp.shape[-1])
+            vals, ids = torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long())
+            seq.prompt_logprobs.extend(
+                (finite_logprob(p), rank, [(t, finite_logprob(v)) for t, v in zip(ti, tv, strict=True)])
+                for p, rank, ti, tv in zip(picked.squeeze(1).tolist(), ranks, ids.tolist(), vals.tolist(), strict=True))
+        return torch.cat(sampled) if sampled else logits[:0]
 
     def _append_token(self, seq: Sequence, s: Sampled, now: float) -> TokenEvent:
         tok = s.token
@@ -322,13 +355,15 @@ class LLMEngine:
                 reason = "stop"
         if reason is None:
             self.kv.trim_window(seq)
-            return TokenEvent(seq.request_id, tok, take_delta(seq, final=False), s.logprob, False,
-                              num_prompt_tokens=len(seq.prompt_ids),
-                              num_cached_tokens=seq.num_cached_prompt_tokens,
-                              num_output_tokens=len(seq.output_ids), top_logprobs=s.top, text_offset=start)
-        ev = self._finish(seq, reason)
-        ev.token_id, ev.logprob, ev.top_logprobs = tok, s.logprob, s.top
-        ev.text_offset = min(start, len(seq.text))  # a stop string left out of the text took its place
+            ev = TokenEvent(seq.request_id, tok, take_delta(seq, final=False), s.logprob, False,
+                            num_prompt_tokens=len(seq.prompt_ids), num_cached_tokens=seq.num_cached_prompt_tokens,
+                            num_output_tokens=len(seq.output_ids), top_logprobs=s.top, text_offset=start)
+        else:
+            ev = self._finish(seq, reason)
+            ev.token_id, ev.logprob, ev.top_logprobs = tok, s.logprob, s.top
+            ev.text_offset = min(start, len(seq.text))  # a stop string left out of the text took its place
+        if len(seq.output_ids) == 1 and seq.params.prompt_logprobs is not None:
+            ev.prompt_logprobs = seq.prompt_logprobs
         return ev
 
     def _finish(self, seq: Sequence, reason: str) -> TokenEvent:

@@ -69,28 +69,32 @@ class ModelRunner:
         return flat[:end], self._mask(torch.arange(start, end), torch.arange(0, end), self.sliding)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk], sample_mask: list[bool]) -> torch.Tensor:
-        """Run ``chunks`` (decodes first in the row); returns float32 logits ``[N, V]`` for the chunks
-        whose ``sample_mask`` entry is set, in chunk order."""
+    def forward(self, chunks: list[Chunk], sample_mask: list[bool], all_rows: list[bool] | None = None
+                ) -> torch.Tensor:
+        """Run ``chunks`` (decodes first in the row); returns float32 logits ``[N, V]``, in chunk order:
+        every row of the chunks whose ``all_rows`` entry is set (prompt log-probabilities), else the last
+        row of those whose ``sample_mask`` entry is set."""
         # decodes, then chunks that start their sequence, then chunks over cached context
         order = sorted(range(len(chunks)), key=lambda i: (chunks[i].num_tokens != 1, chunks[i].seq.num_computed > 0))
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        keep: dict[int, int] = {}
+        keep: dict[int, list[int]] = {}
         spans: list[tuple[torch.Tensor, int, int]] = []  # (slots, first, end) of each chunk, in packed order
         for i in order:
             c = chunks[i]
             seq = c.seq
             start, end = seq.num_computed, seq.num_computed + c.num_tokens
             flat = self._slots(seq.block_table)
-            if sample_mask[i]:
-                keep[i] = len(ids) + c.num_tokens - 1
+            if all_rows and all_rows[i]:
+                keep[i] = list(range(len(ids), len(ids) + c.num_tokens))
+            elif sample_mask[i]:
+                keep[i] = [len(ids) + c.num_tokens - 1]
             ids.extend(seq.token_range(start, end))
             positions.append(torch.arange(start, end))
             slots.append(flat[start:end])
             spans.append((flat, start, end))
-        rows = [keep[i] for i in range(len(chunks)) if i in keep]  # logits rows to return, in chunk order
+        rows = [r for i in range(len(chunks)) for r in keep.get(i, ())]  # logits rows to return, in chunk order
         if self.graphs is not None and self.graphs.takes(len(ids)):
             sliding = None if self.sliding is None else [self._graph_rows(*x) for x in spans]
             logits = self.graphs.run(ids, torch.cat(positions), torch.cat(slots),

@@ -160,7 +160,7 @@ def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device)
 
 
-def _finite(x: float) -> float:
+def finite_logprob(x: float) -> float:
     """JSON has no -inf or NaN: an impossible token's log-probability is reported as -9999 (as vLLM does)."""
     return x if math.isfinite(x) else -9999.0
 
@@ -230,9 +230,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
         vals, ids = torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long())
         vals, ids = vals.tolist(), ids.tolist()
         for n, i in enumerate(want):
-            out[i].logprob = _finite(picked[n])
+            out[i].logprob = finite_logprob(picked[n])
             if top := seqs[i].params.top_logprobs:
-                out[i].top = [(t, _finite(v)) for t, v in zip(ids[n][:top], vals[n][:top], strict=True)]
+                out[i].top = [(t, finite_logprob(v)) for t, v in zip(ids[n][:top], vals[n][:top], strict=True)]
     return out
 
 

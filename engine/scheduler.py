@@ -140,7 +140,8 @@ class Scheduler:
                 seq.status = Status.FINISHED
                 continue
             key = (seq.params.cache_salt, *seq.token_range(0, seq.num_computed + bs))
-            if dedup and len(key) == seq.num_computed + bs + 1 and key in pending_keys:
+            if (dedup and len(key) == seq.num_computed + bs + 1 and key in pending_keys
+                    and not seq.wants_prompt_logprobs):  # (that one computes its prompt itself)
                 self.kv.release(seq)
                 skipped.append(seq)  # it will hit the blocks being computed now: not matched again until
                 owner = pending_keys[key]  # their owner has computed what the two share

@@ -59,6 +59,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives reported per generated token (needs logprobs)
+    # the prompt tokens' own log-probabilities, with this many alternatives each (None: none). The
+    # prompt is then computed whole, not found in the prefix cache: a cached block has no logits
+    prompt_logprobs: int | None = None
     # OpenAI's penalties on tokens generated so far: logit -= frequency x count + presence x (count > 0)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -122,6 +125,9 @@ class SamplingParams:
                 raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
             raise SamplingError("logit_bias values must be in [-100, 100]")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise SamplingError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise SamplingError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if any(not s for s in self.stop):
@@ -140,6 +146,11 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+# a prompt token's log-probability under the model given the tokens before it, its rank there (1: the
+# most likely token), and the most likely alternatives, best first (token id, log-probability)
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 
 
 @dataclass
@@ -163,6 +174,9 @@ class TokenEvent:
     # where the token's text starts in the request's whole text (not where this event's text starts:
     # text that might begin a stop string is held back), at most the final text's length
     text_offset: int = 0
+    # on the first token's event of a request that asked for them: each prompt token's log-probability
+    # and best alternatives, None for the first (nothing comes before it)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass(eq=False)
@@ -197,6 +211,7 @@ class Sequence:
     waits_on: tuple[object, int] | None = None
     ends: tuple[int, ...] = ()  # token ids that would end it (EOS, stop tokens): banned before min_tokens
     prefill_only: bool = False  # warm-up: compute the prompt's KV, generate nothing
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # as far as computed (params.prompt_logprobs)
     # incremental detokenization: offsets into output_ids; a negative prefix_offset reaches back into the
     # prompt's last tokens (see engine.detokenizer)
     prefix_offset: int = 0
@@ -217,6 +232,12 @@ class Sequence:
         if start >= n:
             return self.output_ids[start - n:end - n]
         return self.prompt_ids[start:] + self.output_ids[:end - n]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are asked for and not all known yet (a preempted request that
+        has them all may take its prompt from the cache again)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs or ()) < len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:

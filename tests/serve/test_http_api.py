@@ -156,11 +156,10 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "tool_calls"),
     ("/v1/chat/completions", {"model": "tiny", "response_format": {"type": "json_object"},
                               "messages": [{"role": "user", "content": "x"}]}, 400, "response_format"),
-    ("/generate", {"inputs": "hi", "parameters": {"decoder_input_details": True}}, 422, "decoder_input_details"),
+    ("/generate_stream", {"inputs": "hi", "parameters": {"decoder_input_details": True}}, 422, "decoder_input_details"),
     ("/generate", {"inputs": "hi", "parameters": {"best_of": 2}}, 422, "best_of"),
     ("/generate", {"inputs": "hi", "parameters": {"grammar": {"type": "json", "value": {}}}}, 422, "grammar"),
     ("/generate", {"inputs": "hi", "parameters": {"typical_p": 1.5}}, 422, "typical_p"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"model": "tiny", "prompt": ["a", ""]}, 400, "nor any prompt in its list"),
     ("/v1/completions", {"model": "other", "prompt": "hi"}, 404, "other"),
     # vLLM's and OpenAI's fields that would change the answer: refused by name, not ignored
@@ -169,7 +168,8 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "structured_outputs": {"regex": "a+"}}, 400,
      "structured_outputs"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "prompt_logprobs": 0}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
     ("/v1/chat/completions", {"model": "tiny", "add_special_tokens": True,
                               "messages": [{"role": "user", "content": "x"}]}, 400, "add_special_tokens"),
@@ -884,6 +884,59 @@ def test_a_list_of_prompts_gets_n_choices_each_numbered_prompt_by_prompt(client)
     for bad, needle in ((["a", ""], "empty"), (["x"] * 129, "at most 128"), (["x"] * 33, "max_ongoing_requests 64")):
         r = client.post("/v1/completions", json={"prompt": bad, "max_tokens": 1, "n": 2})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_an_echoed_prompt_comes_with_its_log_probabilities(client):
+    # the harnesses that score a text (lm-eval's loglikelihood) send it with echo, logprobs and one token
+    text = "Kappa keeps a steady beat"
+    ids = client.post("/tokenize", json={"prompt": text}).json()["tokens"]
+    body = {"prompt": text, "max_tokens": 1, "temperature": 0, "logprobs": 2, "echo": True}
+    out = client.post("/v1/completions", json=body)
+    assert out.status_code == 200, out.text
+    (choice,) = out.json()["choices"]
+    lp = choice["logprobs"]
+    n = len(ids)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing comes before it
+    assert all(x <= 0 for x in lp["token_logprobs"][1:]) and all(len(t) == 2 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][n] == len(text)
+    assert choice["text"].startswith(text)
+    # the log-probability of a prompt token is the one the model gave it as the next token: the same
+    # prefix without it, asked for one greedy token with its log-probability
+    head = client.post("/v1/completions", json={"prompt": ids[:-1], "max_tokens": 1, "temperature": 0,
+                                                 "logprobs": 2}).json()["choices"][0]["logprobs"]
+    alternatives = head["top_logprobs"][0]
+    assert lp["top_logprobs"][n - 1] == pytest.approx(alternatives, abs=1e-4)
+    last = lp["tokens"][n - 1]
+    if last in alternatives:
+        assert lp["token_logprobs"][n - 1] == pytest.approx(alternatives[last], abs=1e-4)
+    else:  # less likely than the two best
+        assert lp["token_logprobs"][n - 1] < min(alternatives.values())
+    # streamed: the echoed prompt's chunk carries the same
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [e for e in sse_events(r) if e != "[DONE]"]
+    first = chunks[0]["choices"][0]
+    assert first["text"] == text and first["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"][:n])
+    # TGI's decoder_input_details: details.prefill, each prompt token with its log-probability
+    tgi = client.post("/generate", json={"inputs": text, "parameters": {
+        "max_new_tokens": 1, "details": True, "decoder_input_details": True}}).json()["details"]
+    assert [t["id"] for t in tgi["prefill"]] == ids and tgi["prefill"][0]["logprob"] is None
+    assert [t["logprob"] for t in tgi["prefill"][1:]] == pytest.approx(lp["token_logprobs"][1:n], abs=1e-4)
+    plain = client.post("/generate", json={"inputs": text, "parameters": {"max_new_tokens": 1, "details": True}})
+    assert plain.json()["details"]["prefill"] == []  # only when asked
+    # vLLM's prompt_logprobs: per token (keyed by id) its own entry, with its rank, and the best alternatives
+    v = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    plps = v["choices"][0]["prompt_logprobs"]
+    assert len(plps) == n and plps[0] is None
+    for pos, entries in enumerate(plps[1:], 1):
+        own = entries[str(ids[pos])]
+        assert own["logprob"] == pytest.approx(lp["token_logprobs"][pos], abs=1e-4) and own["rank"] >= 1
+        assert {e["rank"] for e in entries.values()} >= {1, 2} and len(entries) == 2 + (own["rank"] > 2)
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": text}], "max_tokens": 1,
+                                                     "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    assert client.post("/v1/completions", json={"prompt": text, "max_tokens": 1}).json()["choices"][0][
+        "prompt_logprobs"] is None
 
 
 def test_tokenize_as_tgi_and_as_vllm_and_detokenize(client):
