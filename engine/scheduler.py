@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 from engine.kv_manager import KVManager
 from engine.sequence import Sequence, Status
 
+# a prompt whose log-probabilities are asked for returns every row's logits ([tokens, vocabulary] floats):
+# its chunks stay this small (256 MB at a 128k vocabulary)
+PROMPT_LOGPROBS_CHUNK = 512
+
 
 @dataclass
 class Chunk:
@@ -99,7 +103,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             uncomputed = seq.num_uncomputed
-            n = uncomputed if uncomputed == 1 else min(uncomputed, budget, self.max_chunk)
+            n = uncomputed if uncomputed == 1 else min(uncomputed, budget, self._chunk(seq))
             if n == 0:
                 continue
             while not self.kv.ensure_blocks(seq, seq.num_computed + n):
@@ -147,7 +151,7 @@ class Scheduler:
                 owner = pending_keys[key]  # their owner has computed what the two share
                 seq.waits_on = (weakref.ref(owner), _shared_blocks(seq, owner, len(key) - 1, bs))
                 continue
-            n = min(seq.num_uncomputed, budget, self.max_chunk)
+            n = min(seq.num_uncomputed, budget, self._chunk(seq))
             if not self.kv.ensure_blocks(seq, seq.num_computed + n):
                 self.kv.release(seq)
                 self.waiting.appendleft(seq)
@@ -161,6 +165,9 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         self._favor_first_tokens(plan)
         return plan
+
+    def _chunk(self, seq: Sequence) -> int:
+        return min(self.max_chunk, PROMPT_LOGPROBS_CHUNK) if seq.wants_prompt_logprobs else self.max_chunk
 
     def _favor_first_tokens(self, plan: StepPlan) -> None:
         """When a request gets its first token in this step, cut the other prompts' chunks to a quarter:

@@ -75,6 +75,18 @@ def test_prompt_logprobs_beside_other_requests_and_after_a_preemption(make_engin
     _assert_close(firsts[ids[1]].prompt_logprobs, want)
 
 
+def test_a_prompt_with_logprobs_is_prefilled_in_small_chunks(make_engine, hf_model, monkeypatch):
+    # every row's logits come back ([tokens, vocabulary] floats): a long prompt must not bring them all at once
+    monkeypatch.setattr("engine.scheduler.PROMPT_LOGPROBS_CHUNK", 16)
+    eng = make_engine("tiny")
+    eng.add_request(PROMPT, SamplingParams(max_new_tokens=1, prompt_logprobs=1))
+    eng.add_request(PROMPT[::-1], SamplingParams(max_new_tokens=2))
+    eng.step()
+    assert [s.num_computed for s in eng.scheduler.running] == [16, 70]  # the other one is not held back
+    ev = next(ev for _ in range(10) for ev in eng.step() if ev.prompt_logprobs is not None)
+    _assert_close(ev.prompt_logprobs, _hf_prompt_logprobs(hf_model("tiny"), PROMPT, 1))
+
+
 def test_a_one_token_prompt_has_none_and_bad_values_are_refused(make_engine):
     eng = make_engine("tiny")
     assert _first_event(eng, [42], SamplingParams(max_new_tokens=1, prompt_logprobs=1)).prompt_logprobs == [None]
