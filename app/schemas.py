@@ -81,7 +81,6 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "prediction": ("predicted outputs", _OFF),
     "web_search_options": ("web search", _OFF),
     "return_tokens_as_token_ids": ("return_tokens_as_token_ids", _OFF),
-    "truncate_prompt_tokens": ("truncate_prompt_tokens (TGI's truncate does it)", _OFF),
     "priority": ("request priorities", (None, 0)),
     "lora_request": ("LoRA adapters", _OFF),
 }
@@ -164,7 +163,7 @@ class StreamOptions(_Strict):
 MAX_CHOICES = 128  # OpenAI's own limit on n
 
 # OpenAI's spec makes these nullable and its client sends null for a None argument: null means the default
-NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "prompt_logprobs", "n", "stream", "frequency_penalty", "presence_penalty",
+NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "prompt_logprobs", "truncate_prompt_tokens", "n", "stream", "frequency_penalty", "presence_penalty",
                              "logprobs", "echo", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                              "skip_special_tokens", "add_generation_prompt", "continue_final_message",
                              "add_special_tokens"})
@@ -207,6 +206,8 @@ class _OpenAICommon(_Strict):
     # the prompt tokens' own log-probabilities, with this many alternatives each (vLLM's; its -1, the
     # whole vocabulary, is refused)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # keep only the prompt's last this many tokens (vLLM's; -1: as many as max_input_tokens), as TGI's truncate
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
@@ -217,6 +218,8 @@ class _OpenAICommon(_Strict):
             raise ValueError("response_format other than {\"type\": \"text\"} is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1 (or -1: the longest prompt this server takes)")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM
             raise ValueError("prompt_logprobs is not available with stream: true")
         asked = self.requested_max_tokens()

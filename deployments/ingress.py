@@ -1055,13 +1055,14 @@ class Ingress:
         self._check_model(req.model)
         prompts = req.prompts()
         for p in prompts:
-            if isinstance(p, str):
+            if isinstance(p, str) and not req.truncate_prompt_tokens:  # (a long text is fine: its end is kept)
                 await self._refuse_overlong(len(p), "prompt")
         top = req.logprobs or 0
         jobs, prefixes = [], []
         default = self.sampling_defaults.get("max_new_tokens", 16)
         for p in prompts:
-            ids = p if isinstance(p, list) else await self._tokenize(p, req.add_special_tokens)
+            ids = await self._truncated(p if isinstance(p, list) else await self._tokenize(p, req.add_special_tokens),
+                                        req.truncate_prompt_tokens)
             params = req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs is not None,
                                   top_logprobs=top, defaults=self.sampling_defaults)
             if req.echo and req.logprobs is not None:  # the echoed prompt's tokens come with theirs
@@ -1087,7 +1088,8 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat(self, req: ChatRequest):
         self._check_model(req.model)
-        ids = await self._chat_ids(req)
+        ids = await self._truncated(await self._chat_ids(req, overlong=not req.truncate_prompt_tokens),
+                                    req.truncate_prompt_tokens)
         top = req.top_logprobs or 0
         default = self.sampling_defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         params = req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs,
@@ -1114,15 +1116,25 @@ class Ingress:
                              "choices": choices, "usage": _usage([events[-1] for events in runs], n), **(extra or {})},
                             headers=_replica_header(runs[0]))
 
-    async def _chat_ids(self, req: ChatPrompt) -> list[int]:
-        """The token ids of a chat as the model's template renders it."""
+    async def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last ``keep`` tokens (vLLM's truncate_prompt_tokens; -1: max_input_tokens)."""
+        if not keep:
+            return ids
+        if keep == -1:
+            keep = (await self.info_cached())["max_input_tokens"]
+        return ids[-keep:]
+
+    async def _chat_ids(self, req: ChatPrompt, overlong: bool = True) -> list[int]:
+        """The token ids of a chat as the model's template renders it (``overlong``: a text too long to be
+        a prompt is refused before it is rendered)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         try:
             # "developer" is OpenAI's newer name for the system role, which chat templates know: one
             # they do not know is dropped (Qwen's) or rendered as a role the model never saw (Llama 3's)
             msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-            await self._refuse_overlong(sum(len(m["content"]) for m in msgs), "messages")
+            if overlong:
+                await self._refuse_overlong(sum(len(m["content"]) for m in msgs), "messages")
         except ValueError as e:
             raise ApiError(422, str(e), param="messages") from None
         try:

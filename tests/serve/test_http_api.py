@@ -507,6 +507,25 @@ def test_tgi_truncate_and_top_n_tokens(client):
     assert len(d["top_tokens"]) == d["generated_tokens"] and all(len(t) == 2 for t in d["top_tokens"])
 
 
+def test_openai_truncate_prompt_tokens_keeps_the_end(client):
+    # vLLM's truncate_prompt_tokens: the prompt's last N tokens, for completions and chat alike
+    ids = [(i * 7) % 200 + 3 for i in range(300)]
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    cut = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 40}).json()
+    tail = client.post("/v1/completions", json={**body, "prompt": ids[-40:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 40 and cut["choices"][0]["logprobs"] == tail["choices"][0]["logprobs"]
+    info = client.get("/info").json()
+    long_text = "y" * (3 * info["max_input_tokens"])  # too long a prompt, unless its end is kept
+    assert client.post("/v1/completions", json={"prompt": long_text, "max_tokens": 1}).status_code == 400
+    r = client.post("/v1/completions", json={"prompt": long_text, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == info["max_input_tokens"]
+    chat = {"messages": [{"role": "user", "content": long_text}], "max_tokens": 1}
+    r = client.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 30})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 30
+    r = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and "truncate_prompt_tokens" in r.json()["error"]["message"]
+
+
 def test_warmup_then_hit(client):
     prefix = "Warm this prefix up before anyone asks for it, please. " * 3
     r = client.post("/warmup", json={"prefixes": [prefix]})
