@@ -69,8 +69,6 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "structured_outputs": ("structured outputs", _OFF),
     "use_beam_search": ("beam search", _OFF),
     "length_penalty": ("beam search", (None, 1, 1.0)),
-    "allowed_token_ids": ("allowed_token_ids", _OFF),
-    "bad_words": ("bad_words", _OFF),
     "logits_processors": ("logits processors", _OFF),
     "spaces_between_special_tokens": ("false", (None, True)),
     "chat_template": ("a chat template per request", _OFF),
@@ -161,9 +159,11 @@ class StreamOptions(_Strict):
 
 
 MAX_CHOICES = 128  # OpenAI's own limit on n
+MAX_BAD_WORDS = 256
 
 # OpenAI's spec makes these nullable and its client sends null for a None argument: null means the default
-NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "prompt_logprobs", "truncate_prompt_tokens", "n", "stream", "frequency_penalty", "presence_penalty",
+NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "prompt_logprobs", "truncate_prompt_tokens",
+                             "allowed_token_ids", "bad_words", "n", "stream", "frequency_penalty", "presence_penalty",
                              "logprobs", "echo", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                              "skip_special_tokens", "add_generation_prompt", "continue_final_message",
                              "add_special_tokens"})
@@ -206,6 +206,9 @@ class _OpenAICommon(_Strict):
     # the prompt tokens' own log-probabilities, with this many alternatives each (vLLM's; its -1, the
     # whole vocabulary, is refused)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's: only these tokens may be generated; these words may not be (tokenized here)
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=1 << 18)
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_BAD_WORDS)
     # keep only the prompt's last this many tokens (vLLM's; -1: as many as max_input_tokens), as TGI's truncate
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     include_stop_str_in_output: bool = False
@@ -218,6 +221,8 @@ class _OpenAICommon(_Strict):
             raise ValueError("response_format other than {\"type\": \"text\"} is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
+        if any(not w.strip() for w in self.bad_words or ()):
+            raise ValueError("bad_words must not be blank")
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be at least 1 (or -1: the longest prompt this server takes)")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM
@@ -269,7 +274,7 @@ class _OpenAICommon(_Strict):
                     stop=self.stop_list(), logprobs=logprobs, top_logprobs=top_logprobs,
                     cache_salt=self.cache_salt, ignore_eos=self.ignore_eos,
                     stop_token_ids=list(self.stop_token_ids or ()), min_tokens=self.min_tokens,
-                    prompt_logprobs=self.prompt_logprobs,
+                    prompt_logprobs=self.prompt_logprobs, allowed_token_ids=list(self.allowed_token_ids or ()),
                     include_stop_str_in_output=self.include_stop_str_in_output,
                     skip_special_tokens=self.skip_special_tokens)
 

@@ -1065,6 +1065,7 @@ class Ingress:
                                         req.truncate_prompt_tokens)
             params = req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs is not None,
                                   top_logprobs=top, defaults=self.sampling_defaults)
+            params["bad_words_ids"] = await self._bad_words_ids(req.bad_words)
             if req.echo and req.logprobs is not None:  # the echoed prompt's tokens come with theirs
                 params["prompt_logprobs"] = max(top, req.prompt_logprobs or 0)
             jobs.append((ids, params))
@@ -1094,6 +1095,7 @@ class Ingress:
         default = self.sampling_defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         params = req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs,
                               top_logprobs=top, defaults=self.sampling_defaults)
+        params["bad_words_ids"] = await self._bad_words_ids(req.bad_words)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return await self._openai_stream([(ids, params)], rid, created, "chat.completion.chunk", req, [""], top)
@@ -1115,6 +1117,23 @@ class Ingress:
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                              "choices": choices, "usage": _usage([events[-1] for events in runs], n), **(extra or {})},
                             headers=_replica_header(runs[0]))
+
+    async def _bad_words_ids(self, words: list[str] | None) -> list[list[int]]:
+        """vLLM's ``bad_words`` as token sequences the engine bans: each word as it starts a text and, where
+        the tokenizer gives a word after a space other tokens, as it follows a space."""
+        if not words:
+            return []
+
+        def encode() -> list[list[int]]:
+            out: list[list[int]] = []
+            for word in words:
+                bare = word.lstrip()
+                for text in (bare, " " + bare):
+                    ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                    if ids and ids not in out:
+                        out.append(ids)
+            return out
+        return await self._off_loop(encode)
 
     async def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """The prompt's last ``keep`` tokens (vLLM's truncate_prompt_tokens; -1: max_input_tokens)."""

@@ -183,9 +183,11 @@ class LLMEngine:
         bad_bias = next((t for t in params.logit_bias if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad_bias is not None:
             raise RequestError(f"logit_bias token id {bad_bias!r} is outside the vocabulary (0..{self.vocab_size - 1})")
-        bad_stop = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
-        if bad_stop is not None:
-            raise RequestError(f"stop token id {bad_stop} is outside the vocabulary (0..{self.vocab_size - 1})")
+        for name, ids in (("stop token", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
+                          ("bad_words", [t for w in params.bad_words_ids for t in w])):
+            bad_id = next((t for t in ids if t >= self.vocab_size), None)
+            if bad_id is not None:
+                raise RequestError(f"{name} id {bad_id} is outside the vocabulary (0..{self.vocab_size - 1})")
         n = len(prompt_ids)
         what = "prefix" if prefill_only else "prompt"  # a warm-up prefills a prefix
         if n == 0:

@@ -55,9 +55,22 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+    if p.allowed_token_ids:  # everything else becomes impossible
+        keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
+        row = torch.full_like(row, float("-inf")).index_copy_(0, keep, row[keep])
+    if banned := _bad_word_ends(seq):
+        row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
     if len(seq.output_ids) < p.min_tokens and seq.ends:  # too early to end: the ending tokens cannot win
         row[torch.tensor(seq.ends, dtype=torch.long, device=row.device)] = float("-inf")
     return row
+
+
+def _bad_word_ends(seq: Sequence) -> list[int]:
+    """The tokens that would complete one of the request's bad words now: a word's last token, where the
+    generated tokens end with the rest of it (a one-token word: always)."""
+    out = seq.output_ids
+    return [w[-1] for w in seq.params.bad_words_ids
+            if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1])]
 
 
 def _adjusts(seq: Sequence) -> bool:

@@ -70,6 +70,10 @@ class SamplingParams:
     # count / (prompt + generated so far); presence_penalty stays OpenAI's
     frequency_penalty_per_context: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] = field(default_factory=list)  # only these may be generated (vLLM's; []: any)
+    # token sequences that must not be generated (vLLM's bad_words, tokenized): the last token of one is
+    # banned where the generated tokens end with the rest of it
+    bad_words_ids: list[list[int]] = field(default_factory=list)
     cache_salt: str | None = None
 
     @property
@@ -79,7 +83,7 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or bool(self.allowed_token_ids) or bool(self.bad_words_ids))
 
     def validate(self) -> SamplingParams:
         # types first: the HTTP schemas check them, but a Ray handle or library caller passes anything,
@@ -101,6 +105,11 @@ class SamplingParams:
             raise SamplingError("stop_token_ids must be a list of token ids")
         if not isinstance(self.logit_bias, dict) or any(not _is_number(b) for b in self.logit_bias.values()):
             raise SamplingError("logit_bias must be a map of token ids to numbers")
+        if not isinstance(self.allowed_token_ids, list) or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+            raise SamplingError("allowed_token_ids must be a list of token ids")
+        if not isinstance(self.bad_words_ids, list) or any(
+                not isinstance(w, list) or not w or any(not _is_int(t) or t < 0 for t in w) for w in self.bad_words_ids):
+            raise SamplingError("bad_words_ids must be a list of non-empty lists of token ids")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or not encodable(self.cache_salt)):
             raise SamplingError(f"cache_salt must be a non-empty string of valid Unicode, got {self.cache_salt!r}")

@@ -339,3 +339,27 @@ def test_min_p_and_typical_p_narrow_the_draws():
     for bad in (dict(min_p=-0.1), dict(min_p=1.5), dict(typical_p=0.0), dict(typical_p=1.1), dict(min_p="0.1")):
         with pytest.raises(SamplingError):
             SamplingParams(**bad).validate()
+
+
+def test_allowed_token_ids_and_bad_words_ban_tokens():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0, 0.5]])
+    # only the allowed ones, greedy or drawn; the reported log-probabilities are over them alone
+    greedy = sample(logits, [seq(allowed_token_ids=[1, 3], logprobs=True, top_logprobs=3)])[0]
+    assert greedy.token == 1 and [t for t, _ in greedy.top[:2]] == [1, 3] and greedy.top[2][1] == -9999.0
+    drawn = seq(temperature=1.0, allowed_token_ids=[2, 5])
+    assert {sample(logits, [drawn])[0].token for _ in range(200)} == {2, 5}
+    # a one-token bad word is never generated; a longer one loses its last token only after the rest of it
+    assert sample(logits, [seq(bad_words_ids=[[4]])])[0].token == 0
+    assert sample(logits, [seq(output=[7, 9], bad_words_ids=[[9, 4]])])[0].token == 0
+    assert sample(logits, [seq(output=[9, 7], bad_words_ids=[[9, 4]])])[0].token == 4
+    assert sample(logits, [seq(output=[8, 9], bad_words_ids=[[7, 9, 4], [8, 9, 0]])])[0].token == 4
+    for bad in (dict(allowed_token_ids=[-1]), dict(bad_words_ids=[[]]), dict(bad_words_ids=[3])):
+        with pytest.raises(SamplingError):
+            SamplingParams(**bad).validate()
+
+
+def test_out_of_vocabulary_allowed_and_bad_word_ids_are_refused(make_engine):
+    eng = make_engine("tiny")
+    for kw in (dict(allowed_token_ids=[3, eng.vocab_size]), dict(bad_words_ids=[[3, eng.vocab_size + 5]])):
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            eng.add_request(PROMPT, SamplingParams(**kw))

@@ -507,6 +507,24 @@ def test_tgi_truncate_and_top_n_tokens(client):
     assert len(d["top_tokens"]) == d["generated_tokens"] and all(len(t) == 2 for t in d["top_tokens"])
 
 
+def test_allowed_token_ids_and_bad_words(client):
+    body = {"prompt": "Lambda likes", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    free = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    # only these tokens (the tiny model's byte-level tokens: "a" and "b")
+    allowed = client.post("/v1/completions", json={**body, "allowed_token_ids": [97, 98]}).json()["choices"][0]
+    assert set(allowed["text"]) <= {"a", "b"} and len(allowed["text"]) == 12
+    # a word the free answer has: it never comes again, whatever the sampler would have picked
+    word = free[2:5]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Lambda likes"}],
+                                                  "max_tokens": 12, "temperature": 0, "bad_words": [word]})
+    assert r.status_code == 200, r.text
+    banned = client.post("/v1/completions", json={**body, "bad_words": [word]}).json()["choices"][0]["text"]
+    assert word in free and word not in banned
+    for bad, needle in (({"allowed_token_ids": [10**6]}, "outside the vocabulary"), ({"bad_words": [" "]}, "blank")):
+        r = client.post("/v1/completions", json={**body, **bad})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
 def test_openai_truncate_prompt_tokens_keeps_the_end(client):
     # vLLM's truncate_prompt_tokens: the prompt's last N tokens, for completions and chat alike
     ids = [(i * 7) % 200 + 3 for i in range(300)]
