@@ -7,6 +7,7 @@ that the ingress maps onto the same API's error format.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -63,10 +64,7 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "tools": ("tool calling", _OFF),
     "functions": ("function calling", _OFF),
     "tool_choice": ("tool_choice other than none/auto", (None, "none", "auto")),
-    **{f"guided_{k}": ("guided decoding", _OFF) for k in ("json", "regex", "choice", "grammar")},
-    "guided_whitespace_pattern": ("guided decoding", _OFF),
-    "guided_decoding_backend": ("guided decoding", (*_OFF, "auto")),
-    "structured_outputs": ("structured outputs", _OFF),
+    "guided_whitespace_pattern": ("a whitespace pattern for guided decoding", _OFF),
     "use_beam_search": ("beam search", _OFF),
     "length_penalty": ("beam search", (None, 1, 1.0)),
     "logits_processors": ("logits processors", _OFF),
@@ -122,9 +120,34 @@ class TGIParameters(_Strict):
     def _supported(self):
         _unsupported("best_of > 1", self.best_of, (None, 1))
         _unsupported("watermark", self.watermark, (False,))
-        _unsupported("grammar (constrained decoding)", self.grammar)
+        _tgi_guide(self.grammar)  # (raises for a malformed one)
         _unsupported("adapter_id (LoRA adapters)", self.adapter_id)
         return self
+
+
+def _schema_text(schema: Any, what: str) -> str:
+    """A JSON schema sent as an object or as its JSON text, as text."""
+    if isinstance(schema, str):
+        return schema
+    if not isinstance(schema, dict):
+        raise ValueError(f"{what} must be a JSON schema (an object)")
+    return json.dumps(schema)
+
+
+def _tgi_guide(grammar: Any) -> tuple[str, str] | None:
+    """TGI's ``grammar``: ``{"type": "json", "value": schema}``, ``{"type": "json_schema", "value":
+    {"name": ..., "schema": schema}}`` or ``{"type": "regex", "value": "..."}``."""
+    if grammar is None:
+        return None
+    kind = grammar.get("type") if isinstance(grammar, dict) else None
+    value = grammar.get("value") if isinstance(grammar, dict) else None
+    if kind == "json":
+        return "json", _schema_text(value, "grammar.value")
+    if kind == "json_schema":
+        return "json", _schema_text(value.get("schema") if isinstance(value, dict) else None, "grammar.value.schema")
+    if kind == "regex" and isinstance(value, str):
+        return "regex", value
+    raise ValueError('grammar must be {"type": "json" | "json_schema" | "regex", "value": ...}')
 
 
 class TGIRequest(_Strict):
@@ -147,7 +170,8 @@ class TGIRequest(_Strict):
                     # a greedy answer has no seed to report; TGI keeps the stop sequence in the text
                     seed=p.seed if sample else None, stop=p.stop, include_stop_str_in_output=True, logprobs=True,
                     # details.prefill: the prompt tokens' own log-probabilities
-                    prompt_logprobs=0 if p.details and p.decoder_input_details else None, cache_salt=p.cache_salt)
+                    prompt_logprobs=0 if p.details and p.decoder_input_details else None, cache_salt=p.cache_salt,
+                    guide=_tgi_guide(p.grammar))
 
 
 TGI_FINISH = {"length": "length", "eos": "eos_token", "stop": "stop_sequence", "abort": "length"}
@@ -213,12 +237,17 @@ class _OpenAICommon(_Strict):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema
+    # vLLM's guided decoding fields (its guided_decoding_backend is taken as any name: llguidance serves)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's newer form of the same: json, regex, choice, ...
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than {\"type\": \"text\"} is not supported by this server")
+        self.guide()  # (raises for a malformed one)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
         if any(not w.strip() for w in self.bad_words or ()):
@@ -251,6 +280,41 @@ class _OpenAICommon(_Strict):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
         return v
 
+    def guide(self) -> tuple[str, str] | None:
+        """The structured output this request asks for, as the engine's (kind, text) guide (at most one)."""
+        found: list[tuple[str, str]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("json", '{"type": "object"}'))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                found.append(("json", _schema_text(schema, "response_format.json_schema.schema")))
+            elif kind != "text":
+                raise ValueError("response_format type must be text, json_object or json_schema")
+        so = dict(self.structured_outputs or {})
+        if so.pop("json_object", False):
+            found.append(("json", '{"type": "object"}'))
+        for src in (so, {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                         "grammar": self.guided_grammar}):
+            for key, value in src.items():
+                if value is None or value is False:
+                    continue
+                if key == "json":
+                    found.append(("json", _schema_text(value, "guided_json")))
+                elif key == "choice" and isinstance(value, list) and all(isinstance(c, str) for c in value):
+                    found.append(("choice", json.dumps(value)))
+                elif key in ("regex", "grammar") and isinstance(value, str):
+                    found.append((key, value))
+                else:
+                    raise ValueError(f"structured_outputs.{key} is not supported by this server" if src is so
+                                     else f"guided_{key} has the wrong type")
+        if len(found) > 1:
+            raise ValueError("ask for one structured output at most (response_format, guided_* or structured_outputs)")
+        return found[0] if found else None
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -275,6 +339,7 @@ class _OpenAICommon(_Strict):
                     cache_salt=self.cache_salt, ignore_eos=self.ignore_eos,
                     stop_token_ids=list(self.stop_token_ids or ()), min_tokens=self.min_tokens,
                     prompt_logprobs=self.prompt_logprobs, allowed_token_ids=list(self.allowed_token_ids or ()),
+                    guide=self.guide(),
                     include_stop_str_in_output=self.include_stop_str_in_output,
                     skip_special_tokens=self.skip_special_tokens)
 

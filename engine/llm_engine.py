@@ -19,6 +19,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.cpu_linear import use_skinny_linear
 from engine.cuda_graphs import StepGraphs, graphs_blocker
 from engine.detokenizer import find_stop, flush_text, take_delta, update_text
+from engine.guided import GuideError, Guides, grammar_text
 from engine.kv_manager import KVManager
 from engine.kv_scales import KVScaleError, read_kv_scales
 from engine.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram
@@ -73,6 +74,7 @@ class LLMEngine:
         self.tokenizer = m.tokenizer
         self.vocab_size = m.config.vocab_size
         self.eos_ids = self._eos_ids()
+        self.guides = Guides(self.tokenizer, self.vocab_size)
 
         self.window = config.window_size or m.sliding_window
         # a model whose layers differ (Gemma 3): no window frees blocks, its sliding layers mask theirs
@@ -180,6 +182,11 @@ class LLMEngine:
             params.validate()
         except SamplingError as e:
             raise RequestError(str(e)) from e
+        if params.guide is not None:
+            try:
+                grammar_text(*params.guide)  # (compiled again for its matcher: a bad one is refused here)
+            except GuideError as e:
+                raise RequestError(str(e)) from None
         bad_bias = next((t for t in params.logit_bias if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad_bias is not None:
             raise RequestError(f"logit_bias token id {bad_bias!r} is outside the vocabulary (0..{self.vocab_size - 1})")
@@ -218,6 +225,11 @@ class LLMEngine:
         if prefill_only:  # only whole blocks can be cached; the tail would be wasted work
             ids = ids[: len(ids) // self.config.block_size * self.config.block_size] or ids[:0]
         seq = Sequence(rid, ids, params, prefill_only=prefill_only)
+        if params.guide is not None:
+            try:
+                seq.matcher = self.guides.matcher(*params.guide)
+            except GuideError as e:
+                raise RequestError(str(e)) from None
         if arrival is not None:
             seq.arrival = arrival
         if not params.greedy:
@@ -330,6 +342,8 @@ class LLMEngine:
         seq.output_ids.append(tok)
         self.stats.generated_tokens += 1
         p = seq.params
+        # a guided request ends where its guide is complete (the token that completes it is text)
+        guide_done = seq.matcher is not None and _guide_step(seq.matcher, tok)
         reason = None
         if tok in self.eos_ids and not p.ignore_eos:
             reason = "eos"
@@ -343,13 +357,15 @@ class LLMEngine:
             # stop strings count from min_tokens on (as in vLLM), and only ones this token completes
             if len(seq.output_ids) >= p.min_tokens and find_stop(seq, before):
                 reason, by_string = "stop", True
-        if reason is None and len(seq.output_ids) >= p.max_new_tokens:
+        if reason is None and guide_done:
+            reason = "stop"
+        elif reason is None and len(seq.output_ids) >= p.max_new_tokens:
             reason = "length"
         if reason is not None and not by_string:
             # the end: bytes held back for a character that never completed are text too, and so is
             # the ending token when the client asked for it (include_stop_str_in_output, as vLLM)
             before = len(seq.text)
-            keep_end = reason == "length" or p.include_stop_str_in_output
+            keep_end = reason == "length" or guide_done or p.include_stop_str_in_output
             own = flush_text(self.tokenizer, seq, len(seq.output_ids) - (not keep_end))
             if keep_end and own is not None:
                 start = own
@@ -435,3 +451,10 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
         }
+
+
+def _guide_step(matcher, token: int) -> bool:
+    """Advance a request's guide past ``token``; True once the guide is complete (or broken: a token it
+    did not allow, which only a row with no allowed token at all can give)."""
+    matcher.consume_token(token)
+    return matcher.is_stopped() or matcher.is_error()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.guided import mask_disallowed
 from engine.sequence import Sequence
 
 
@@ -60,6 +61,8 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         row = torch.full_like(row, float("-inf")).index_copy_(0, keep, row[keep])
     if banned := _bad_word_ends(seq):
         row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
+    if seq.matcher is not None:  # only what its guide allows next
+        row = mask_disallowed(row, seq.matcher)
     if len(seq.output_ids) < p.min_tokens and seq.ends:  # too early to end: the ending tokens cannot win
         row[torch.tensor(seq.ends, dtype=torch.long, device=row.device)] = float("-inf")
     return row

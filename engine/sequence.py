@@ -74,6 +74,7 @@ class SamplingParams:
     # token sequences that must not be generated (vLLM's bad_words, tokenized): the last token of one is
     # banned where the generated tokens end with the rest of it
     bad_words_ids: list[list[int]] = field(default_factory=list)
+    guide: tuple[str, str] | None = None  # structured output: (kind, text), see engine.guided
     cache_salt: str | None = None
 
     @property
@@ -83,7 +84,8 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias) or bool(self.allowed_token_ids) or bool(self.bad_words_ids))
+                or bool(self.logit_bias) or bool(self.allowed_token_ids) or bool(self.bad_words_ids)
+                or self.guide is not None)
 
     def validate(self) -> SamplingParams:
         # types first: the HTTP schemas check them, but a Ray handle or library caller passes anything,
@@ -105,6 +107,9 @@ class SamplingParams:
             raise SamplingError("stop_token_ids must be a list of token ids")
         if not isinstance(self.logit_bias, dict) or any(not _is_number(b) for b in self.logit_bias.values()):
             raise SamplingError("logit_bias must be a map of token ids to numbers")
+        if self.guide is not None and (not isinstance(self.guide, (tuple, list)) or len(self.guide) != 2
+                                       or not all(isinstance(x, str) for x in self.guide)):
+            raise SamplingError("guide must be a (kind, text) pair")
         if not isinstance(self.allowed_token_ids, list) or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
             raise SamplingError("allowed_token_ids must be a list of token ids")
         if not isinstance(self.bad_words_ids, list) or any(
@@ -221,6 +226,7 @@ class Sequence:
     ends: tuple[int, ...] = ()  # token ids that would end it (EOS, stop tokens): banned before min_tokens
     prefill_only: bool = False  # warm-up: compute the prompt's KV, generate nothing
     prompt_logprobs: list[PromptLogprob | None] | None = None  # as far as computed (params.prompt_logprobs)
+    matcher: object | None = None  # its guide's parser state (engine.guided), for a guided request
     # incremental detokenization: offsets into output_ids; a negative prefix_offset reaches back into the
     # prompt's last tokens (see engine.detokenizer)
     prefix_offset: int = 0

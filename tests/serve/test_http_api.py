@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 
 import httpx
@@ -154,20 +155,26 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     ("/v1/chat/completions", {"model": "tiny", "messages": [  # a tool-calling client's history
         {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "tool_calls"),
-    ("/v1/chat/completions", {"model": "tiny", "response_format": {"type": "json_object"},
+    ("/v1/chat/completions", {"model": "tiny", "response_format": {"type": "json_schema"},
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "response_format.json_schema"),
+    ("/v1/chat/completions", {"model": "tiny", "response_format": {"type": "yaml"},
                               "messages": [{"role": "user", "content": "x"}]}, 400, "response_format"),
     ("/generate_stream", {"inputs": "hi", "parameters": {"decoder_input_details": True}}, 422, "decoder_input_details"),
     ("/generate", {"inputs": "hi", "parameters": {"best_of": 2}}, 422, "best_of"),
-    ("/generate", {"inputs": "hi", "parameters": {"grammar": {"type": "json", "value": {}}}}, 422, "grammar"),
+    ("/generate", {"inputs": "hi", "parameters": {"grammar": {"type": "xml", "value": "<a/>"}}}, 422, "grammar"),
+    ("/generate", {"inputs": "hi", "parameters": {"grammar": {"type": "regex", "value": "[a-"}}}, 422, "cannot be compiled"),
     ("/generate", {"inputs": "hi", "parameters": {"typical_p": 1.5}}, 422, "typical_p"),
     ("/v1/completions", {"model": "tiny", "prompt": ["a", ""]}, 400, "nor any prompt in its list"),
     ("/v1/completions", {"model": "other", "prompt": "hi"}, 404, "other"),
     # vLLM's and OpenAI's fields that would change the answer: refused by name, not ignored
-    ("/v1/chat/completions", {"model": "tiny", "guided_json": {"type": "object"},
-                              "messages": [{"role": "user", "content": "x"}]}, 400, "guided_json"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "structured_outputs": {"regex": "a+"}}, 400,
-     "structured_outputs"),
+    ("/v1/chat/completions", {"model": "tiny", "guided_json": {"type": "object"}, "guided_regex": "a+",
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "one structured output"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_choice": "a"}, 400, "guided_choice"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_regex": "(a"}, 400, "cannot be compiled"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "structured_outputs": {"structural_tag": "x"}}, 400,
+     "structured_outputs.structural_tag"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_whitespace_pattern": " "}, 400,
+     "guided_whitespace_pattern"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
@@ -505,6 +512,38 @@ def test_tgi_truncate_and_top_n_tokens(client):
     assert r.status_code == 200, r.text
     d = r.json()["details"]
     assert len(d["top_tokens"]) == d["generated_tokens"] and all(len(t) == 2 for t in d["top_tokens"])
+
+
+def test_structured_outputs_in_each_apis_form(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
+              "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}, "ok": {"type": "boolean"}}}
+    chat = {"messages": [{"role": "user", "content": "Mu, as JSON"}], "max_tokens": 40}
+    r = client.post("/v1/chat/completions", json={**chat, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "mu", "schema": schema, "strict": True}}})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    value = json.loads(choice["message"]["content"])
+    assert set(value) == {"n", "ok"} and 1 <= value["n"] <= 9 and choice["finish_reason"] == "stop"
+    # OpenAI's JSON mode: an object (a random model may not finish one within its tokens; it starts one)
+    r = client.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}, "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("{")
+    # vLLM's fields, old and new, sampled and streamed too
+    body = {"prompt": "Nu", "max_tokens": 20, "temperature": 1.0, "n": 4, "seed": 3}
+    out = client.post("/v1/completions", json={**body, "guided_choice": ["left", "right"]}).json()
+    assert {c["text"] for c in out["choices"]} <= {"left", "right"}
+    out = client.post("/v1/completions", json={**body, "structured_outputs": {"regex": "[xy]{4}"}}).json()
+    assert all(re.fullmatch("[xy]{4}", c["text"]) for c in out["choices"]), out
+    with client.stream("POST", "/v1/completions", json={**body, "n": 1, "max_tokens": 40, "stream": True,
+                                                       "guided_json": schema}) as r:
+        text = "".join(e["choices"][0]["text"] for e in sse_events(r) if e != "[DONE]" and e["choices"])
+    assert set(json.loads(text)) == {"n", "ok"}
+    # TGI's grammar
+    tgi = client.post("/generate", json={"inputs": "Xi", "parameters": {
+        "max_new_tokens": 20, "grammar": {"type": "regex", "value": "[0-9]{3}"}}}).json()
+    assert re.fullmatch("[0-9]{3}", tgi["generated_text"]), tgi
+    tgi = client.post("/generate", json={"inputs": "Xi", "parameters": {
+        "max_new_tokens": 40, "grammar": {"type": "json", "value": schema}}}).json()
+    assert set(json.loads(tgi["generated_text"])) == {"n", "ok"}
 
 
 def test_allowed_token_ids_and_bad_words(client):

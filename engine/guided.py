@@ -1,0 +1,102 @@
+"""Guided decoding (structured outputs): a request's tokens are held to a JSON schema, a regular
+expression, a list of choices or a grammar. llguidance (Rust, no other dependency) keeps each request's
+parser state and says which tokens may come next; the sampler masks the rest, and a request ends once
+its grammar is complete."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+# a request's guide: (kind, text). "json": a JSON schema as text ('{"type": "object"}' for any object),
+# "regex": a regular expression the whole answer matches, "choice": a JSON list of strings, "grammar": a
+# Lark or GBNF grammar (llguidance's syntax)
+GUIDE_KINDS = ("json", "regex", "choice", "grammar")
+MAX_GUIDE_CHARS = 1 << 16  # a schema or grammar larger than this is refused before it is compiled
+
+
+class GuideError(ValueError):
+    """A guide that cannot be compiled (a bad schema, regex or grammar): the request is refused."""
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+        raise GuideError(f"guided decoding needs the llguidance package ({e})") from None
+    return llguidance
+
+
+def grammar_text(kind: str, text: str) -> str:
+    """llguidance's grammar of a guide, checked (``GuideError`` says what is wrong with it)."""
+    if kind not in GUIDE_KINDS:
+        raise GuideError(f"unknown guide kind {kind!r} (one of {', '.join(GUIDE_KINDS)})")
+    if not isinstance(text, str) or not text:
+        raise GuideError(f"the {kind} guide must be a non-empty text")
+    if len(text) > MAX_GUIDE_CHARS:
+        raise GuideError(f"the {kind} guide has {len(text)} characters, more than {MAX_GUIDE_CHARS}")
+    if kind in ("json", "choice"):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise GuideError(f"the {kind} guide is not JSON: {e}") from None
+        if kind == "choice" and (not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value)):
+            raise GuideError("the choice guide must be a non-empty list of strings")
+        if kind == "json" and not isinstance(value, dict):
+            raise GuideError("the JSON schema must be an object")
+        if kind == "json" and "x-guidance" not in value:
+            # separators as Python's json.dumps writes them and no other whitespace between tokens:
+            # flexible whitespace lets a model pad its answer with newlines up to its token limit, a
+            # known failure of JSON modes
+            text = json.dumps({**value, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                                                       "key_separator": ": "}})
+    llg = _llguidance()
+    try:
+        grammar = llg.grammar_from("json_schema" if kind == "json" else kind, text)
+    except Exception as e:  # noqa: BLE001 - its parse errors come as several exception types
+        raise GuideError(f"the {kind} guide cannot be compiled: {_first_line(e)}") from None
+    problem = llg.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise GuideError(f"the {kind} guide cannot be compiled: {_first_line(problem)}")
+    return grammar
+
+
+def _first_line(e: object) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return " ".join(lines[:2]) if lines else type(e).__name__
+
+
+class Guides:
+    """One engine's guided decoding: its tokenizer as llguidance reads it (made on first use), and the
+    matchers of its requests."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self._ll_tokenizer = None
+
+    def matcher(self, kind: str, text: str):
+        """A fresh parser state for one request's guide."""
+        llg = _llguidance()
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = llg.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size)
+        m = llg.LLMatcher(self._ll_tokenizer, grammar_text(kind, text))
+        if m.is_error():
+            raise GuideError(f"the {kind} guide cannot be used: {_first_line(m.get_error())}")
+        return m
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def mask_disallowed(row: torch.Tensor, matcher) -> torch.Tensor:
+    """``row`` (one request's logits) with the tokens its guide does not allow next at -inf. The
+    matcher writes one bit per token (32 to an int32) on the host; they are unpacked where the row is
+    (llguidance's own unpacking goes through torch.compile, which a CPU replica would wait on)."""
+    v = row.shape[-1]
+    bitmask = torch.full(((v + 31) // 32,), -1, dtype=torch.int32)
+    matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
+    bits = bitmask.to(row.device, non_blocking=True)
+    allowed = ((bits.unsqueeze(1) >> _BITS.to(row.device)) & 1).flatten()[:v].bool()
+    return row.masked_fill_(~allowed, float("-inf"))

@@ -1,0 +1,71 @@
+"""Guided decoding: a random-weight model's answers held to a JSON schema, a regular expression, a list
+of choices or a grammar, greedy and sampled, ending where the guide is complete; bad guides refused."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from engine.guided import GuideError, grammar_text
+from engine.llm_engine import RequestError
+from engine.sequence import SamplingParams
+
+PROMPT = list(range(40, 110))
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "kind"],
+          "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "kind": {"enum": ["a", "bb"]}}}
+
+
+def _texts(eng, guide, n=4, **kw):
+    params = [SamplingParams(max_new_tokens=60, guide=guide, temperature=t, seed=i, **kw)
+              for i, t in enumerate([0.0] + [1.0] * (n - 1))]
+    seqs = eng.generate([PROMPT] * n, params)
+    return [eng.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in seqs], seqs
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
+def test_json_schema_answers_parse_and_follow_it(make_engine, preset):
+    eng = make_engine(preset)
+    texts, seqs = _texts(eng, ("json", json.dumps(SCHEMA)))
+    for text, seq in zip(texts, seqs, strict=True):
+        value = json.loads(text)
+        assert set(value) == {"n", "kind"} and 0 <= value["n"] <= 99 and value["kind"] in ("a", "bb")
+        assert seq.finish_reason in ("stop", "eos")  # ended by its guide, not by the length limit
+    free = eng.generate([PROMPT], SamplingParams(max_new_tokens=20))[0]
+    with pytest.raises(ValueError):  # (the same model unguided: not JSON)
+        json.loads(eng.tokenizer.decode(free.output_ids, skip_special_tokens=True))
+
+
+def test_any_json_object_regex_choice_and_grammar(make_engine):
+    eng = make_engine("tiny")
+    # (keys of any length would run a random model's answers to their token limit)
+    short_keys = {"type": "object", "patternProperties": {"^[a-z]{1,3}$": {"type": "boolean"}},
+                  "additionalProperties": False, "maxProperties": 2}
+    texts, _ = _texts(eng, ("json", json.dumps(short_keys)), n=3)
+    assert all(isinstance(json.loads(t), dict) and t.startswith('{"') for t in texts), texts
+    texts, seqs = _texts(eng, ("regex", r"[ab]{3}-[0-9]{2}"))
+    assert all(re.fullmatch(r"[ab]{3}-[0-9]{2}", t) for t in texts), texts
+    assert all(s.finish_reason == "stop" for s in seqs)
+    texts, _ = _texts(eng, ("choice", json.dumps(["yes", "no", "maybe so"])), n=6)
+    assert set(texts) <= {"yes", "no", "maybe so"}
+    texts, _ = _texts(eng, ("grammar", 'start: "x" ("+" "x")* "=" /[0-9]/'))
+    assert all(re.fullmatch(r"x(\+x)*=[0-9]", t) for t in texts), texts
+    # a guided request beside unguided ones: each keeps its own
+    seqs = eng.generate([PROMPT, PROMPT], [SamplingParams(max_new_tokens=8, guide=("regex", "z+")),
+                                           SamplingParams(max_new_tokens=8, ignore_eos=True)])
+    assert set(eng.tokenizer.decode(seqs[0].output_ids, skip_special_tokens=True)) == {"z"}
+    assert len(seqs[1].output_ids) == 8
+
+
+@pytest.mark.parametrize("guide,needle", [(("json", "{not json"), "not JSON"), (("json", "[1]"), "must be an object"),
+                                          (("regex", "[a-"), "cannot be compiled"), (("choice", "[]"), "non-empty list"),
+                                          (("grammar", "start: missing_rule"), "cannot be compiled"),
+                                          (("xml", "<a/>"), "unknown guide kind")])
+def test_bad_guides_are_refused_with_the_reason(make_engine, guide, needle):
+    with pytest.raises(GuideError, match=needle):
+        grammar_text(*guide)
+    eng = make_engine("tiny")
+    with pytest.raises(RequestError, match=needle):
+        eng.add_request(PROMPT, SamplingParams(guide=guide))
+    assert not eng.has_work()
