@@ -60,7 +60,6 @@ def _unsupported(name: str, value: Any, allowed: tuple = (None,)) -> None:
 # Each passes with the values that mean "not used" (what clients send for an unset option).
 _OFF = (None, False, [], {}, "")
 REFUSED: dict[str, tuple[str, tuple]] = {
-    "best_of": ("best_of > 1", (None, 1)),
     "tools": ("tool calling", _OFF),
     "functions": ("function calling", _OFF),
     "tool_choice": ("tool_choice other than none/auto", (None, "none", "auto")),
@@ -94,6 +93,9 @@ def _refuse_named(data: Any, also: dict[str, tuple[str, tuple]] | None = None) -
 
 
 # ----------------------------------------------------------------------------- TGI
+MAX_BEST_OF = 16  # TGI's --max-best-of is 2 by default; one replica runs them side by side
+
+
 class TGIParameters(_Strict):
     max_new_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, gt=0)
@@ -109,16 +111,27 @@ class TGIParameters(_Strict):
     details: bool = False
     return_full_text: bool = False
     decoder_input_details: bool = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF)  # sequences sampled; the likeliest is the answer
     watermark: bool = False
     grammar: Any = None
     typical_p: float | None = Field(None, gt=0, le=1)  # locally typical sampling (1.0: off)
     adapter_id: str | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
+    def samples(self) -> bool:
+        """Whether the request samples: asked to, or any of TGI's filters set (a temperature too small to
+        divide by is greedy in the engine)."""
+        sample = (self.do_sample or self.temperature not in (None, 1.0) or self.top_k is not None
+                  or self.top_p is not None or self.typical_p not in (None, 1.0))
+        return sample and (self.temperature or 1.0) >= GREEDY_BELOW
+
     @model_validator(mode="after")
     def _supported(self):
-        _unsupported("best_of > 1", self.best_of, (None, 1))
+        if (self.best_of or 1) > 1:  # as TGI's router
+            if not self.samples():
+                raise ValueError("best_of > 1 needs sampling (do_sample, temperature, top_k, top_p or typical_p)")
+            if self.seed is not None:
+                raise ValueError("seed must not be set when best_of > 1 (each sequence draws with its own)")
         _unsupported("watermark", self.watermark, (False,))
         _tgi_guide(self.grammar)  # (raises for a malformed one)
         _unsupported("adapter_id (LoRA adapters)", self.adapter_id)
@@ -157,9 +170,7 @@ class TGIRequest(_Strict):
 
     def sampling(self, default_max_new_tokens: int) -> dict[str, Any]:
         p = self.parameters
-        sample = (p.do_sample or p.temperature not in (None, 1.0) or p.top_k is not None or p.top_p is not None
-                  or p.typical_p not in (None, 1.0))  # as TGI: any warper samples
-        sample = sample and (p.temperature or 1.0) >= GREEDY_BELOW  # a tinier one is greedy in the engine
+        sample = p.samples()
         return dict(max_new_tokens=p.max_new_tokens or default_max_new_tokens,
                     temperature=(p.temperature or 1.0) if sample else 0.0,
                     top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
@@ -187,7 +198,7 @@ MAX_BAD_WORDS = 256
 
 # OpenAI's spec makes these nullable and its client sends null for a None argument: null means the default
 NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "prompt_logprobs", "truncate_prompt_tokens",
-                             "allowed_token_ids", "bad_words", "n", "stream", "frequency_penalty", "presence_penalty",
+                             "allowed_token_ids", "bad_words", "best_of", "n", "stream", "frequency_penalty", "presence_penalty",
                              "logprobs", "echo", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                              "skip_special_tokens", "add_generation_prompt", "continue_final_message",
                              "add_special_tokens"})
@@ -350,7 +361,16 @@ class CompletionRequest(_OpenAICommon):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(...)
     logprobs: int | None = Field(None, ge=0, le=5)  # with this many alternatives per token
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # sequences drawn; the n likeliest are the choices
     add_special_tokens: bool = True  # extension (vLLM's): false leaves out the BOS a text prompt gets
+
+    @model_validator(mode="after")
+    def _best_of_n(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if (self.best_of or 1) > 1 and self.stream:
+            raise ValueError("best_of > 1 is not available with stream: true")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -417,7 +437,7 @@ class ChatRequest(_OpenAICommon, ChatPrompt):
     # would prepend the last message
     _also_refused: ClassVar[dict[str, tuple[str, tuple]]] = {
         "add_special_tokens": ("true in chat (the chat template adds the special tokens)", (None, False)),
-        "echo": ("echo in chat", (None, False))}
+        "echo": ("echo in chat", (None, False)), "best_of": ("best_of > 1 in chat", (None, 1))}
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 

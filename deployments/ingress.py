@@ -430,6 +430,14 @@ def _seeded(params: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def _likeliest(runs: list[list[dict]], n: int) -> list[list[dict]]:
+    """The ``n`` of these sequences (each its events) whose tokens are likeliest together (the largest sum
+    of log-probabilities), likeliest first; ties keep their order."""
+    def total(events: list[dict]) -> float:
+        return sum(ev["logprob"] for ev in events if ev.get("token_id") is not None and ev.get("logprob") is not None)
+    return sorted(runs, key=total, reverse=True)[:n]
+
+
 def _oai_finish(reason: str | None) -> str:
     return "length" if reason in ("length", "abort", None) else "stop"
 
@@ -857,22 +865,41 @@ class Ingress:
                 for t, e in zip(ids, plps, strict=True)]
 
     async def _tgi_answer(self, req: TGIRequest) -> tuple[dict[str, Any], dict[str, str]]:
-        """``/generate``'s answer body and headers (``POST /`` wraps the same body in a list)."""
+        """``/generate``'s answer body and headers (``POST /`` wraps the same body in a list). With
+        ``best_of``, the likeliest of that many sampled sequences is the answer and, with ``details``, the
+        others come in ``details.best_of_sequences``, as TGI gives them."""
         ids = await self._tgi_ids(req)
         params = _seeded(req.sampling(DEFAULT_MAX_NEW_TOKENS))
-        events = await self._collect(ids, params)
+        best_of = req.parameters.best_of or 1
+        if best_of == 1:
+            events = await self._collect(ids, params)
+            return self._tgi_sequence(req, ids, events, params["seed"], True), _replica_header(events)
+        drawn = await self._choices([(ids, params)], best_of, stream=False)
+        seeds = {id(run): p["seed"] for run, p in zip(drawn, _choice_params(params, best_of), strict=True)}
+        runs = _likeliest(drawn, best_of)
+        out = self._tgi_sequence(req, ids, runs[0], seeds.get(id(runs[0])), True)
+        if req.parameters.details:
+            out["details"]["best_of_sequences"] = [
+                {"generated_text": seq["generated_text"], **seq["details"]}
+                for seq in (self._tgi_sequence(req, ids, run, seeds.get(id(run)), False) for run in runs[1:])]
+        return out, _replica_header(runs[0])
+
+    def _tgi_sequence(self, req: TGIRequest, ids: list[int], events: list[dict], seed: int | None, answer: bool
+                      ) -> dict[str, Any]:
+        """One generated sequence as TGI writes it: its text and, with ``details``, the rest (``answer``:
+        the request's own answer, which also says what the cache held)."""
         text = "".join(ev["text"] for ev in events)
         out: dict[str, Any] = {"generated_text": (req.inputs + text) if req.parameters.return_full_text else text}
         if req.parameters.details:
             toks = [ev for ev in events if ev.get("token_id") is not None]
             out["details"] = {
                 "finish_reason": TGI_FINISH.get(events[-1]["finish_reason"], "length"),
-                "generated_tokens": len(toks), "seed": params["seed"], "prefill": self._tgi_prefill(ids, events),
-                "cached_tokens": events[-1]["num_cached_tokens"],
+                "generated_tokens": len(toks), "seed": seed, "prefill": self._tgi_prefill(ids, events),
+                **({"cached_tokens": events[-1]["num_cached_tokens"]} if answer else {}),
                 "tokens": [self._tgi_token(ev) for ev in toks]}
             if req.parameters.top_n_tokens:
                 out["details"]["top_tokens"] = [self._tgi_top(ev) for ev in toks]
-        return out, _replica_header(events)
+        return out
 
     @app.post("/generate")
     async def generate(self, req: TGIRequest):
@@ -893,6 +920,8 @@ class Ingress:
         if req.parameters.decoder_input_details:  # as TGI: its stream events have no place for them
             raise ApiError(422, "`decoder_input_details` == true is not supported when streaming tokens",
                            param="decoder_input_details")
+        if (req.parameters.best_of or 1) > 1:
+            raise ApiError(422, "`best_of` != 1 is not allowed for this endpoint", param="best_of")
         ids = await self._tgi_ids(req)
         params = _seeded(req.sampling(DEFAULT_MAX_NEW_TOKENS))
         first, rest = await self._stream(ids, params)
@@ -1083,8 +1112,14 @@ class Ingress:
             return {"text": text, "logprobs": logprobs,
                     "prompt_logprobs": self._vllm_prompt_logprobs(jobs[i // req.n][0], events, req.prompt_logprobs)}
 
-        return self._openai_answer(await self._choices(jobs, req.n, stream=False), req.n, rid, created,
-                                   "text_completion", choice)
+        drawn = max(req.best_of or 1, req.n)
+        if drawn > req.n:  # the likeliest n of best_of, each prompt's in its own order
+            for _, params in jobs:
+                params["logprobs"] = True  # (to rank them; left out of the answer unless asked for)
+        runs = await self._choices(jobs, drawn, stream=False)
+        if drawn > req.n:
+            runs = [run for k in range(len(jobs)) for run in _likeliest(runs[k * drawn:(k + 1) * drawn], req.n)]
+        return self._openai_answer(runs, req.n, rid, created, "text_completion", choice)
 
     @app.post("/v1/chat/completions")
     async def chat(self, req: ChatRequest):

@@ -80,7 +80,10 @@ class Guides:
         """A fresh parser state for one request's guide."""
         llg = _llguidance()
         if self._ll_tokenizer is None:
-            self._ll_tokenizer = llg.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size)
+            try:
+                self._ll_tokenizer = llg.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size)
+            except Exception as e:  # noqa: BLE001 - llguidance reads fast (tokenizers) tokenizers only
+                raise GuideError(f"guided decoding cannot read this model's tokenizer: {_first_line(e)}") from None
         m = llg.LLMatcher(self._ll_tokenizer, grammar_text(kind, text))
         if m.is_error():
             raise GuideError(f"the {kind} guide cannot be used: {_first_line(m.get_error())}")

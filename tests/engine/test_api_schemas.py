@@ -62,6 +62,21 @@ def test_typical_p_and_min_p_reach_the_engine():
             _openai(kind, min_p=1.5)
 
 
+def test_best_of_is_checked_as_tgi_and_vllm_check_it():
+    assert _tgi(best_of=2, do_sample=True)["temperature"] == 1.0
+    for bad, needle in ((dict(best_of=2), "needs sampling"), (dict(best_of=2, do_sample=True, seed=3), "seed must not"),
+                        (dict(best_of=17, do_sample=True), "best_of")):
+        with pytest.raises(ValidationError, match=needle):
+            _tgi(**bad)
+    assert _openai("completion", best_of=3, n=2)["max_new_tokens"] == 16
+    for bad, needle in ((dict(best_of=1, n=2), "at least n"), (dict(best_of=2, stream=True), "stream")):
+        with pytest.raises(ValidationError, match=needle):
+            _openai("completion", **bad)
+    with pytest.raises(ValidationError, match="best_of > 1 in chat"):
+        _openai("chat", best_of=2)
+    _openai("chat", best_of=1)
+
+
 def test_tgi_frequency_penalty_asks_for_tgis_normalisation():
     params = _tgi(frequency_penalty=0.5)
     assert params["frequency_penalty"] == 0.5 and params["frequency_penalty_per_context"] is True

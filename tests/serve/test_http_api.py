@@ -149,7 +149,9 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
                               "messages": [{"role": "user", "content": "x"}]}, 400, "top_logprobs"),
     # options this server does not implement are refused by name, not silently ignored
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "suffix": "x"}, 400, "suffix"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ("/v1/chat/completions", {"model": "tiny", "best_of": 2, "messages": [{"role": "user", "content": "x"}]}, 400,
+     "best_of"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "best_of": 2, "n": 3}, 400, "at least n"),
     ("/v1/chat/completions", {"model": "tiny", "tools": [{"type": "function", "function": {"name": "f"}}],
                               "messages": [{"role": "user", "content": "x"}]}, 400, "tool"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [  # a tool-calling client's history
@@ -544,6 +546,36 @@ def test_structured_outputs_in_each_apis_form(client):
     tgi = client.post("/generate", json={"inputs": "Xi", "parameters": {
         "max_new_tokens": 40, "grammar": {"type": "json", "value": schema}}}).json()
     assert set(json.loads(tgi["generated_text"])) == {"n", "ok"}
+
+
+def _logprob_sum(choice: dict) -> float:
+    return sum(choice["logprobs"]["token_logprobs"])
+
+
+def test_best_of_answers_with_the_likeliest_sequences(client):
+    # choice i of a seeded request draws with seed + i: the same draws one by one show which is likeliest
+    body = {"prompt": "Omicron", "max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    alone = [client.post("/v1/completions", json={**body, "seed": 11 + i, "logprobs": 0}).json()["choices"][0]
+             for i in range(4)]
+    ranked = sorted(alone, key=_logprob_sum, reverse=True)
+    assert len({c["text"] for c in alone}) > 1  # (they differ: the choice means something)
+    out = client.post("/v1/completions", json={**body, "best_of": 4, "n": 2, "logprobs": 0}).json()
+    assert [c["text"] for c in out["choices"]] == [c["text"] for c in ranked[:2]]
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    plain = client.post("/v1/completions", json={**body, "best_of": 4}).json()["choices"]
+    assert [c["text"] for c in plain] == [ranked[0]["text"]] and plain[0]["logprobs"] is None  # not asked for
+    # TGI's: the likeliest is the answer, the others in details.best_of_sequences, each with its seed
+    r = client.post("/generate", json={"inputs": "Omicron", "parameters": {
+        "max_new_tokens": 6, "do_sample": True, "best_of": 3, "details": True}})
+    assert r.status_code == 200, r.text
+    d = r.json()["details"]
+    others = d["best_of_sequences"]
+    assert len(others) == 2 and len({d["seed"], *(o["seed"] for o in others)}) == 3
+    total = sum(t["logprob"] for t in d["tokens"])
+    assert all(total >= sum(t["logprob"] for t in o["tokens"]) for o in others)
+    assert all(o["generated_text"] == "".join(t["text"] for t in o["tokens"]) for o in others)
+    r = client.post("/generate_stream", json={"inputs": "Omicron", "parameters": {"do_sample": True, "best_of": 2}})
+    assert r.status_code == 422 and "best_of" in r.json()["error"]
 
 
 def test_allowed_token_ids_and_bad_words(client):
