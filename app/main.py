@@ -62,7 +62,7 @@ def request_router_config(settings: Settings):
 
 
 # settings only the HTTP ingress reads
-INGRESS_ONLY = frozenset({"api_key", "sampling_defaults", "cors_allow_origin", "payload_limit"})
+INGRESS_ONLY = frozenset({"api_key", "sampling_defaults", "cors_allow_origin", "payload_limit", "tool_call_parser"})
 
 
 def build_app(settings: Settings):

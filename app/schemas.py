@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from app.tool_calls import named_schema, required_schema, template_tool_calls
 from engine.sequence import GREEDY_BELOW, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, encodable
 
 # a tenant's id, not data: each salt keeps its own trie on the replicas while it has cached blocks.
@@ -60,9 +61,7 @@ def _unsupported(name: str, value: Any, allowed: tuple = (None,)) -> None:
 # Each passes with the values that mean "not used" (what clients send for an unset option).
 _OFF = (None, False, [], {}, "")
 REFUSED: dict[str, tuple[str, tuple]] = {
-    "tools": ("tool calling", _OFF),
     "functions": ("function calling", _OFF),
-    "tool_choice": ("tool_choice other than none/auto", (None, "none", "auto")),
     "guided_whitespace_pattern": ("a whitespace pattern for guided decoding", _OFF),
     "use_beam_search": ("beam search", _OFF),
     "length_penalty": ("beam search", (None, 1, 1.0)),
@@ -93,6 +92,7 @@ def _refuse_named(data: Any, also: dict[str, tuple[str, tuple]] | None = None) -
 
 
 # ----------------------------------------------------------------------------- TGI
+MAX_TOOLS = 128  # OpenAI's own limit
 MAX_BEST_OF = 16  # TGI's --max-best-of is 2 by default; one replica runs them side by side
 
 
@@ -198,7 +198,8 @@ MAX_BAD_WORDS = 256
 
 # OpenAI's spec makes these nullable and its client sends null for a None argument: null means the default
 NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "prompt_logprobs", "truncate_prompt_tokens",
-                             "allowed_token_ids", "bad_words", "best_of", "n", "stream", "frequency_penalty", "presence_penalty",
+                             "allowed_token_ids", "bad_words", "best_of",
+                             "tools", "tool_choice", "parallel_tool_calls", "n", "stream", "frequency_penalty", "presence_penalty",
                              "logprobs", "echo", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                              "skip_special_tokens", "add_generation_prompt", "continue_final_message",
                              "add_special_tokens"})
@@ -388,21 +389,73 @@ class CompletionRequest(_OpenAICommon):
         return v if isinstance(v, list) and isinstance(v[0], (str, list)) else [v]
 
 
+class ToolFunction(_Strict):
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_.-]{1,64}$")  # OpenAI's names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of its arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedToolChoice(_Strict):
+    class _Name(_Strict):
+        name: str
+
+    type: Literal["function"]
+    function: _Name
+
+
+class HistoryToolCall(_Strict):
+    """A tool call in a chat's history (an earlier assistant turn), as OpenAI's clients send it back."""
+
+    class _Function(_Strict):
+        name: str
+        arguments: str | dict[str, Any]
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: _Function
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None  # none: an assistant turn of tool calls
+    tool_calls: list[HistoryToolCall] | None = None
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     @model_validator(mode="before")
     @classmethod
-    def _no_tool_turns(cls, data: Any) -> Any:
-        # a tool-calling client's history (an assistant turn with tool_calls and no content) would
-        # otherwise fail on its content's type, which says nothing useful; the calls cannot be dropped
-        # either (the history would read differently)
-        if isinstance(data, dict) and any(data.get(k) for k in ("tool_calls", "function_call")):  # [] is none
-            raise ValueError("messages with tool_calls are not supported by this server (no tool calling)")
+    def _no_function_call(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("function_call"):  # OpenAI's older form of tool_calls
+            raise ValueError("function_call (OpenAI's older form) is not supported: send tool_calls")
         return data
 
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it ("developer" is OpenAI's newer name for the system role,
+        which templates know: one they do not know is dropped (Qwen's) or rendered as a role the model
+        never saw (Llama 3's))."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = template_tool_calls([c.model_dump() for c in self.tool_calls])
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -440,12 +493,50 @@ class ChatRequest(_OpenAICommon, ChatPrompt):
         "echo": ("echo in chat", (None, False)), "best_of": ("best_of > 1 in chat", (None, 1))}
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_choice_needs_tools(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not data.get("tools") and data.get("tool_choice") not in (None, "none", "auto"):
+            raise ValueError("tool_choice other than none or auto needs tools")
+        return data
+
+    def tool_mode(self) -> str:
+        """How this request may call tools: "none", "auto" (the model decides; its calls are read from
+        its text), "required" (one call at least) or "named" (that one function)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def named_tool(self) -> ToolFunction:
+        name = self.tool_choice.function.name
+        for t in self.tools:
+            if t.function.name == name:
+                return t.function
+        raise ValueError(f"tool_choice names {name!r}, which is not one of the tools")
+
+    def guide(self) -> tuple[str, str] | None:
+        own = super().guide()
+        mode = self.tool_mode()
+        if mode not in ("named", "required"):
+            return own
+        if own is not None:
+            raise ValueError("ask for one structured output at most (a required or named tool_choice is one)")
+        if mode == "named":
+            return "json", named_schema(self.named_tool().parameters)
+        return "json", required_schema([(t.function.name, t.function.parameters) for t in self.tools],
+                                       self.parallel_tool_calls is not False)
 
 
 # ----------------------------------------------------------------------------- tokenizer routes

@@ -48,6 +48,7 @@ from app.schemas import (
     TokenizeRequest,
     WarmupRequest,
 )
+from app.tool_calls import ToolCall, parse_hermes, parse_required
 from cache.hashing import block_hashes
 from deployments.cors import Cors
 from deployments.logs import show_our_info_logs
@@ -1132,23 +1133,74 @@ class Ingress:
                               top_logprobs=top, defaults=self.sampling_defaults)
         params["bad_words_ids"] = await self._bad_words_ids(req.bad_words)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        tools = req.tool_mode() != "none"
+        if req.stream and tools:  # the calls are known once the answer is whole
+            return await self._tool_stream(req, [(ids, params)], rid, created, top)
         if req.stream:
             return await self._openai_stream([(ids, params)], rid, created, "chat.completion.chunk", req, [""], top)
         def choice(i: int, events: list[dict]) -> dict:
-            return {"message": {"role": "assistant", "content": "".join(ev["text"] for ev in events)},
-                    "logprobs": self._oai_logprobs(events, True, top) if req.logprobs else None}
+            message, finish = self._assistant_message(req, events)
+            return {"message": message, "logprobs": self._oai_logprobs(events, True, top) if req.logprobs else None,
+                    **({"finish_reason": finish} if finish else {})}
 
         runs = await self._choices([(ids, params)], req.n, stream=False)
         return self._openai_answer(runs, req.n, rid, created, "chat.completion", choice,
                                    {"prompt_logprobs": self._vllm_prompt_logprobs(ids, runs[0], req.prompt_logprobs)})
+
+    def _assistant_message(self, req: ChatRequest, events: list[dict]) -> tuple[dict[str, Any], str | None]:
+        """A chat choice's message, with the tool calls its answer makes (app.tool_calls), and the finish
+        reason those calls give it (None: the engine's)."""
+        text = "".join(ev["text"] for ev in events)
+        mode = req.tool_mode()
+        content: str | None = text
+        calls: list[ToolCall] = []
+        if mode == "named":  # the answer is the arguments (cut short only by max_tokens)
+            content, calls = None, [ToolCall(req.named_tool().name, text)]
+        elif mode == "required":
+            calls = parse_required(text) or []
+            content = None if calls else text
+        elif mode == "auto" and self.settings.tool_call_parser == "hermes":
+            content, calls = parse_hermes(text, {t.function.name for t in req.tools})
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.as_openai() for c in calls]
+        return message, "tool_calls" if calls and mode != "named" else None
+
+    async def _tool_stream(self, req: ChatRequest, jobs, rid: str, created: int, top: int) -> StreamingResponse:
+        """A chat stream of a request that may call tools: its answers run whole, then each choice comes
+        as OpenAI streams one (its role, its text, its calls with their whole arguments, its end)."""
+        runs = await self._choices(jobs, req.n, stream=False)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                         "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
+
+        async def body():
+            for i, events in enumerate(runs):
+                message, finish = self._assistant_message(req, events)
+                yield chunk(i, {"role": "assistant", "content": ""})
+                if message["content"]:
+                    yield chunk(i, {"content": message["content"]},
+                                logprobs=self._oai_logprobs(events, True, top) if req.logprobs else None)
+                if message.get("tool_calls"):
+                    yield chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]})
+                yield chunk(i, {}, finish or _oai_finish(events[-1]["finish_reason"]))
+            if include_usage:
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                            "choices": [], "usage": _usage([events[-1] for events in runs], req.n)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=_stream_headers(runs[0][0]))
 
     def _openai_answer(self, runs: list[list[dict]], n: int, rid: str, created: int, obj: str, choice,
                        extra: dict | None = None) -> JSONResponse:
         """A whole OpenAI answer of its choices' events (``n`` per prompt): ``choice(i, events)`` gives the
         API's own fields of choice ``i``, ``extra`` its own top-level ones; the index, the finish reason and
         the envelope are the same."""
-        choices = [{"index": i, **choice(i, events), "finish_reason": _oai_finish(events[-1]["finish_reason"])}
-                   for i, events in enumerate(runs)]
+        choices = [{"index": i, **choice(i, events)} for i, events in enumerate(runs)]
+        for c, events in zip(choices, runs, strict=True):  # (last, as OpenAI writes it; a choice may say its own)
+            c["finish_reason"] = c.pop("finish_reason", None) or _oai_finish(events[-1]["finish_reason"])
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                              "choices": choices, "usage": _usage([events[-1] for events in runs], n), **(extra or {})},
                             headers=_replica_header(runs[0]))
@@ -1184,17 +1236,18 @@ class Ingress:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         try:
-            # "developer" is OpenAI's newer name for the system role, which chat templates know: one
-            # they do not know is dropped (Qwen's) or rendered as a role the model never saw (Llama 3's)
-            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+            msgs = [m.for_template() for m in req.messages]
             if overlong:
                 await self._refuse_overlong(sum(len(m["content"]) for m in msgs), "messages")
         except ValueError as e:
             raise ApiError(422, str(e), param="messages") from None
+        # the tools the model may call, through its template (as vLLM, not with tool_choice none)
+        tools = ({"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
+                 if isinstance(req, ChatRequest) and req.tool_mode() != "none" else {})
         try:
             enc = await self._off_loop(self.tokenizer.apply_chat_template, msgs, tokenize=True,
                                        add_generation_prompt=req.add_generation_prompt,
-                                       continue_final_message=req.continue_final_message, **self._sanitize)
+                                       continue_final_message=req.continue_final_message, **tools, **self._sanitize)
         except Exception as e:  # noqa: BLE001 - the template refused these messages (raise_exception, ...)
             raise ApiError(422, f"the model's chat template cannot render these messages: {_error_text(e)}",
                            param="messages") from None

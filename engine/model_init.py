@@ -15,10 +15,14 @@ import torch
 from engine.presets import PRESETS
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# tools and tool calls as Hermes-style templates (Qwen's) write them, so tool calling is tested end to end
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|system|>Tools:{% for tool in tools %} {{ tool['function'] | tojson }}{% endfor %}<|end|>{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "<|{{ message['role'] }}|>{{ message['content'] }}"
+    "{% for call in message.get('tool_calls', []) %}<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}"
+    "<|end|>"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

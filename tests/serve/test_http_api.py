@@ -152,11 +152,11 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     ("/v1/chat/completions", {"model": "tiny", "best_of": 2, "messages": [{"role": "user", "content": "x"}]}, 400,
      "best_of"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "best_of": 2, "n": 3}, 400, "at least n"),
-    ("/v1/chat/completions", {"model": "tiny", "tools": [{"type": "function", "function": {"name": "f"}}],
-                              "messages": [{"role": "user", "content": "x"}]}, 400, "tool"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [  # a tool-calling client's history
-        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "tool_calls"),
+    ("/v1/chat/completions", {"model": "tiny", "tool_choice": "required",
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "needs tools"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [  # OpenAI's older form of a call
+        {"role": "user", "content": "x"}, {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]},
+     400, "function_call"),
     ("/v1/chat/completions", {"model": "tiny", "response_format": {"type": "json_schema"},
                               "messages": [{"role": "user", "content": "x"}]}, 400, "response_format.json_schema"),
     ("/v1/chat/completions", {"model": "tiny", "response_format": {"type": "yaml"},
@@ -374,11 +374,61 @@ def test_a_tiny_temperature_is_greedy_and_the_engine_stays_up(client):
 
 
 def test_a_chat_history_with_an_empty_tool_calls_list_is_served(client):
-    # what a tool-capable server's answers carry and clients send back; a non-empty list is refused
+    # what a tool-capable server's answers carry and clients send back
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "tool_calls": []},
             {"role": "user", "content": "And?"}]
     r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "today's weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"],
+    "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1, "maximum": 5}}}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["a"], "properties": {"a": {"type": "boolean"}}}}}
+
+
+def test_tool_calling_named_required_and_auto(client):
+    chat = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 60, "temperature": 0}
+
+    def prompt_tokens(**kw) -> int:
+        return client.post("/v1/chat/completions", json={**chat, "max_tokens": 1, **kw}).json()["usage"]["prompt_tokens"]
+    # the model sees the tools through its template (not with tool_choice none)
+    assert prompt_tokens(tools=[WEATHER]) > prompt_tokens() == prompt_tokens(tools=[WEATHER], tool_choice="none")
+    # a named function: the answer is its arguments, per its schema
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.post("/v1/chat/completions", json={**chat, "tools": [WEATHER, ADD], "tool_choice": named})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "stop"
+    assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+    args = json.loads(call["function"]["arguments"])
+    assert args["city"] in ("Oslo", "Lima") and 1 <= args["days"] <= 5
+    # required: one call at least, of any of the tools; one at most without parallel calls
+    r = client.post("/v1/chat/completions", json={**chat, "tools": [WEATHER, ADD], "tool_choice": "required",
+                                                  "parallel_tool_calls": False, "temperature": 1.0, "n": 3, "seed": 5})
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1, choice
+        call = choice["message"]["tool_calls"][0]["function"]
+        assert call["name"] in ("get_weather", "add") and isinstance(json.loads(call["arguments"]), dict)
+    # auto: the model decides (this one writes text), and its answer is read for calls
+    r = client.post("/v1/chat/completions", json={**chat, "tools": [WEATHER], "max_tokens": 5}).json()
+    assert r["choices"][0]["message"]["content"] and "tool_calls" not in r["choices"][0]["message"]
+    # streamed: the same call, its arguments whole in one delta
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "tools": [WEATHER], "tool_choice": named,
+                                                             "stream": True}) as s:
+        chunks = [e for e in sse_events(s) if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    (streamed,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert streamed[0]["index"] == 0 and json.loads(streamed[0]["function"]["arguments"]) == args
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # the call and the tool's answer go back in the history, rendered by the template
+    history = [*chat["messages"], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = client.post("/v1/chat/completions", json={**chat, "messages": history, "tools": [WEATHER], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > prompt_tokens(tools=[WEATHER]) + 20
 
 
 def test_control_tokens_typed_into_a_message_are_text_and_developer_is_the_system_role(client):

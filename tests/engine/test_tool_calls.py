@@ -1,0 +1,72 @@
+"""Tool calls read out of a model's text (Hermes format) and out of a required tool choice's JSON, and a
+chat history's calls as templates read them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from app.schemas import ChatRequest
+from app.tool_calls import parse_hermes, parse_required, required_schema, template_tool_calls
+from engine.guided import grammar_text
+
+NAMES = {"get_weather", "add"}
+
+
+def test_hermes_calls_are_read_and_the_text_around_them_kept():
+    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call> done')
+    content, calls = parse_hermes(text, NAMES)
+    assert content == "Let me check.  done"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"}), ("add", {"a": 1})]
+    # only calls: no content; a last block the model ended before closing still counts
+    content, calls = parse_hermes('<tool_call>{"name": "add", "arguments": {"a": 2}}', NAMES)
+    assert content is None and calls[0].name == "add"
+    # not a call of a known tool, or not JSON: text, as it came
+    for text in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "<tool_call>{oops</tool_call>", "plain"):
+        assert parse_hermes(text, NAMES) == (text, [])
+
+
+def test_a_required_choices_answer_is_a_list_of_calls():
+    calls = parse_required('[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "get_weather", "parameters": {}}]')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2}), ("get_weather", {})]
+    assert parse_required('[{"name": "add", "parameters": {"a"') is None  # cut short by max_tokens
+    assert parse_required('{"name": "add"}') is None
+    # its guide compiles, one call at most without parallel calls
+    schema = json.loads(required_schema([("add", {"type": "object"}), ("get_weather", None)], parallel=False))
+    assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    grammar_text("json", json.dumps(schema))
+
+
+def test_history_calls_reach_the_template_with_object_arguments():
+    calls = template_tool_calls([{"id": "1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}},
+                                 {"id": "2", "type": "function", "function": {"name": "add", "arguments": "not json"}}])
+    assert calls[0]["function"]["arguments"] == {"a": 1} and calls[1]["function"]["arguments"] == "not json"
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "not one of the tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "one structured output"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "name"),
+    ({"messages": [{"role": "assistant", "function_call": {"name": "add", "arguments": "{}"}}]}, "function_call"),
+    ({"messages": [{"role": "tool", "tool_call_id": "1"}]}, "needs content"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": "{}"}}]}]}, "only assistant"),
+])
+def test_bad_tool_requests_are_refused(body, needle):
+    with pytest.raises(ValidationError, match=needle):
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+
+
+def test_tool_modes():
+    def mode(**kw):
+        return ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **kw}).tool_mode()
+    assert mode() == "none" and mode(tools=TOOLS) == "auto" and mode(tools=TOOLS, tool_choice="none") == "none"
+    assert mode(tools=TOOLS, tool_choice="required") == "required"
+    assert mode(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}) == "named"
