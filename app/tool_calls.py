@@ -33,11 +33,23 @@ def named_schema(parameters: dict[str, Any] | None) -> str:
 
 def required_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bool) -> str:
     """The guide of ``tool_choice: required``: a list of calls (one at least; one at most unless
-    ``parallel``), each a tool's name with arguments per its parameters' schema."""
-    call = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                       "properties": {"name": {"const": name}, "parameters": params or ANY_OBJECT}}
-                      for name, params in tools]}
-    return json.dumps({"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": call})
+    ``parallel``), each a tool's name with arguments per its parameters' schema. The schemas' own
+    definitions (``$defs``, where pydantic puts nested models) move to the root, where their ``$ref``s
+    point; two tools defining one name differently cannot share it (``ValueError``)."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for name, params in tools:
+        params = dict(params or ANY_OBJECT)
+        for key in ("$defs", "definitions"):
+            for def_name, schema in (params.pop(key, None) or {}).items():
+                if defs.setdefault(def_name, schema) != schema:
+                    raise ValueError(f"tools define {def_name!r} differently: tool_choice required cannot hold both")
+        calls.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                      "properties": {"name": {"const": name}, "parameters": params}})
+    root = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
+    if defs:  # (both spellings of the refs find them)
+        root["$defs"] = root["definitions"] = defs
+    return json.dumps(root)
 
 
 def parse_required(text: str) -> list[ToolCall] | None:
@@ -75,7 +87,7 @@ def _hermes_call(body: str, names: set[str]) -> ToolCall | None:
         obj = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))

@@ -1064,19 +1064,23 @@ class Ingress:
                                         str(tid): entry(e[0], e[1], tid)}
                 for tid, e in zip(ids, plps, strict=True)]
 
-    def _prompt_logprobs(self, ids: list[int], events: list[dict], top: int, length: int) -> dict:
+    def _prompt_logprobs(self, ids: list[int], events: list[dict], top: int, length: int,
+                         offsets: list[int] | None = None) -> dict:
         """Completions' ``logprobs`` lists of an echoed prompt, from the engine's ``prompt_logprobs`` (on
         its first token's event): the first token has none. A token's ``text_offset`` is where its text
-        starts in the echoed prompt of ``length`` characters, counted from the tokens' own texts (special
-        tokens have none there), as vLLM counts them."""
+        starts in the echoed prompt of ``length`` characters: ``offsets`` (the tokenizer's, for a text),
+        else counted from the tokens' own texts (special tokens have none there; a leading space the
+        decoded prompt does not start with, SentencePiece's, neither)."""
         plps = _engine_prompt_logprobs(events, len(ids))
-        offsets, at = [], 0
-        for t in ids:
-            offsets.append(min(at, length))
-            at += 0 if t in self._special else len(self._token_text(t))
+        if offsets is None:
+            offsets, at = [], 0
+            for t in ids:
+                offsets.append(min(at, length))
+                own = "" if t in self._special else self._token_text(t)
+                at += len(own) - (at == 0 and own.startswith(" ") and not self._detok([t]).startswith(" "))
         return {"tokens": [self._listed_token(t) for t in ids],
                 "token_logprobs": [None if e is None else e[0] for e in plps],
-                "top_logprobs": [None if e is None else {self._listed_token(t): lp for t, lp in e[2]} for e in plps]
+                "top_logprobs": [None if e is None else {self._listed_token(t): lp for t, lp in e[2][:top]} for e in plps]
                 if top else None,
                 "text_offset": offsets}
 
@@ -1088,7 +1092,7 @@ class Ingress:
             if isinstance(p, str) and not req.truncate_prompt_tokens:  # (a long text is fine: its end is kept)
                 await self._refuse_overlong(len(p), "prompt")
         top = req.logprobs or 0
-        jobs, prefixes = [], []
+        jobs, prefixes, offsets = [], [], []
         default = self.sampling_defaults.get("max_new_tokens", 16)
         for p in prompts:
             ids = await self._truncated(p if isinstance(p, list) else await self._tokenize(p, req.add_special_tokens),
@@ -1099,16 +1103,20 @@ class Ingress:
             if req.echo and req.logprobs is not None:  # the echoed prompt's tokens come with theirs
                 params["prompt_logprobs"] = max(top, req.prompt_logprobs or 0)
             jobs.append((ids, params))
-            prefixes.append((p if isinstance(p, str) else self._detok(ids)) if req.echo else "")
+            # (a truncated text echoes what is left of it)
+            prefixes.append((p if isinstance(p, str) and not req.truncate_prompt_tokens else self._detok(ids))
+                            if req.echo else "")
+            offsets.append(await self._text_offsets(p, ids, req.add_special_tokens)
+                           if req.echo and req.logprobs is not None and isinstance(p, str) else None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return await self._openai_stream(jobs, rid, created, "text_completion", req, prefixes, top)
+            return await self._openai_stream(jobs, rid, created, "text_completion", req, prefixes, top, offsets)
         def choice(i: int, events: list[dict]) -> dict:  # n per prompt, in prompt order (as OpenAI numbers them)
             prefix = prefixes[i // req.n]
             text = prefix + "".join(ev["text"] for ev in events)
             logprobs = self._oai_logprobs(events, False, top, len(prefix), len(text)) if req.logprobs is not None else None
             if logprobs is not None and req.echo:
-                echoed = self._prompt_logprobs(jobs[i // req.n][0], events, top, len(prefix))
+                echoed = self._prompt_logprobs(jobs[i // req.n][0], events, top, len(prefix), offsets[i // req.n])
                 logprobs = {k: None if v is None else echoed[k] + v for k, v in logprobs.items()}
             return {"text": text, "logprobs": logprobs,
                     "prompt_logprobs": self._vllm_prompt_logprobs(jobs[i // req.n][0], events, req.prompt_logprobs)}
@@ -1132,6 +1140,8 @@ class Ingress:
         params = req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs,
                               top_logprobs=top, defaults=self.sampling_defaults)
         params["bad_words_ids"] = await self._bad_words_ids(req.bad_words)
+        if req.tool_mode() == "auto" and self.settings.tool_call_parser == "hermes":
+            params["skip_special_tokens"] = False  # (some models' <tool_call> is a special token)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         tools = req.tool_mode() != "none"
         if req.stream and tools:  # the calls are known once the answer is whole
@@ -1222,6 +1232,19 @@ class Ingress:
             return out
         return await self._off_loop(encode)
 
+    async def _text_offsets(self, text: str, ids: list[int], add_special_tokens: bool) -> list[int] | None:
+        """Where each of a text's tokens starts in it, as the tokenizer maps them (None: the tokenizer
+        cannot say, or ``ids`` are not that text's tokens, e.g. truncated)."""
+        def spans() -> list[int] | None:
+            try:
+                enc = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+            except (NotImplementedError, ValueError, TypeError):  # a slow tokenizer has no offsets
+                return None
+            if list(enc["input_ids"]) != ids:
+                return None
+            return [start for start, _ in enc["offset_mapping"]]
+        return await self._off_loop(spans)
+
     async def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """The prompt's last ``keep`` tokens (vLLM's truncate_prompt_tokens; -1: max_input_tokens)."""
         if not keep:
@@ -1283,7 +1306,8 @@ class Ingress:
             raise ApiError(422, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
         return {"prompt": await self._off_loop(self.tokenizer.decode, req.tokens, skip_special_tokens=False)}
 
-    async def _openai_stream(self, jobs, rid, created, obj, req, prefixes: list[str], top: int = 0):
+    async def _openai_stream(self, jobs, rid, created, obj, req, prefixes: list[str], top: int = 0,
+                             offsets: list | None = None):
         started = await self._choices(jobs, req.n, stream=True)
         chat = obj == "chat.completion.chunk"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -1323,7 +1347,8 @@ class Ingress:
                     c = chunk(st, st.prefix, None)
                     if want_logprobs and echo_ids:  # the echoed prompt's own log-probabilities
                         c["choices"][0]["logprobs"] = self._prompt_logprobs(
-                            echo_ids[st.index // req.n], [started[st.index][0]], top, len(st.prefix))
+                            echo_ids[st.index // req.n], [started[st.index][0]], top, len(st.prefix),
+                            offsets[st.index // req.n] if offsets else None)
                     yield _sse(c)
             finals: dict[int, dict] = {}
             async with contextlib.aclosing(_merged([_chain(first, rest) for first, rest in started])) as events:

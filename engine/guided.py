@@ -69,22 +69,32 @@ def _first_line(e: object) -> str:
 
 
 class Guides:
-    """One engine's guided decoding: its tokenizer as llguidance reads it (made on first use), and the
-    matchers of its requests."""
+    """One engine's guided decoding: its tokenizer as llguidance reads it, made when the engine starts
+    (a second or so for a large vocabulary: not in a request's way), with the engine's end-of-sequence
+    ids, which end a complete guide; and the matchers of its requests."""
 
-    def __init__(self, tokenizer, vocab_size: int):
-        self._tokenizer, self._vocab_size = tokenizer, vocab_size
-        self._ll_tokenizer = None
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
+        self._ll_tokenizer, self._problem = None, None
+        try:
+            ends = sorted(t for t in eos_ids if t < len(tokenizer))  # (ids past the tokenizer's vocabulary: no text)
+            self._ll_tokenizer = _llguidance().hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=ends or None)
+        except Exception as e:  # noqa: BLE001 - llguidance reads fast (tokenizers) tokenizers only
+            self._problem = f"guided decoding cannot read this model's tokenizer: {_first_line(e)}"
+
+    def check(self, kind: str, text: str) -> str:
+        """The guide's grammar, checked against this model's tokenizer (``GuideError``: why it cannot be
+        used). Reads only: safe beside the engine's thread, so a bad guide is refused before it is queued."""
+        grammar = grammar_text(kind, text)
+        if self._ll_tokenizer is None:
+            raise GuideError(self._problem)
+        problem = _llguidance().LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
+        if problem:
+            raise GuideError(f"the {kind} guide cannot be used: {_first_line(problem)}")
+        return grammar
 
     def matcher(self, kind: str, text: str):
         """A fresh parser state for one request's guide."""
-        llg = _llguidance()
-        if self._ll_tokenizer is None:
-            try:
-                self._ll_tokenizer = llg.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size)
-            except Exception as e:  # noqa: BLE001 - llguidance reads fast (tokenizers) tokenizers only
-                raise GuideError(f"guided decoding cannot read this model's tokenizer: {_first_line(e)}") from None
-        m = llg.LLMatcher(self._ll_tokenizer, grammar_text(kind, text))
+        m = _llguidance().LLMatcher(self._ll_tokenizer, self.check(kind, text))
         if m.is_error():
             raise GuideError(f"the {kind} guide cannot be used: {_first_line(m.get_error())}")
         return m

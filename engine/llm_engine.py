@@ -19,7 +19,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.cpu_linear import use_skinny_linear
 from engine.cuda_graphs import StepGraphs, graphs_blocker
 from engine.detokenizer import find_stop, flush_text, take_delta, update_text
-from engine.guided import GuideError, Guides, grammar_text
+from engine.guided import GuideError, Guides
 from engine.kv_manager import KVManager
 from engine.kv_scales import KVScaleError, read_kv_scales
 from engine.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram
@@ -74,7 +74,7 @@ class LLMEngine:
         self.tokenizer = m.tokenizer
         self.vocab_size = m.config.vocab_size
         self.eos_ids = self._eos_ids()
-        self.guides = Guides(self.tokenizer, self.vocab_size)
+        self.guides = Guides(self.tokenizer, self.vocab_size, self.eos_ids)
 
         self.window = config.window_size or m.sliding_window
         # a model whose layers differ (Gemma 3): no window frees blocks, its sliding layers mask theirs
@@ -183,8 +183,13 @@ class LLMEngine:
         except SamplingError as e:
             raise RequestError(str(e)) from e
         if params.guide is not None:
+            # what would leave a step no token the guide allows (the sampler would then draw token 0)
+            if params.min_tokens:
+                raise RequestError("min_tokens cannot be combined with a structured output (its guide decides the end)")
+            if params.allowed_token_ids:
+                raise RequestError("allowed_token_ids cannot be combined with a structured output")
             try:
-                grammar_text(*params.guide)  # (compiled again for its matcher: a bad one is refused here)
+                self.guides.check(*params.guide)  # (compiled again for its matcher: a bad one is refused here)
             except GuideError as e:
                 raise RequestError(str(e)) from None
         bad_bias = next((t for t in params.logit_bias if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
@@ -357,7 +362,8 @@ class LLMEngine:
             # stop strings count from min_tokens on (as in vLLM), and only ones this token completes
             if len(seq.output_ids) >= p.min_tokens and find_stop(seq, before):
                 reason, by_string = "stop", True
-        if reason is None and guide_done:
+        by_guide = reason is None and guide_done  # (an EOS or stop token that ended the guide is no text)
+        if by_guide:
             reason = "stop"
         elif reason is None and len(seq.output_ids) >= p.max_new_tokens:
             reason = "length"
@@ -365,7 +371,7 @@ class LLMEngine:
             # the end: bytes held back for a character that never completed are text too, and so is
             # the ending token when the client asked for it (include_stop_str_in_output, as vLLM)
             before = len(seq.text)
-            keep_end = reason == "length" or guide_done or p.include_stop_str_in_output
+            keep_end = reason == "length" or by_guide or p.include_stop_str_in_output
             own = flush_text(self.tokenizer, seq, len(seq.output_ids) - (not keep_end))
             if keep_end and own is not None:
                 start = own

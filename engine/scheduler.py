@@ -21,7 +21,7 @@ from engine.kv_manager import KVManager
 from engine.sequence import Sequence, Status
 
 # a prompt whose log-probabilities are asked for returns every row's logits ([tokens, vocabulary] floats):
-# its chunks stay this small (256 MB at a 128k vocabulary)
+# a step computes at most this many such rows, over all its prompts (256 MB at a 128k vocabulary)
 PROMPT_LOGPROBS_CHUNK = 512
 
 
@@ -59,6 +59,7 @@ class Scheduler:
         self.kv = kv
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.max_chunk = max_prefill_chunk_tokens or max_batch_prefill_tokens
+        self._logit_rows = PROMPT_LOGPROBS_CHUNK  # all-rows logits left in the step being planned
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -98,6 +99,7 @@ class Scheduler:
         pending_keys: dict[tuple, Sequence] = {}  # -> the sequence computing that block
         bs = self.kv.block_size
         dedup = self.kv.cache is not None
+        self._logit_rows = PROMPT_LOGPROBS_CHUNK
         # 1. running sequences, oldest first; the newest are preempted when blocks run out
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
@@ -117,6 +119,8 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 continue
+            if seq.wants_prompt_logprobs:
+                self._logit_rows -= n
             if uncomputed > 1:
                 budget -= n
                 if dedup:
@@ -152,11 +156,17 @@ class Scheduler:
                 seq.waits_on = (weakref.ref(owner), _shared_blocks(seq, owner, len(key) - 1, bs))
                 continue
             n = min(seq.num_uncomputed, budget, self._chunk(seq))
+            if n == 0:  # its prompt's logits would not fit this step's rows: the next step
+                self.kv.release(seq)
+                skipped.append(seq)
+                continue
             if not self.kv.ensure_blocks(seq, seq.num_computed + n):
                 self.kv.release(seq)
                 self.waiting.appendleft(seq)
                 break
             self.kv.count_admission(seq)
+            if seq.wants_prompt_logprobs:
+                self._logit_rows -= n
             pending_keys[key] = seq
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -167,7 +177,7 @@ class Scheduler:
         return plan
 
     def _chunk(self, seq: Sequence) -> int:
-        return min(self.max_chunk, PROMPT_LOGPROBS_CHUNK) if seq.wants_prompt_logprobs else self.max_chunk
+        return min(self.max_chunk, max(self._logit_rows, 0)) if seq.wants_prompt_logprobs else self.max_chunk
 
     def _favor_first_tokens(self, plan: StepPlan) -> None:
         """When a request gets its first token in this step, cut the other prompts' chunks to a quarter:

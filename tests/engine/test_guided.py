@@ -69,3 +69,21 @@ def test_bad_guides_are_refused_with_the_reason(make_engine, guide, needle):
     with pytest.raises(RequestError, match=needle):
         eng.add_request(PROMPT, SamplingParams(guide=guide))
     assert not eng.has_work()
+
+
+def test_a_guide_ends_at_any_of_the_engines_end_tokens_and_cannot_be_contradicted(make_engine):
+    import torch
+
+    from engine.guided import Guides, mask_disallowed
+
+    eng = make_engine("tiny")
+    eos = next(iter(eng.eos_ids))
+    end_of_turn = eng.tokenizer.convert_tokens_to_ids("<|end|>")  # (as generation_config lists one)
+    guides = Guides(eng.tokenizer, eng.vocab_size, {eos, end_of_turn, 300})  # (300: past the tokenizer's ids)
+    m = guides.matcher("regex", "a")
+    m.consume_token(eng.tokenizer.convert_tokens_to_ids("a"))
+    allowed = torch.isfinite(mask_disallowed(torch.zeros(eng.vocab_size), m)).nonzero().flatten().tolist()
+    assert allowed == sorted({eos, end_of_turn})
+    for kw, needle in ((dict(min_tokens=2), "min_tokens"), (dict(allowed_token_ids=[97]), "allowed_token_ids")):
+        with pytest.raises(RequestError, match=needle):
+            eng.add_request(PROMPT, SamplingParams(guide=("regex", "a+"), **kw))

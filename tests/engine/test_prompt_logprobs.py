@@ -81,10 +81,13 @@ def test_a_prompt_with_logprobs_is_prefilled_in_small_chunks(make_engine, hf_mod
     eng = make_engine("tiny")
     eng.add_request(PROMPT, SamplingParams(max_new_tokens=1, prompt_logprobs=1))
     eng.add_request(PROMPT[::-1], SamplingParams(max_new_tokens=2))
+    eng.add_request(PROMPT[1:], SamplingParams(max_new_tokens=1, prompt_logprobs=0))
     eng.step()
-    assert [s.num_computed for s in eng.scheduler.running] == [16, 70]  # the other one is not held back
-    ev = next(ev for _ in range(10) for ev in eng.step() if ev.prompt_logprobs is not None)
-    _assert_close(ev.prompt_logprobs, _hf_prompt_logprobs(hf_model("tiny"), PROMPT, 1))
+    # 16 such rows a step in all: the second one waits; the one without them is not held back
+    assert [s.num_computed for s in eng.scheduler.running] == [16, 70]
+    events = [ev for _ in range(20) for ev in eng.step() if ev.prompt_logprobs is not None]
+    _assert_close(events[0].prompt_logprobs, _hf_prompt_logprobs(hf_model("tiny"), PROMPT, 1))
+    assert len(events) == 2 and len(events[1].prompt_logprobs) == len(PROMPT) - 1
 
 
 def test_a_one_token_prompt_has_none_and_bad_values_are_refused(make_engine):

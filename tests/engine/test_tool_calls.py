@@ -25,7 +25,8 @@ def test_hermes_calls_are_read_and_the_text_around_them_kept():
     content, calls = parse_hermes('<tool_call>{"name": "add", "arguments": {"a": 2}}', NAMES)
     assert content is None and calls[0].name == "add"
     # not a call of a known tool, or not JSON: text, as it came
-    for text in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "<tool_call>{oops</tool_call>", "plain"):
+    for text in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "<tool_call>{oops</tool_call>", "plain",
+                 '<tool_call>{"name": ["add"], "arguments": {}}</tool_call>', "<tool_call>[1]</tool_call>"):
         assert parse_hermes(text, NAMES) == (text, [])
 
 
@@ -38,6 +39,13 @@ def test_a_required_choices_answer_is_a_list_of_calls():
     schema = json.loads(required_schema([("add", {"type": "object"}), ("get_weather", None)], parallel=False))
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
     grammar_text("json", json.dumps(schema))
+    # tools whose schemas define their parts ($defs, as pydantic writes nested models): refs still resolve
+    loc = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}
+    with_defs = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}}, "$defs": {"Loc": loc}}
+    grammar_text("json", required_schema([("get_weather", with_defs), ("add", with_defs)], parallel=True))
+    other = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}}, "$defs": {"Loc": {"type": "integer"}}}
+    with pytest.raises(ValueError, match="define 'Loc' differently"):
+        required_schema([("get_weather", with_defs), ("add", other)], parallel=True)
 
 
 def test_history_calls_reach_the_template_with_object_arguments():

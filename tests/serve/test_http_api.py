@@ -1095,6 +1095,10 @@ def test_an_echoed_prompt_comes_with_its_log_probabilities(client):
     assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
     assert client.post("/v1/completions", json={"prompt": text, "max_tokens": 1}).json()["choices"][0][
         "prompt_logprobs"] is None
+    # both at once: the echoed tokens keep logprobs' count of alternatives, prompt_logprobs its own
+    both = client.post("/v1/completions", json={**body, "logprobs": 1, "prompt_logprobs": 3}).json()["choices"][0]
+    assert all(len(t) == 1 for t in both["logprobs"]["top_logprobs"][1:])
+    assert all(len(e) >= 3 for e in both["prompt_logprobs"][1:])
 
 
 def test_tokenize_as_tgi_and_as_vllm_and_detokenize(client):
