@@ -84,10 +84,10 @@ class Settings(BaseModel):
                                                        "a request leaves unset: model (the model's generation_config.json, "
                                                        "as vLLM and SGLang) or api (OpenAI's own); "
                                                        "the TGI routes always keep TGI's (default: model)")
-    tool_call_parser: Literal["hermes", "none"] = Field("hermes", description="how chat answers with "
-                                                        "tool_choice auto are read for tool calls: hermes "
-                                                        "(<tool_call>{...}</tool_call>, as Qwen 2.5/3 and Hermes "
-                                                        "models write them) or none (text only) (default: hermes)")
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "none"] = Field(
+        "hermes", description="how chat answers with tool_choice auto are read for tool calls: hermes "
+        "(<tool_call>{...}</tool_call>: Qwen 2.5/3, Hermes), llama3_json (the answer is {\"name\": ..., "
+        "\"parameters\": ...}: Llama 3.x), mistral ([TOOL_CALLS]...) or none (text only) (default: hermes)")
     # serving
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

@@ -1,7 +1,10 @@
 """Tool calling for the chat API, as vLLM does it: the model sees the tools through its chat template; a
 named or required tool choice holds its answer to the tools' JSON schemas (guided decoding), and with
-tool_choice auto the calls are read back out of the text in the Hermes format (``<tool_call>{"name": ...,
-"arguments": {...}}</tool_call>``, what Qwen 2.5/3 and Hermes models write). Pure logic: no HTTP here."""
+tool_choice auto the calls are read back out of the text in the format the model writes (``PARSERS``):
+Hermes (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: Qwen 2.5/3, Hermes), Llama 3's JSON
+(``{"name": ..., "parameters": {...}}`` as the whole answer, calls separated by ``;``) or Mistral's
+(``[TOOL_CALLS][{"name": ..., "arguments": {...}}]``, or ``[TOOL_CALLS]name[ARGS]{...}`` in newer
+tokenizers). Pure logic: no HTTP here."""
 
 from __future__ import annotations
 
@@ -87,10 +90,75 @@ def _hermes_call(body: str, names: set[str]) -> ToolCall | None:
         obj = json.loads(body)
     except ValueError:
         return None
+    return _call(obj, names)
+
+
+def _call(obj: Any, names: set[str], name: str | None = None) -> ToolCall | None:
+    """A call of a known tool from its JSON (``name`` given apart: Mistral's newer format), else None."""
+    if name is not None:
+        obj = {"name": name, "arguments": obj}
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _json_values(text: str, sep: str = "") -> list[Any] | None:
+    """The JSON values ``text`` holds one after another (whitespace and ``sep`` between them), or None
+    when any of it is not JSON."""
+    values, at = [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or (sep and text[at] == sep)):
+            at += 1
+        if at == len(text):
+            return values
+        try:
+            value, at = _DECODER.raw_decode(text, at)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+def parse_llama3_json(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """Llama 3.x's calls: the whole answer is one JSON call or several separated by ``;`` (after an
+    optional ``<|python_tag|>``); anything else is text."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    values = _json_values(body, ";") if body.startswith("{") else None
+    calls = [_call(v, names) for v in values or ()]
+    if not calls or None in calls:
+        return text, []
+    return None, calls
+
+
+_MISTRAL_TAG = "[TOOL_CALLS]"
+_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.-]{1,64})\[ARGS\]")
+
+
+def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """Mistral's calls: the text before ``[TOOL_CALLS]`` is content; after it a JSON list of calls, or
+    (newer tokenizers) ``name[ARGS]{...}`` per call, each after its own tag."""
+    if _MISTRAL_TAG not in text:
+        return text, []
+    content, _, rest = text.partition(_MISTRAL_TAG)
+    calls: list[ToolCall | None] = []
+    for part in rest.split(_MISTRAL_TAG):
+        named = _MISTRAL_NAMED.match(part)
+        if named:
+            values = _json_values(part[named.end():])
+            calls += [_call(v, names, named.group(1)) for v in values] if values and len(values) == 1 else [None]
+        else:
+            values = _json_values(part)
+            calls += [_call(v, names) for v in values[0]] if values and len(values) == 1 and isinstance(
+                values[0], list) else [None]
+    if not calls or None in calls:
+        return text, []
+    return content.strip() or None, calls
+
+
+PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
 
 
 def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -48,7 +48,7 @@ from app.schemas import (
     TokenizeRequest,
     WarmupRequest,
 )
-from app.tool_calls import ToolCall, parse_hermes, parse_required
+from app.tool_calls import PARSERS, ToolCall, parse_required
 from cache.hashing import block_hashes
 from deployments.cors import Cors
 from deployments.logs import show_our_info_logs
@@ -1140,8 +1140,8 @@ class Ingress:
         params = req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs,
                               top_logprobs=top, defaults=self.sampling_defaults)
         params["bad_words_ids"] = await self._bad_words_ids(req.bad_words)
-        if req.tool_mode() == "auto" and self.settings.tool_call_parser == "hermes":
-            params["skip_special_tokens"] = False  # (some models' <tool_call> is a special token)
+        if req.tool_mode() == "auto" and self.settings.tool_call_parser != "none":
+            params["skip_special_tokens"] = False  # (a call's tag may be a special token: [TOOL_CALLS])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         tools = req.tool_mode() != "none"
         if req.stream and tools:  # the calls are known once the answer is whole
@@ -1169,8 +1169,8 @@ class Ingress:
         elif mode == "required":
             calls = parse_required(text) or []
             content = None if calls else text
-        elif mode == "auto" and self.settings.tool_call_parser == "hermes":
-            content, calls = parse_hermes(text, {t.function.name for t in req.tools})
+        elif mode == "auto" and self.settings.tool_call_parser != "none":
+            content, calls = PARSERS[self.settings.tool_call_parser](text, {t.function.name for t in req.tools})
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [c.as_openai() for c in calls]

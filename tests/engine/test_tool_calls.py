@@ -78,3 +78,28 @@ def test_tool_modes():
     assert mode() == "none" and mode(tools=TOOLS) == "auto" and mode(tools=TOOLS, tool_choice="none") == "none"
     assert mode(tools=TOOLS, tool_choice="required") == "required"
     assert mode(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}) == "named"
+
+
+def test_llama3_json_calls():
+    from app.tool_calls import parse_llama3_json
+
+    content, calls = parse_llama3_json('<|python_tag|>{"name": "add", "parameters": {"a": 1}}; '
+                                       '{"name": "get_weather", "parameters": {"city": "Lima"}}', NAMES)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("add", {"a": 1}), ("get_weather", {"city": "Lima"})]
+    for text in ('The answer is {"name": "add"}', '{"name": "add", "parameters": {}} and more',
+                 '{"name": "rm", "parameters": {}}', '{"name": "add", "parameters": {"a": '):
+        assert parse_llama3_json(text, NAMES) == (text, [])
+
+
+def test_mistral_calls_old_and_new_format():
+    from app.tool_calls import parse_mistral
+
+    content, calls = parse_mistral('Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 2}}, '
+                                   '{"name": "get_weather", "arguments": {}}]', NAMES)
+    assert content == "Sure." and [c.name for c in calls] == ["add", "get_weather"]
+    content, calls = parse_mistral('[TOOL_CALLS]add[ARGS]{"a": 3}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', NAMES)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("add", {"a": 3}), ("get_weather", {"city": "Oslo"})]
+    for text in ("no calls", '[TOOL_CALLS][{"name": "rm", "arguments": {}}]', "[TOOL_CALLS]add[ARGS]{oops"):
+        assert parse_mistral(text, NAMES) == (text, [])

@@ -415,6 +415,14 @@ def test_tool_calling_named_required_and_auto(client):
     # auto: the model decides (this one writes text), and its answer is read for calls
     r = client.post("/v1/chat/completions", json={**chat, "tools": [WEATHER], "max_tokens": 5}).json()
     assert r["choices"][0]["message"]["content"] and "tool_calls" not in r["choices"][0]["message"]
+    # (a model that writes a Hermes call: this one, held to one by a regex)
+    hermes = r'Checking\.<tool_call>\{"name": "add", "arguments": \{"a": true\}\}</tool_call>'
+    r = client.post("/v1/chat/completions", json={**chat, "tools": [WEATHER, ADD], "guided_regex": hermes,
+                                                  "max_tokens": 100}).json()
+    (choice,) = r["choices"]
+    assert choice["message"]["content"] == "Checking." and choice["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]] \
+        == [("add", {"a": True})]
     # streamed: the same call, its arguments whole in one delta
     with client.stream("POST", "/v1/chat/completions", json={**chat, "tools": [WEATHER], "tool_choice": named,
                                                              "stream": True}) as s:
