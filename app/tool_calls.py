@@ -23,10 +23,12 @@ class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI's API carries it
 
-    def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-               "function": {"name": self.name, "arguments": self.arguments}}
-        return out if index is None else {"index": index, **out}
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": new_call_id(), "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def named_schema(parameters: dict[str, Any] | None) -> str:
@@ -159,6 +161,25 @@ def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall
 
 
 PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
+_CALL_TAGS = {"hermes": "<tool_call>", "mistral": _MISTRAL_TAG}
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def streamable(text: str, parser: str) -> int:
+    """How much of an answer so far may be streamed as content while the rest is unknown: up to where a
+    call may begin (the parser's tag, or the part of one its end could be). Llama 3's calls are whole
+    answers: one that may be a call (it starts with ``{`` or ``<|python_tag|>``) waits for its end."""
+    if parser == "llama3_json":
+        head = text.lstrip()
+        may_call = not head or head.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(head)
+        return 0 if may_call else len(text)
+    tag = _CALL_TAGS.get(parser)
+    if tag is None:
+        return len(text)
+    at = text.find(tag)
+    if at >= 0:
+        return at
+    return len(text) - next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
 
 
 def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

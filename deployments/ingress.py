@@ -48,7 +48,7 @@ from app.schemas import (
     TokenizeRequest,
     WarmupRequest,
 )
-from app.tool_calls import PARSERS, ToolCall, parse_required
+from app.tool_calls import PARSERS, ToolCall, new_call_id, parse_required, streamable
 from cache.hashing import block_hashes
 from deployments.cors import Cors
 from deployments.logs import show_our_info_logs
@@ -1177,31 +1177,61 @@ class Ingress:
         return message, "tool_calls" if calls and mode != "named" else None
 
     async def _tool_stream(self, req: ChatRequest, jobs, rid: str, created: int, top: int) -> StreamingResponse:
-        """A chat stream of a request that may call tools: its answers run whole, then each choice comes
-        as OpenAI streams one (its role, its text, its calls with their whole arguments, its end)."""
-        runs = await self._choices(jobs, req.n, stream=False)
+        """A chat stream of a request that may call tools. Its text streams up to where a call may begin
+        (``app.tool_calls.streamable``); a named function's arguments stream as they come, in OpenAI's
+        ``tool_calls`` deltas; the calls read out of the rest (auto), or of the whole answer (required),
+        come when the choice ends."""
+        started = await self._choices(jobs, req.n, stream=True)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        mode, parser = req.tool_mode(), self.settings.tool_call_parser
 
-        def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
+        def chunk(index: int, delta: dict, finish: str | None = None, events: list[dict] | None = None) -> str:
+            logprobs = self._oai_logprobs(events, True, top) if req.logprobs and events else None
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                          "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
 
         async def body():
-            for i, events in enumerate(runs):
-                message, finish = self._assistant_message(req, events)
+            runs: list[list[dict]] = [[] for _ in started]
+            texts = [""] * len(started)
+            sent = [0] * len(started)  # characters of each choice's text streamed (as content or arguments)
+            unsent: list[list[dict]] = [[] for _ in started]  # token events whose log-probs are not out yet
+            for i in range(len(started)):
                 yield chunk(i, {"role": "assistant", "content": ""})
-                if message["content"]:
-                    yield chunk(i, {"content": message["content"]},
-                                logprobs=self._oai_logprobs(events, True, top) if req.logprobs else None)
-                if message.get("tool_calls"):
-                    yield chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]})
-                yield chunk(i, {}, finish or _oai_finish(events[-1]["finish_reason"]))
+            async with contextlib.aclosing(_merged([_chain(first, rest) for first, rest in started])) as events:
+                async for i, ev in events:
+                    if ev.get("error"):
+                        yield _sse({"error": {"message": ev["error"], "type": "server_error", "param": None,
+                                              "code": ENGINE_FAILURE}})
+                        return
+                    runs[i].append(ev)
+                    if ev.get("token_id") is not None:
+                        unsent[i].append(ev)
+                    texts[i] = text = texts[i] + ev["text"]
+                    if mode == "named" and (ev["text"] or (ev["finished"] and not sent[i])):
+                        head = {} if sent[i] else {"id": new_call_id(), "type": "function"}
+                        fn = {"arguments": ev["text"]} if sent[i] else {"name": req.named_tool().name, "arguments": ev["text"]}
+                        yield chunk(i, {"tool_calls": [{"index": 0, **head, "function": fn}]}, events=unsent[i])
+                        sent[i], unsent[i] = max(len(text), 1), []
+                    elif mode == "auto" and (upto := streamable(text, parser) if parser != "none" else len(text)) > sent[i]:
+                        yield chunk(i, {"content": text[sent[i]:upto]}, events=unsent[i])
+                        sent[i], unsent[i] = upto, []
+                    if not ev["finished"]:
+                        continue
+                    message, finish = self._assistant_message(req, runs[i])
+                    if mode == "named":
+                        pass  # (its arguments are out)
+                    elif message.get("tool_calls"):
+                        calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+                        yield chunk(i, {"tool_calls": calls}, events=unsent[i])
+                    elif len(text) > sent[i]:  # no call after all: the text held back
+                        yield chunk(i, {"content": text[sent[i]:]}, events=unsent[i])
+                    yield chunk(i, {}, finish or _oai_finish(ev["finish_reason"]))
             if include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                            "choices": [], "usage": _usage([events[-1] for events in runs], req.n)})
+                            "choices": [], "usage": _usage([run[-1] for run in runs], req.n)})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream", headers=_stream_headers(runs[0][0]))
+        return StreamingResponse(body(), media_type="text/event-stream", headers=_stream_headers(started[0][0]))
 
     def _openai_answer(self, runs: list[list[dict]], n: int, rid: str, created: int, obj: str, choice,
                        extra: dict | None = None) -> JSONResponse:

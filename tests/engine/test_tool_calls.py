@@ -103,3 +103,14 @@ def test_mistral_calls_old_and_new_format():
         ("add", {"a": 3}), ("get_weather", {"city": "Oslo"})]
     for text in ("no calls", '[TOOL_CALLS][{"name": "rm", "arguments": {}}]', "[TOOL_CALLS]add[ARGS]{oops"):
         assert parse_mistral(text, NAMES) == (text, [])
+
+
+@pytest.mark.parametrize("parser,text,upto", [
+    ("hermes", "Let me see", 10), ("hermes", "Let me see <tool", 11), ("hermes", "ok <tool_call>{", 3),
+    ("hermes", "a <tool_cal", 2), ("mistral", "Sure [TOOL_", 5), ("mistral", "[TOOL_CALLS][", 0),
+    ("llama3_json", "Hello there", 11), ("llama3_json", ' {"name"', 0), ("llama3_json", "<|pyth", 0),
+    ("llama3_json", "", 0), ("none", "<tool_call>", 11)])
+def test_what_may_stream_before_a_call_could_begin(parser, text, upto):
+    from app.tool_calls import streamable
+
+    assert streamable(text, parser) == upto

@@ -423,13 +423,23 @@ def test_tool_calling_named_required_and_auto(client):
     assert choice["message"]["content"] == "Checking." and choice["finish_reason"] == "tool_calls"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]] \
         == [("add", {"a": True})]
+    # streamed: the text before the call as it comes, never a piece of its tag, then the call
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "tools": [WEATHER, ADD], "guided_regex": hermes,
+                                                             "max_tokens": 100, "stream": True}) as s:
+        deltas = [e["choices"][0] for e in sse_events(s) if e != "[DONE]" and e["choices"]]
+    texts = [d["delta"]["content"] for d in deltas if d["delta"].get("content")]
+    assert "".join(texts) == "Checking." and len(texts) > 3
+    (calls,) = [d["delta"]["tool_calls"] for d in deltas if "tool_calls" in d["delta"]]
+    assert calls[0]["function"]["name"] == "add" and deltas[-1]["finish_reason"] == "tool_calls"
     # streamed: the same call, its arguments whole in one delta
     with client.stream("POST", "/v1/chat/completions", json={**chat, "tools": [WEATHER], "tool_choice": named,
                                                              "stream": True}) as s:
         chunks = [e for e in sse_events(s) if e != "[DONE]"]
     deltas = [c["choices"][0]["delta"] for c in chunks]
-    (streamed,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-    assert streamed[0]["index"] == 0 and json.loads(streamed[0]["function"]["arguments"]) == args
+    pieces = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]  # the arguments as they come
+    assert len(pieces) > 3 and pieces[0]["id"].startswith("call_") and pieces[0]["function"]["name"] == "get_weather"
+    assert all(p["index"] == 0 and "id" not in p for p in pieces[1:])
+    assert json.loads("".join(p["function"]["arguments"] for p in pieces)) == args
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     # the call and the tool's answer go back in the history, rendered by the template
     history = [*chat["messages"], {"role": "assistant", "content": None, "tool_calls": [
@@ -631,7 +641,7 @@ def test_best_of_answers_with_the_likeliest_sequences(client):
     assert len(others) == 2 and len({d["seed"], *(o["seed"] for o in others)}) == 3
     total = sum(t["logprob"] for t in d["tokens"])
     assert all(total >= sum(t["logprob"] for t in o["tokens"]) for o in others)
-    assert all(o["generated_text"] == "".join(t["text"] for t in o["tokens"]) for o in others)
+    assert all(o["generated_text"] == "".join(t["text"] for t in o["tokens"] if not t["special"]) for o in others)
     r = client.post("/generate_stream", json={"inputs": "Omicron", "parameters": {"do_sample": True, "best_of": 2}})
     assert r.status_code == 422 and "best_of" in r.json()["error"]
 
