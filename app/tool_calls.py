@@ -46,7 +46,10 @@ def required_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bo
     for name, params in tools:
         params = dict(params or ANY_OBJECT)
         for key in ("$defs", "definitions"):
-            for def_name, schema in (params.pop(key, None) or {}).items():
+            found = params.pop(key, None) or {}
+            if not isinstance(found, dict):
+                raise ValueError(f"tool {name!r}: parameters.{key} must be an object")
+            for def_name, schema in found.items():
                 if defs.setdefault(def_name, schema) != schema:
                     raise ValueError(f"tools define {def_name!r} differently: tool_choice required cannot hold both")
         calls.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
@@ -61,7 +64,7 @@ def parse_required(text: str) -> list[ToolCall] | None:
     """The calls of a ``required`` answer (None: not a complete list of calls, e.g. cut by max_tokens)."""
     try:
         items = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # (a model can nest brackets past Python's recursion limit)
         return None
     if not isinstance(items, list) or not all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items):
         return None
@@ -90,7 +93,7 @@ def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]
 def _hermes_call(body: str, names: set[str]) -> ToolCall | None:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return _call(obj, names)
 
@@ -119,7 +122,7 @@ def _json_values(text: str, sep: str = "") -> list[Any] | None:
             return values
         try:
             value, at = _DECODER.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         values.append(value)
 
@@ -150,7 +153,8 @@ def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall
         named = _MISTRAL_NAMED.match(part)
         if named:
             values = _json_values(part[named.end():])
-            calls += [_call(v, names, named.group(1)) for v in values] if values and len(values) == 1 else [None]
+            calls += [_call(json.dumps(values[0], ensure_ascii=False), names, named.group(1))] \
+                if values and len(values) == 1 else [None]
         else:
             values = _json_values(part)
             calls += [_call(v, names) for v in values[0]] if values and len(values) == 1 and isinstance(
@@ -191,7 +195,7 @@ def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if isinstance(fn.get("arguments"), str):
             try:
                 fn["arguments"] = json.loads(fn["arguments"])
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass  # not JSON: the template gets the text
         out.append({**c, "function": fn})
     return out

@@ -1095,8 +1095,9 @@ class Ingress:
         jobs, prefixes, offsets = [], [], []
         default = self.sampling_defaults.get("max_new_tokens", 16)
         for p in prompts:
-            ids = await self._truncated(p if isinstance(p, list) else await self._tokenize(p, req.add_special_tokens),
-                                        req.truncate_prompt_tokens)
+            full = p if isinstance(p, list) else await self._tokenize(p, req.add_special_tokens)
+            ids = await self._truncated(full, req.truncate_prompt_tokens)
+            whole_text = isinstance(p, str) and len(ids) == len(full)  # (not cut: the text is the prompt)
             params = req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs is not None,
                                   top_logprobs=top, defaults=self.sampling_defaults)
             params["bad_words_ids"] = await self._bad_words_ids(req.bad_words)
@@ -1104,10 +1105,9 @@ class Ingress:
                 params["prompt_logprobs"] = max(top, req.prompt_logprobs or 0)
             jobs.append((ids, params))
             # (a truncated text echoes what is left of it)
-            prefixes.append((p if isinstance(p, str) and not req.truncate_prompt_tokens else self._detok(ids))
-                            if req.echo else "")
+            prefixes.append((p if whole_text else self._detok(ids)) if req.echo else "")
             offsets.append(await self._text_offsets(p, ids, req.add_special_tokens)
-                           if req.echo and req.logprobs is not None and isinstance(p, str) else None)
+                           if req.echo and req.logprobs is not None and whole_text else None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return await self._openai_stream(jobs, rid, created, "text_completion", req, prefixes, top, offsets)
@@ -1223,9 +1223,16 @@ class Ingress:
                     elif message.get("tool_calls"):
                         calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
                         yield chunk(i, {"tool_calls": calls}, events=unsent[i])
+                        unsent[i] = []
+                        # the text around the calls that was held back (what follows the first one)
+                        streamed, content = text[:sent[i]].strip(), message["content"] or ""
+                        rest = content[len(streamed):] if content.startswith(streamed) else ""
+                        if rest.strip():
+                            yield chunk(i, {"content": rest})
                     elif len(text) > sent[i]:  # no call after all: the text held back
                         yield chunk(i, {"content": text[sent[i]:]}, events=unsent[i])
-                    yield chunk(i, {}, finish or _oai_finish(ev["finish_reason"]))
+                        unsent[i] = []
+                    yield chunk(i, {}, finish or _oai_finish(ev["finish_reason"]), events=unsent[i])
             if include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                             "choices": [], "usage": _usage([run[-1] for run in runs], req.n)})

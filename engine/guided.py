@@ -14,6 +14,7 @@ import torch
 # Lark or GBNF grammar (llguidance's syntax)
 GUIDE_KINDS = ("json", "regex", "choice", "grammar")
 MAX_GUIDE_CHARS = 1 << 16  # a schema or grammar larger than this is refused before it is compiled
+CHECKED_GUIDES = 256  # guides whose check is remembered
 
 
 class GuideError(ValueError):
@@ -75,6 +76,9 @@ class Guides:
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
         self._ll_tokenizer, self._problem = None, None
+        # guides checked lately -> their grammar: a request's is checked as it arrives and again as its
+        # matcher is made, and clients send the same schema request after request
+        self._checked: dict[tuple[str, str], str] = {}
         try:
             ends = sorted(t for t in eos_ids if t < len(tokenizer))  # (ids past the tokenizer's vocabulary: no text)
             self._ll_tokenizer = _llguidance().hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=ends or None)
@@ -84,12 +88,17 @@ class Guides:
     def check(self, kind: str, text: str) -> str:
         """The guide's grammar, checked against this model's tokenizer (``GuideError``: why it cannot be
         used). Reads only: safe beside the engine's thread, so a bad guide is refused before it is queued."""
+        if (kind, text) in self._checked:
+            return self._checked[(kind, text)]
         grammar = grammar_text(kind, text)
         if self._ll_tokenizer is None:
             raise GuideError(self._problem)
         problem = _llguidance().LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
         if problem:
             raise GuideError(f"the {kind} guide cannot be used: {_first_line(problem)}")
+        if len(self._checked) >= CHECKED_GUIDES:
+            self._checked.pop(next(iter(self._checked)), None)  # (the oldest; a dict keeps its order)
+        self._checked[(kind, text)] = grammar
         return grammar
 
     def matcher(self, kind: str, text: str):

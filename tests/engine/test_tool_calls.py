@@ -114,3 +114,19 @@ def test_what_may_stream_before_a_call_could_begin(parser, text, upto):
     from app.tool_calls import streamable
 
     assert streamable(text, parser) == upto
+
+
+def test_what_a_model_or_client_could_send_never_raises():
+    from app.tool_calls import parse_llama3_json, parse_mistral
+
+    deep = "[" * 5000  # past Python's recursion limit in json
+    assert parse_hermes("<tool_call>" + deep, NAMES) == ("<tool_call>" + deep, [])
+    assert parse_llama3_json("{" + '"a":' + deep, NAMES)[1] == []
+    assert parse_mistral("[TOOL_CALLS]" + deep, NAMES)[1] == []
+    assert parse_required(deep) is None
+    assert template_tool_calls([{"function": {"name": "add", "arguments": deep}}])[0]["function"]["arguments"] == deep
+    with pytest.raises(ValueError, match="must be an object"):
+        required_schema([("add", {"type": "object", "$defs": [1]})], parallel=True)
+    # Mistral's newer format with arguments that are not an object: still JSON text
+    _, calls = parse_mistral('[TOOL_CALLS]add[ARGS]"x"', NAMES)
+    assert json.loads(calls[0].arguments) == "x"

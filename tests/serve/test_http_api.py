@@ -416,11 +416,11 @@ def test_tool_calling_named_required_and_auto(client):
     r = client.post("/v1/chat/completions", json={**chat, "tools": [WEATHER], "max_tokens": 5}).json()
     assert r["choices"][0]["message"]["content"] and "tool_calls" not in r["choices"][0]["message"]
     # (a model that writes a Hermes call: this one, held to one by a regex)
-    hermes = r'Checking\.<tool_call>\{"name": "add", "arguments": \{"a": true\}\}</tool_call>'
+    hermes = r'Checking\.<tool_call>\{"name": "add", "arguments": \{"a": true\}\}</tool_call> Done\.'
     r = client.post("/v1/chat/completions", json={**chat, "tools": [WEATHER, ADD], "guided_regex": hermes,
                                                   "max_tokens": 100}).json()
     (choice,) = r["choices"]
-    assert choice["message"]["content"] == "Checking." and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Checking. Done." and choice["finish_reason"] == "tool_calls"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]] \
         == [("add", {"a": True})]
     # streamed: the text before the call as it comes, never a piece of its tag, then the call
@@ -428,7 +428,7 @@ def test_tool_calling_named_required_and_auto(client):
                                                              "max_tokens": 100, "stream": True}) as s:
         deltas = [e["choices"][0] for e in sse_events(s) if e != "[DONE]" and e["choices"]]
     texts = [d["delta"]["content"] for d in deltas if d["delta"].get("content")]
-    assert "".join(texts) == "Checking." and len(texts) > 3
+    assert "".join(texts) == "Checking. Done." and len(texts) > 3  # (the text after the call too)
     (calls,) = [d["delta"]["tool_calls"] for d in deltas if "tool_calls" in d["delta"]]
     assert calls[0]["function"]["name"] == "add" and deltas[-1]["finish_reason"] == "tool_calls"
     # streamed: the same call, its arguments whole in one delta
@@ -679,6 +679,13 @@ def test_openai_truncate_prompt_tokens_keeps_the_end(client):
     chat = {"messages": [{"role": "user", "content": long_text}], "max_tokens": 1}
     r = client.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 30})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 30
+    # echoed: a prompt the limit does not cut is the text as sent; a cut one is what is left of it
+    text = "Eta  keeps <|eos|> its spaces"
+    echo = {"prompt": text, "max_tokens": 1, "echo": True, "logprobs": 0}
+    whole = client.post("/v1/completions", json={**echo, "truncate_prompt_tokens": 500}).json()["choices"][0]
+    assert whole["text"].startswith(text) and whole["logprobs"]["text_offset"][-1] == len(text)
+    cut = client.post("/v1/completions", json={**echo, "truncate_prompt_tokens": 6}).json()["choices"][0]
+    assert cut["text"].startswith("spaces") and len(cut["logprobs"]["tokens"]) == 7
     r = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and "truncate_prompt_tokens" in r.json()["error"]["message"]
 
