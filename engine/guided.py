@@ -109,7 +109,7 @@ class Guides:
         return m
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+_BITS: dict[torch.device, torch.Tensor] = {}  # 0..31 on each device (not copied there at every row)
 
 
 def mask_disallowed(row: torch.Tensor, matcher) -> torch.Tensor:
@@ -119,6 +119,8 @@ def mask_disallowed(row: torch.Tensor, matcher) -> torch.Tensor:
     v = row.shape[-1]
     bitmask = torch.full(((v + 31) // 32,), -1, dtype=torch.int32)
     matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
-    bits = bitmask.to(row.device, non_blocking=True)
-    allowed = ((bits.unsqueeze(1) >> _BITS.to(row.device)) & 1).flatten()[:v].bool()
+    shifts = _BITS.get(row.device)
+    if shifts is None:
+        shifts = _BITS[row.device] = torch.arange(32, dtype=torch.int32, device=row.device)
+    allowed = ((bitmask.to(row.device).unsqueeze(1) >> shifts) & 1).flatten()[:v].bool()
     return row.masked_fill_(~allowed, float("-inf"))
