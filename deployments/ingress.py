@@ -460,9 +460,19 @@ def _usage(finals: list[dict], n: int = 1) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(ev["num_cached_tokens"] for ev in firsts)}}
 
 
+def _oai_stream_error(message: str) -> str:
+    """The event an OpenAI stream ends with when its engine failed mid-answer."""
+    return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": ENGINE_FAILURE}})
+
+
+def _prompt_logprobs_of(events: list[dict]) -> list | None:
+    """The engine's ``prompt_logprobs`` among a request's events (on its first token's), if asked for."""
+    return next((ev["prompt_logprobs"] for ev in events if ev.get("prompt_logprobs") is not None), None)
+
+
 def _engine_prompt_logprobs(events: list[dict], n: int) -> list:
-    """The engine's ``prompt_logprobs`` of a request's events (on its first token's): one per prompt token."""
-    plps = next((ev["prompt_logprobs"] for ev in events if ev.get("prompt_logprobs") is not None), None)
+    """The engine's ``prompt_logprobs`` of a request's events: one per prompt token (a 503 if missing)."""
+    plps = _prompt_logprobs_of(events)
     if plps is None or len(plps) != n:
         raise ApiError(503, "the engine returned no prompt log-probabilities", "generation", code=ENGINE_FAILURE)
     return plps
@@ -859,7 +869,7 @@ class Ingress:
     def _tgi_prefill(self, ids: list[int], events: list[dict]) -> list[dict]:
         """``details.prefill`` (with ``decoder_input_details``): each prompt token with its log-probability,
         null for the first, as TGI writes it; else empty."""
-        plps = next((ev["prompt_logprobs"] for ev in events if ev.get("prompt_logprobs") is not None), None)
+        plps = _prompt_logprobs_of(events)
         if plps is None:
             return []
         return [{"id": t, "text": self._token_text(t), "logprob": None if e is None else e[0]}
@@ -1200,8 +1210,7 @@ class Ingress:
             async with contextlib.aclosing(_merged([_chain(first, rest) for first, rest in started])) as events:
                 async for i, ev in events:
                     if ev.get("error"):
-                        yield _sse({"error": {"message": ev["error"], "type": "server_error", "param": None,
-                                              "code": ENGINE_FAILURE}})
+                        yield _oai_stream_error(ev["error"])
                         return
                     runs[i].append(ev)
                     if ev.get("token_id") is not None:
@@ -1234,11 +1243,15 @@ class Ingress:
                         unsent[i] = []
                     yield chunk(i, {}, finish or _oai_finish(ev["finish_reason"]), events=unsent[i])
             if include_usage:
-                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                            "choices": [], "usage": _usage([run[-1] for run in runs], req.n)})
+                yield self._usage_event(rid, "chat.completion.chunk", created, [run[-1] for run in runs], req.n)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=_stream_headers(started[0][0]))
+
+    def _usage_event(self, rid: str, obj: str, created: int, finals: list[dict], n: int) -> str:
+        """A stream's last chunk before ``[DONE]`` with ``stream_options.include_usage``: no choices, the usage."""
+        return _sse({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
+                     "usage": _usage(finals, n)})
 
     def _openai_answer(self, runs: list[list[dict]], n: int, rid: str, created: int, obj: str, choice,
                        extra: dict | None = None) -> JSONResponse:
@@ -1391,8 +1404,7 @@ class Ingress:
             async with contextlib.aclosing(_merged([_chain(first, rest) for first, rest in started])) as events:
                 async for i, ev in events:
                     if ev.get("error"):  # one choice failed: the others end with it (closing the merge)
-                        yield _sse({"error": {"message": ev["error"], "type": "server_error", "param": None,
-                                              "code": ENGINE_FAILURE}})
+                        yield _oai_stream_error(ev["error"])
                         return
                     st = states[i]
                     # the first token is sent even while its text is held back (a partial UTF-8 character,
@@ -1406,8 +1418,7 @@ class Ingress:
                     if ev["finished"]:
                         finals[i] = ev
             if include_usage and len(finals) == len(states):
-                yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                            "choices": [], "usage": _usage([finals[i] for i in range(len(states))], req.n)})
+                yield self._usage_event(rid, obj, created, [finals[i] for i in range(len(states))], req.n)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=_stream_headers(started[0][0]))

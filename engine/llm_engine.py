@@ -189,7 +189,7 @@ class LLMEngine:
             if params.allowed_token_ids:
                 raise RequestError("allowed_token_ids cannot be combined with a structured output")
             try:
-                self.guides.check(*params.guide)  # (compiled again for its matcher: a bad one is refused here)
+                self.guides.check(*params.guide)  # (a bad one is refused before it is queued)
             except GuideError as e:
                 raise RequestError(str(e)) from None
         bad_bias = next((t for t in params.logit_bias if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
