@@ -78,7 +78,10 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError(f"the engine thread has stopped: {self._why_closed()}")
         params = params or SamplingParams()
-        self.engine.validate(prompt_ids, params, prefill_only)  # reads config only: thread-safe
+        if params.guide is not None:  # compiling a large schema takes a while: not on the event loop
+            await asyncio.to_thread(self.engine.validate, prompt_ids, params, prefill_only)
+        else:
+            self.engine.validate(prompt_ids, params, prefill_only)  # reads config only: thread-safe
         rid = request_id or uuid.uuid4().hex
         # refused here: registering it would take over the stream of the request that has it (or, one
         # whose consumer just left, receive that request's last events until its abort is handled)
