@@ -87,3 +87,14 @@ def test_a_guide_ends_at_any_of_the_engines_end_tokens_and_cannot_be_contradicte
     for kw, needle in ((dict(min_tokens=2), "min_tokens"), (dict(allowed_token_ids=[97]), "allowed_token_ids")):
         with pytest.raises(RequestError, match=needle):
             eng.add_request(PROMPT, SamplingParams(guide=("regex", "a+"), **kw))
+
+
+def test_a_guided_request_preempted_mid_answer_keeps_to_its_guide(make_engine):
+    # a pool of 8 blocks for two 70-token prompts and their answers: one is preempted and computes its
+    # context again; its guide's state (which follows the generated tokens) must not be replayed
+    eng = make_engine("tiny", max_batch_total_tokens=128, max_prefill_chunk_tokens=32)
+    guide = ("regex", "[ab]{30}-[0-9]{5}")
+    seqs = eng.generate([[7] * 60, PROMPT], [SamplingParams(max_new_tokens=40, ignore_eos=True),
+                                             SamplingParams(max_new_tokens=40, guide=guide, temperature=1.0, seed=2)])
+    assert seqs[1].preemptions > 0
+    assert re.fullmatch("[ab]{30}-[0-9]{5}", eng.tokenizer.decode(seqs[1].output_ids, skip_special_tokens=True))
