@@ -27,7 +27,7 @@ from engine.layer_probe import layer_problem
 from engine.model_loader import LoadedModel, load_model, weight_files
 from engine.model_runner import ModelRunner
 from engine.model_support import UnsupportedModel, serving_limits
-from engine.sampler import Sampled, finite_logprob, make_generator, sample
+from engine.sampler import Sampled, finite_logprob, make_generator, sample, top_alternatives
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingError, SamplingParams, Sequence, Status, TokenEvent
 
@@ -327,11 +327,9 @@ class LLMEngine:
             targets = torch.tensor(seq.prompt_ids[start + 1:start + 1 + m], device=lp.device)
             picked = lp.gather(1, targets.unsqueeze(1))
             ranks = (lp > picked).sum(dim=1).add(1).tolist()
-            k = min(seq.params.prompt_logprobs, lp.shape[-1])
-            vals, ids = torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long())
             seq.prompt_logprobs.extend(
-                (finite_logprob(p), rank, [(t, finite_logprob(v)) for t, v in zip(ti, tv, strict=True)])
-                for p, rank, ti, tv in zip(picked.squeeze(1).tolist(), ranks, ids.tolist(), vals.tolist(), strict=True))
+                (finite_logprob(p), rank, top) for p, rank, top in
+                zip(picked.squeeze(1).tolist(), ranks, top_alternatives(lp, seq.params.prompt_logprobs), strict=True))
         return torch.cat(sampled) if sampled else logits[:0]
 
     def _append_token(self, seq: Sequence, s: Sampled, now: float) -> TokenEvent:

@@ -242,14 +242,23 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
         stacked = torch.stack([rows[i] for i in want])  # NaN as impossible; -inf stays -inf (reported as -9999)
         lp = torch.log_softmax(stacked.masked_fill(stacked.isnan(), float("-inf")), dim=-1)
         picked = lp.gather(1, chosen[want].unsqueeze(1)).squeeze(1).tolist()
-        k = min(max(seqs[i].params.top_logprobs or 0 for i in want), lp.shape[-1])
-        vals, ids = torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long())
-        vals, ids = vals.tolist(), ids.tolist()
+        best = top_alternatives(lp, max(seqs[i].params.top_logprobs or 0 for i in want))
         for n, i in enumerate(want):
             out[i].logprob = finite_logprob(picked[n])
             if top := seqs[i].params.top_logprobs:
-                out[i].top = [(t, finite_logprob(v)) for t, v in zip(ids[n][:top], vals[n][:top], strict=True)]
+                out[i].top = best[n][:top]
     return out
+
+
+def top_alternatives(lp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """Each row of log-probabilities ``lp`` ``[N, V]``: its ``k`` likeliest (token id, log-probability),
+    best first, -inf reported as -9999."""
+    k = min(k, lp.shape[-1])
+    if not k:
+        return [[] for _ in range(lp.shape[0])]
+    vals, ids = torch.topk(lp, k)
+    return [[(t, finite_logprob(v)) for t, v in zip(ti, tv, strict=True)]
+            for ti, tv in zip(ids.tolist(), vals.tolist(), strict=True)]
 
 
 def make_generator(seed: int | None) -> torch.Generator:
