@@ -64,6 +64,10 @@ class Settings(BaseModel):
     max_total_tokens: int | None = Field(None, gt=0, description="prompt + generated tokens; default: the "
                                          "model's context, or the KV pool's size if smaller")
     max_num_seqs: int = Field(256, gt=0)
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="which waiting request a replica admits first, and which running one gives way when "
+        "its KV pool runs dry: fcfs (first come, first served) or priority (the OpenAI routes' `priority`, lower "
+        "first, then arrival; vLLM's policy) (default: fcfs)")
     block_size: int = Field(16, gt=0)
     prefix_caching: bool = True
     window_size: int | None = Field(None, gt=0, description="sliding-window attention; default: the model's own")

@@ -75,7 +75,6 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "prediction": ("predicted outputs", _OFF),
     "web_search_options": ("web search", _OFF),
     "return_tokens_as_token_ids": ("return_tokens_as_token_ids", _OFF),
-    "priority": ("request priorities", (None, 0)),
     "lora_request": ("LoRA adapters", _OFF),
 }
 
@@ -198,7 +197,7 @@ MAX_BAD_WORDS = 256
 
 # OpenAI's spec makes these nullable and its client sends null for a None argument: null means the default
 NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "prompt_logprobs", "truncate_prompt_tokens",
-                             "allowed_token_ids", "bad_words", "best_of",
+                             "allowed_token_ids", "bad_words", "best_of", "priority",
                              "tools", "tool_choice", "parallel_tool_calls", "n", "stream", "frequency_penalty", "presence_penalty",
                              "logprobs", "echo", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                              "skip_special_tokens", "add_generation_prompt", "continue_final_message",
@@ -236,6 +235,9 @@ class _OpenAICommon(_Strict):
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # tenant isolation (as vLLM's field)
     ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens even past EOS
+    # vLLM's: lower is admitted first (and preempted last) on a server started with --scheduling-policy
+    # priority; any other value than 0 is refused on a first-come, first-served one
+    priority: int = Field(0, ge=-(2**63), lt=2**63)
     # extensions, as vLLM's
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
     min_tokens: int = Field(0, ge=0)
@@ -348,7 +350,7 @@ class _OpenAICommon(_Strict):
                     frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                     logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
                     stop=self.stop_list(), logprobs=logprobs, top_logprobs=top_logprobs,
-                    cache_salt=self.cache_salt, ignore_eos=self.ignore_eos,
+                    cache_salt=self.cache_salt, priority=self.priority, ignore_eos=self.ignore_eos,
                     stop_token_ids=list(self.stop_token_ids or ()), min_tokens=self.min_tokens,
                     prompt_logprobs=self.prompt_logprobs, allowed_token_ids=list(self.allowed_token_ids or ()),
                     guide=self.guide(),

@@ -8,6 +8,7 @@ from cache.kv_pool import KV_DTYPES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 class ConfigError(ValueError):
@@ -47,6 +48,9 @@ class EngineConfig:
     max_input_tokens: int | None = None  # default: max_total_tokens - 1
     max_total_tokens: int | None = None  # prompt + generated; default: model's max_position_embeddings
     max_num_seqs: int = 256  # running sequences at once
+    # which waiting request is admitted first and which running one gives way when the pool runs dry:
+    # fcfs (arrival) or priority (each request's ``priority``, lower first, then arrival; vLLM's policy)
+    scheduling_policy: str = "fcfs"
     block_size: int = 16
     prefix_caching: bool = True
     window_size: int | None = None  # default: the model's sliding_window, if any
@@ -77,6 +81,9 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                              f"got {self.scheduling_policy!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         self.cuda_graphs = tuple(self.cuda_graphs)

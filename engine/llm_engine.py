@@ -107,7 +107,7 @@ class LLMEngine:
         self.kv = KVManager(num_blocks, config.block_size, config.prefix_caching,
                             config.cache_namespace or m.model_id, self.window)
         self.scheduler = Scheduler(self.kv, config.max_batch_prefill_tokens, config.max_num_seqs,
-                                   config.max_prefill_chunk_tokens)
+                                   config.max_prefill_chunk_tokens, config.scheduling_policy)
         use_flash = (config.attention_backend in ("auto", "flash") and attention.flash_available(m.device)
                      and self.pool.fp8_dtype is None and m.dtype in (torch.float16, torch.bfloat16)
                      and self.pool.storage_dtype == m.dtype and attention.flash_fits(config.block_size, m.head_dim))
@@ -182,6 +182,9 @@ class LLMEngine:
             params.validate()
         except SamplingError as e:
             raise RequestError(str(e)) from e
+        if params.priority and self.config.scheduling_policy != "priority":
+            raise RequestError("priority: this server schedules first come, first served (start it with "
+                               "--scheduling-policy priority to order requests by priority)")
         if params.guide is not None:
             # what would leave a step no token the guide allows (the sampler would then draw token 0)
             if params.min_tokens:

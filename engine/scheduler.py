@@ -9,10 +9,16 @@ Admission matches the radix cache first, so only the uncached suffix is prefille
 ``input + max_new_tokens`` up front: blocks are taken as tokens arrive, and when the pool runs dry the
 most recently admitted sequence is preempted (its written blocks stay cached, so its recompute is
 mostly a cache hit).
+
+Under the ``priority`` policy (vLLM's), both queues are kept in (priority, arrival) order instead: the
+waiting request with the lowest ``priority`` value is admitted first, and the running one with the highest
+gives way first when the pool runs dry. A running request is never preempted to admit a waiting one.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,6 +44,10 @@ class StepPlan:
     finished_at_admission: list[Sequence] = field(default_factory=list)
 
 
+def _queue_key(seq: Sequence) -> tuple[int, int]:
+    return seq.params.priority, seq.queue_order
+
+
 def _shared_blocks(seq: Sequence, other: Sequence, known: int, bs: int) -> int:
     """Tokens, in whole blocks, that ``seq`` shares with ``other`` from the start (the
     first ``known`` are the same). A bisection over slice comparisons: C-speed, not a Python loop a token."""
@@ -55,8 +65,10 @@ def _shared_blocks(seq: Sequence, other: Sequence, known: int, bs: int) -> int:
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_batch_prefill_tokens: int, max_num_seqs: int,
-                 max_prefill_chunk_tokens: int | None = None):
+                 max_prefill_chunk_tokens: int | None = None, policy: str = "fcfs"):
         self.kv = kv
+        self.by_priority = policy == "priority"
+        self._arrivals = itertools.count()
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.max_chunk = max_prefill_chunk_tokens or max_batch_prefill_tokens
         self._logit_rows = PROMPT_LOGPROBS_CHUNK  # all-rows logits left in the step being planned
@@ -66,7 +78,11 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.queue_order = next(self._arrivals)
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=_queue_key)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -87,7 +103,10 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:  # behind the waiting requests that outrank it
+            bisect.insort(self.waiting, seq, key=_queue_key)
+        else:
+            self.waiting.appendleft(seq)
         plan.preempted.append(seq)
 
     def schedule(self) -> StepPlan:
@@ -169,7 +188,10 @@ class Scheduler:
                 self._logit_rows -= n
             pending_keys[key] = seq
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            if self.by_priority:  # (the preemption victim is the last: the lowest priority, newest of its rank)
+                bisect.insort(self.running, seq, key=_queue_key)
+            else:
+                self.running.append(seq)
             budget -= n
             plan.chunks.append(Chunk(seq, n))
         self.waiting.extendleft(reversed(skipped))

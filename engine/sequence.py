@@ -76,6 +76,8 @@ class SamplingParams:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     guide: tuple[str, str] | None = None  # structured output: (kind, text), see engine.guided
     cache_salt: str | None = None
+    # vLLM's: lower runs first under the "priority" scheduling policy (ties: first come); 0 under "fcfs"
+    priority: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -90,7 +92,7 @@ class SamplingParams:
     def validate(self) -> SamplingParams:
         # types first: the HTTP schemas check them, but a Ray handle or library caller passes anything,
         # and a float top_k or a non-string stop would fail inside a step shared by every request
-        for name in ("top_k", "top_logprobs") + (("seed",) if self.seed is not None else ()):
+        for name in ("top_k", "top_logprobs", "priority") + (("seed",) if self.seed is not None else ()):
             if not _is_int(getattr(self, name)):
                 raise SamplingError(f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty", "frequency_penalty",
@@ -223,6 +225,7 @@ class Sequence:
     # ``tokens``, which this one shares (see Scheduler.schedule): not matched against the cache until then
     # (weak: a finished one is not kept alive by the requests behind it)
     waits_on: tuple[object, int] | None = None
+    queue_order: int = 0  # when the scheduler first took it: ties between equal priorities go to the earlier
     ends: tuple[int, ...] = ()  # token ids that would end it (EOS, stop tokens): banned before min_tokens
     prefill_only: bool = False  # warm-up: compute the prompt's KV, generate nothing
     prompt_logprobs: list[PromptLogprob | None] | None = None  # as far as computed (params.prompt_logprobs)

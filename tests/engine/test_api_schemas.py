@@ -138,3 +138,11 @@ def test_sampling_defaults_are_read_from_generation_config_and_checked(tmp_path,
     for junk in ("{not json", "[0.7]", '{"temperature": NaN}'):
         gc.write_text(junk)
         assert read_sampling_defaults(tmp_path) == {}, junk
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize(("priority", "engine"), [(None, 0), (0, 0), (-5, -5), (7, 7)])
+def test_openai_priority_reaches_the_engine(kind, priority, engine):
+    assert _openai(kind, priority=priority)["priority"] == engine
+    with pytest.raises(ValidationError, match="priority"):
+        _openai(kind, priority=2**63)

@@ -180,6 +180,11 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
+    # this server schedules first come, first served: a priority is refused, not ignored
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "priority": 1}, 400, "--scheduling-policy priority"),
+    ("/v1/chat/completions", {"model": "tiny", "priority": -2, "stream": True,
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "--scheduling-policy priority"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "priority": 1.5}, 400, "priority"),
     ("/v1/chat/completions", {"model": "tiny", "add_special_tokens": True,
                               "messages": [{"role": "user", "content": "x"}]}, 400, "add_special_tokens"),
     ("/v1/chat/completions", {"model": "tiny", "modalities": ["text", "audio"], "audio": {"voice": "x"},
@@ -289,6 +294,9 @@ def test_vllm_extensions_and_text_that_ends_mid_character(client):
             "logprobs": 0}
     out = client.post("/v1/completions", json=body).json()["choices"][0]
     assert out["text"] == "\ufffd" * 3 and out["finish_reason"] == "length"
+    for unset in (0, None):  # what clients send for "no priority" is served by a first-come server too
+        same = client.post("/v1/completions", json={**body, "priority": unset}).json()["choices"][0]
+        assert same["text"] == out["text"]
     # the first two were sent before their text was known; the last, rendered at the end, is exact
     assert out["logprobs"]["text_offset"] == [0, 0, 2]
     # min_tokens holds back EOS; EOS's own text shows in the TGI details, not in the answer's text
