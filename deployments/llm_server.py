@@ -222,6 +222,7 @@ class LLMServer:
                 "model_device_type": m.device.type, "vocab_size": e.vocab_size,
                 "max_input_tokens": e.max_input_tokens, "max_total_tokens": e.max_total_tokens,
                 "max_batch_prefill_tokens": e.config.max_batch_prefill_tokens,
+                "scheduling_policy": e.config.scheduling_policy,
                 "max_batch_total_tokens": e.kv.capacity_tokens, "block_size": e.config.block_size,
                 "prefix_caching": e.config.prefix_caching, "kv_cache_dtype": e.config.kv_cache_dtype,
                 "kv_cache_scales": e.kv_scales if e.pool.fp8_dtype is not None else None,

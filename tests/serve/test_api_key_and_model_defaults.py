@@ -1,6 +1,6 @@
-"""A service started with ``--api-key``, of a model whose ``generation_config.json`` declares a sampling
-default (top_k 1, greedy), over real HTTP: who gets in, and what a request that leaves sampling unset
-gets."""
+"""A service started with ``--api-key`` and ``--scheduling-policy priority``, of a model whose
+``generation_config.json`` declares a sampling default (top_k 1, greedy), over real HTTP: who gets in,
+what a request that leaves sampling unset gets, and that a priority is served."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def keyed(serve_app, model_dir, redis_server, tmp_path_factory):
     gc = json.loads((folder / "generation_config.json").read_text())
     (folder / "generation_config.json").write_text(json.dumps({**gc, "top_k": 1, "max_new_tokens": 5}))
     settings = Settings(model_id=str(folder), num_replicas=1, replica_num_cpus=1, max_batch_total_tokens=2048,
-                        redis_url=redis_server.url, api_key=KEY, deployment_name="ktest")
+                        redis_url=redis_server.url, api_key=KEY, deployment_name="ktest",
+                        scheduling_policy="priority")
     serve.run(build_app(settings), name="ktest", route_prefix=ROUTE)
     url = serve_app + ROUTE
     wait_healthy(url, timeout=120)  # /health needs no key
@@ -88,6 +89,19 @@ def test_openai_routes_take_what_a_request_leaves_unset_from_the_models_generati
         assert r["usage"]["completion_tokens"] == 5
         assert tgi() == greedy  # TGI's default: greedy
         assert any(tgi(do_sample=True, seed=s) != greedy for s in range(3))  # no top_k 1 there
+
+
+def test_a_priority_server_serves_each_requests_priority(keyed):
+    """(The order it sets is the engine's, tested in tests/engine/test_scheduler_priority.py; a first-come
+    server's 400 for the same field is in test_http_api.py.)"""
+    with httpx.Client(base_url=keyed, timeout=60, headers=AUTH) as c:
+        assert c.get("/info").json()["scheduling_policy"] == "priority"
+        for path, body in (("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True})):
+            for priority in (-3, 0, 7):
+                r = c.post(path, json={**body, "max_tokens": 2, "priority": priority})
+                assert r.status_code == 200, r.text
+                assert r.text.count('"finish_reason":"length"') + r.text.count('"finish_reason": "length"') == 1
 
 
 def test_batch_sends_the_key_and_says_at_once_when_it_has_none(keyed, tmp_path, capsys):
