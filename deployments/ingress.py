@@ -29,12 +29,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import TaskCancelledError
 from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import Settings
+from app.responses_api import ResponseEvents, ResponsesRequest, response_from_chat
 from app.sampling_defaults import read_sampling_defaults
 from app.schemas import (
     TGI_FINISH,
@@ -257,7 +259,7 @@ class JsonOnly:
 
 # The routes that take a JSON body by POST (below, in Ingress); other paths answer 404 or 405 whatever
 # the body's type. (Serve wraps the class's routes in its own router, so app.routes does not list them.)
-JSON_POST_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",
+JSON_POST_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/responses",
                              "/warmup", "/tokenize", "/detokenize"})
 
 
@@ -1166,6 +1168,41 @@ class Ingress:
         runs = await self._choices([(ids, params)], req.n, stream=False)
         return self._openai_answer(runs, req.n, rid, created, "chat.completion", choice,
                                    {"prompt_logprobs": self._vllm_prompt_logprobs(ids, runs[0], req.prompt_logprobs)})
+
+    @app.post("/v1/responses")
+    async def responses(self, req: ResponsesRequest):
+        """OpenAI's Responses API, answered by the chat route (``app.responses_api``)."""
+        self._check_model(req.model)
+        try:
+            chat = ChatRequest.model_validate(req.chat_body())
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        rid, answer = f"resp_{uuid.uuid4().hex}", await self.chat(chat)  # (refusals raise here, before any byte)
+        if not req.stream:
+            out = response_from_chat(req, json.loads(answer.body), rid, self.model_name)
+            return JSONResponse(out, headers={"x-radixserve-replica": answer.headers.get("x-radixserve-replica", "")})
+        events = ResponseEvents(req, rid, int(time.time()), self.model_name)
+
+        async def body():
+            async with contextlib.aclosing(answer.body_iterator) as chunks:  # (closing it ends the requests)
+                for ev in events.start():
+                    yield ev
+                async for sse in chunks:
+                    data = sse.removeprefix("data: ").strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if chunk.get("error"):
+                        for ev in events.fail(chunk["error"]):
+                            yield ev
+                        return
+                    for ev in events.chunk(chunk):
+                        yield ev
+            for ev in events.end():
+                yield ev
+
+        headers = {k: v for k, v in answer.headers.items() if k not in ("content-type", "content-length")}
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
     def _assistant_message(self, req: ChatRequest, events: list[dict]) -> tuple[dict[str, Any], str | None]:
         """A chat choice's message, with the tool calls its answer makes (app.tool_calls), and the finish

@@ -1,0 +1,360 @@
+"""OpenAI's Responses API (``POST /v1/responses``) as a view of the chat route: a request becomes a chat
+request (``ResponsesRequest.chat_body``), and the chat answer becomes a response object
+(``response_from_chat``), or its stream of chunks the Responses API's events (``ResponseEvents``).
+Nothing is stored: ``previous_response_id`` is refused, and a client sends the whole conversation as
+``input`` (function calls and their outputs included), as it does with ``store: false``."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from app.schemas import MAX_CACHE_SALT_CHARS, MAX_TOOLS, _refuse_named, _Strict
+from engine.sequence import MAX_TOP_LOGPROBS
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_OFF = (None, False, [], {}, "")
+# fields that need what this server does not keep or run: refused by name rather than ignored
+REFUSED = {
+    "previous_response_id": ("stored responses (send the whole conversation as input)", _OFF),
+    "conversation": ("stored conversations (send the whole conversation as input)", _OFF),
+    "background": ("background responses", _OFF),
+    "prompt": ("stored prompt templates", _OFF),
+    "max_tool_calls": ("max_tool_calls", _OFF),
+}
+TEXT_PARTS = ("input_text", "output_text", "text")
+PASSED_ON = ("seed", "cache_salt", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop",  # extensions
+             "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _part_text(content: Any, where: str) -> str:
+    """A message's or a tool output's content as text: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}.content must be a string or a list of content parts")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}.content[{i}]: only text parts ({', '.join(TEXT_PARTS)}) are supported, "
+                             f"got {kind!r}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(items: list[Any]) -> list[dict[str, Any]]:
+    """Input items as chat messages: messages, function calls (an assistant turn's tool_calls) and their
+    outputs (tool messages); reasoning items, which a client sends back as it got them, are left out."""
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise ValueError(f"{where}.role must be user, assistant, system or developer, got {role!r}")
+            out.append({"role": role, "content": _part_text(item.get("content"), where)})
+        elif kind == "function_call":
+            name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+            if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
+                raise ValueError(f"{where}: a function_call needs call_id, name and arguments as strings")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and "tool_call_id" not in last:
+                last.setdefault("tool_calls", []).append(call)  # the same turn's text, or its other calls
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise ValueError(f"{where}: a function_call_output needs a call_id")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _part_text(item.get("output"), where)})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise ValueError(f"{where}: items of type {kind!r} are not supported by this server (messages, "
+                             "function_call and function_call_output are)")
+    return out
+
+
+class ResponsesRequest(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data: Any) -> Any:
+        _refuse_named(data, REFUSED)
+        if isinstance(data, dict):  # null is "not set" for every optional field here
+            data = {k: v for k, v in data.items() if v is not None}
+            reasoning = data.get("reasoning")
+            if isinstance(reasoning, dict) and any(v is not None for v in reasoning.values()):
+                raise ValueError("reasoning: this server runs no reasoning models' options (send reasoning: null)")
+        return data
+
+    model: str | None = None
+    input: str | list[Any] = Field(..., min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    include: list[str] | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    truncation: Literal["disabled"] | None = None  # "auto" would drop the conversation's start
+    store: bool | None = None  # nothing is stored either way
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # extensions, as the chat route's (vLLM's): checked there
+    seed: int | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    priority: int = 0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop: str | list[str] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _well_formed(self):
+        self.chat_body()  # (raises for what cannot become a chat request)
+        return self
+
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat request this one asks for (validated by ``ChatRequest``)."""
+        msgs = _messages([{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input)
+        if self.instructions:
+            msgs.insert(0, {"role": "system", "content": self.instructions})
+        if not msgs:
+            raise ValueError("input holds no message")
+        body: dict[str, Any] = {"messages": msgs, "stream": self.stream, "priority": self.priority}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}  # for the final response's usage
+        if self.max_output_tokens is not None:
+            body["max_tokens"] = self.max_output_tokens
+        for name in ("temperature", "top_p", "parallel_tool_calls") + PASSED_ON:
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
+        if self.wants_logprobs():
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
+        if self.tools:
+            body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        fmt = (self.text or {}).get("format")
+        if fmt is not None:
+            body["response_format"] = _chat_format(fmt)
+        return body
+
+
+def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise ValueError(f"tools[{i}]: only function tools are supported by this server, got {tool.get('type')!r}")
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": fn}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise ValueError("tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _chat_format(fmt: Any) -> dict[str, Any]:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise ValueError("text.format type must be text, json_object or json_schema")
+
+
+# ----------------------------------------------------------------------------- answers
+def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not chat_usage:
+        return None
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+def response_object(req: ResponsesRequest, rid: str, created: int, model: str, status: str,
+                    output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+                    error: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A response object: what the request asked for, echoed, and what came of it."""
+    return {
+        "id": rid, "object": "response", "created_at": created, "status": status, "model": model,
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+        "temperature": req.temperature, "top_p": req.top_p, "top_logprobs": req.top_logprobs,
+        "text": req.text or {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
+        "usage": usage, "user": req.user, "metadata": req.metadata or {},
+    }
+
+
+def _message_item(text: str, logprobs: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
+
+
+def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    fn = call.get("function") or {}
+    return {"type": "function_call", "id": _new_id("fc"), "call_id": call.get("id") or _new_id("call"),
+            "name": fn.get("name", ""), "arguments": fn.get("arguments", ""), "status": status}
+
+
+def response_from_chat(req: ResponsesRequest, answer: dict[str, Any], rid: str, model: str) -> dict[str, Any]:
+    """The response object of a whole chat answer (one choice)."""
+    choice = answer["choices"][0]
+    message = choice["message"]
+    calls = message.get("tool_calls") or []
+    output = []
+    if message.get("content") or not calls:
+        output.append(_message_item(message.get("content") or "", ((choice.get("logprobs") or {}).get("content")) or []))
+    output += [_call_item(c) for c in calls]
+    status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
+    return response_object(req, rid, answer["created"], model, status, output, _usage(answer.get("usage")))
+
+
+class ResponseEvents:
+    """A chat stream's chunks as the Responses API's events (server-sent, each named by its type and
+    numbered): ``start`` before the first chunk, ``chunk`` for each, ``end`` after the last (or ``fail``)."""
+
+    def __init__(self, req: ResponsesRequest, rid: str, created: int, model: str):
+        self.req, self.rid, self.created, self.model = req, rid, created, model
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []
+        self.text_at: int | None = None  # output index of the message being written
+        self.calls: dict[int, int] = {}  # the chat delta's tool call index -> output index
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+    def _response(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
+        return response_object(self.req, self.rid, self.created, self.model, status, self.output, self.usage, error)
+
+    def start(self) -> list[str]:
+        return [self._event("response.created", response=self._response("in_progress")),
+                self._event("response.in_progress", response=self._response("in_progress"))]
+
+    def chunk(self, chunk: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        if chunk.get("usage"):
+            self.usage = _usage(chunk["usage"])
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                logprobs = (choice.get("logprobs") or {}).get("content") or []
+                out += self._text(delta["content"], logprobs)
+            for call in delta.get("tool_calls") or ():
+                out += self._call(call)
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+        return out
+
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[str]:
+        out = []
+        if self.text_at is None:
+            self.text_at = len(self.output)
+            item = _message_item("", [], "in_progress")
+            self.output.append(item)
+            out += [self._event("response.output_item.added", output_index=self.text_at, item=_copy(item)),
+                    self._event("response.content_part.added", item_id=item["id"], output_index=self.text_at,
+                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+        item = self.output[self.text_at]
+        part = item["content"][0]
+        part["text"] += text
+        part["logprobs"] += logprobs
+        out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self.text_at,
+                               content_index=0, delta=text, logprobs=logprobs))
+        return out
+
+    def _close_text(self) -> list[str]:
+        if self.text_at is None:
+            return []
+        at, self.text_at = self.text_at, None
+        item = self.output[at]
+        part = item["content"][0]
+        item["status"] = "completed"
+        return [self._event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
+                            text=part["text"], logprobs=part["logprobs"]),
+                self._event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
+                            part=_copy(part)),
+                self._event("response.output_item.done", output_index=at, item=_copy(item))]
+
+    def _call(self, call: dict[str, Any]) -> list[str]:
+        out = []
+        k = call.get("index", 0)
+        if k not in self.calls:
+            out += self._close_text()  # text after a call opens a message of its own
+            self.calls[k] = len(self.output)
+            item = _call_item({**call, "function": {**(call.get("function") or {}), "arguments": ""}}, "in_progress")
+            self.output.append(item)
+            out.append(self._event("response.output_item.added", output_index=self.calls[k], item=_copy(item)))
+        at = self.calls[k]
+        item = self.output[at]
+        args = (call.get("function") or {}).get("arguments") or ""
+        if args:
+            item["arguments"] += args
+            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
+                                   delta=args))
+        return out
+
+    def end(self) -> list[str]:
+        out = [] if self.output else self._text_start_only()
+        out += self._close_text()
+        for at in sorted(self.calls.values()):
+            item = self.output[at]
+            item["status"] = "completed"
+            out += [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                                arguments=item["arguments"]),
+                    self._event("response.output_item.done", output_index=at, item=_copy(item))]
+        self.calls = {}
+        status = "incomplete" if self.finish == "length" else "completed"
+        out.append(self._event(f"response.{status}", response=self._response(status)))
+        return out
+
+    def _text_start_only(self) -> list[str]:
+        """An answer with no text and no call still has its (empty) message."""
+        out = self._text("", [])
+        return out[:-1]  # (no empty delta)
+
+    def fail(self, error: dict[str, Any]) -> list[str]:
+        code, message = error.get("code") or "server_error", error.get("message", "the request failed")
+        return [self._event("error", code=code, message=message, param=None),
+                self._event("response.failed", response=self._response("failed", {"code": code, "message": message}))]
+
+
+def _copy(obj: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(obj))  # an event shows the item as it was then, not as it grows

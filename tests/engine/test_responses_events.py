@@ -1,0 +1,96 @@
+"""The Responses API's pieces that need no server: input items as chat messages, and chat chunks as
+the API's events (the HTTP side is tests/serve/test_responses_api.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from app.responses_api import ResponseEvents, ResponsesRequest
+from app.schemas import ChatRequest
+
+
+def _events(lines: list[str]) -> list[dict]:
+    return [json.loads(line.split("data: ", 1)[1]) for line in lines]
+
+
+def test_input_items_become_one_chat_with_each_turns_calls_together():
+    req = ResponsesRequest.model_validate({"instructions": "Be brief.", "input": [
+        {"role": "user", "content": "Weather in Oslo and Lima?"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},  # sent back as it came: left out
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "a", "name": "w", "arguments": "{\"city\": \"Oslo\"}"},
+        {"type": "function_call", "call_id": "b", "name": "w", "arguments": "{\"city\": \"Lima\"}"},
+        {"type": "function_call_output", "call_id": "a", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "b", "output": [{"type": "input_text", "text": "rain"}]},
+    ]})
+    body = req.chat_body()
+    msgs = body["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "tool"]
+    assert msgs[2]["content"] == "Checking." and [c["id"] for c in msgs[2]["tool_calls"]] == ["a", "b"]
+    assert msgs[4] == {"role": "tool", "tool_call_id": "b", "content": "rain"}
+    ChatRequest.model_validate(body)  # what the chat route takes
+    # a call after a tool's output is a new assistant turn
+    req = ResponsesRequest.model_validate({"input": [
+        {"type": "function_call", "call_id": "a", "name": "w", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "a", "output": "x"},
+        {"type": "function_call", "call_id": "b", "name": "w", "arguments": "{}"}]})
+    assert [m["role"] for m in req.chat_body()["messages"]] == ["assistant", "tool", "assistant"]
+
+
+@pytest.mark.parametrize("body", [{"input": [{"type": "function_call", "name": "w"}]}, {"input": [{"role": "tool",
+                                  "content": "x"}]}, {"input": [{"type": "reasoning"}]}, {"input": "hi", "background": True}])
+def test_malformed_inputs_are_refused(body):
+    with pytest.raises(ValidationError):
+        ResponsesRequest.model_validate(body)
+
+
+def _chunk(delta: dict | None = None, finish: str | None = None, **extra) -> dict:
+    return {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}] if delta is not None or finish
+            else [], **extra}
+
+
+def test_a_stream_of_text_then_a_call_then_more_text():
+    ev = ResponseEvents(ResponsesRequest.model_validate({"input": "x"}), "resp_1", 0, "m")
+    lines = ev.start()
+    for c in (_chunk({"role": "assistant", "content": ""}), _chunk({"content": "Let me "}), _chunk({"content": "see."}),
+              _chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                      "function": {"name": "w", "arguments": "{\"a\""}}]}),
+              _chunk({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}),
+              _chunk({"content": " Done."}), _chunk({}, "tool_calls"),
+              _chunk(usage={"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                            "prompt_tokens_details": {"cached_tokens": 2}})):
+        lines += ev.chunk(c)
+    lines += ev.end()
+    events = _events(lines)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
+    assert added == [(0, "message"), (1, "function_call"), (2, "message")]  # text after a call: a message of its own
+    final = events[-1]
+    assert final["type"] == "response.completed"
+    out = final["response"]["output"]
+    assert out[0]["content"][0]["text"] == "Let me see." and out[2]["content"][0]["text"] == " Done."
+    assert out[1]["arguments"] == "{\"a\": 1}" and out[1]["call_id"] == "call_1"
+    assert all(item["status"] == "completed" for item in out)
+    assert final["response"]["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2},
+                                          "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 0},
+                                          "total_tokens": 12}
+    # each event shows its item as it was then
+    first_added = next(e for e in events if e["type"] == "response.output_item.added")
+    assert first_added["item"]["content"][0]["text"] == "" and first_added["item"]["status"] == "in_progress"
+
+
+def test_an_empty_answer_still_has_its_message_and_a_failure_ends_the_stream():
+    req = ResponsesRequest.model_validate({"input": "x", "max_output_tokens": 3})
+    ev = ResponseEvents(req, "resp_1", 0, "m")
+    events = _events(ev.start() + ev.chunk(_chunk({}, "length")) + ev.end())
+    assert [e["type"] for e in events][2:] == ["response.output_item.added", "response.content_part.added",
+                                               "response.output_text.done", "response.content_part.done",
+                                               "response.output_item.done", "response.incomplete"]
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    ev = ResponseEvents(req, "resp_2", 0, "m")
+    events = _events(ev.start() + ev.chunk(_chunk({"content": "a"})) + ev.fail({"message": "boom", "code": "engine_failure"}))
+    assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
+    assert events[-1]["response"]["error"] == {"code": "engine_failure", "message": "boom"}
