@@ -43,6 +43,9 @@ def _part_text(content: Any, where: str) -> str:
     texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "refusal" and isinstance(part.get("refusal"), str):  # an earlier answer, sent back
+            texts.append(part["refusal"])
+            continue
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise ValueError(f"{where}.content[{i}]: only text parts ({', '.join(TEXT_PARTS)}) are supported, "
                              f"got {kind!r}")
@@ -137,12 +140,14 @@ class ResponsesRequest(_Strict):
         return self
 
     def wants_logprobs(self) -> bool:
-        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
+        return LOGPROBS_INCLUDE in (self.include or ())  # (top_logprobs only says how many alternatives)
 
     def chat_body(self) -> dict[str, Any]:
         """The chat request this one asks for (validated by ``ChatRequest``)."""
         msgs = _messages([{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input)
-        if self.instructions:
+        if self.instructions and msgs and msgs[0]["role"] in ("system", "developer"):
+            msgs[0] = {"role": "system", "content": f"{self.instructions}\n\n{msgs[0]['content']}"}  # one system turn
+        elif self.instructions:
             msgs.insert(0, {"role": "system", "content": self.instructions})
         if not msgs:
             raise ValueError("input holds no message")
@@ -213,7 +218,7 @@ def response_object(req: ResponsesRequest, rid: str, created: int, model: str, s
         "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
         "temperature": req.temperature, "top_p": req.top_p, "top_logprobs": req.top_logprobs,
-        "text": req.text or {"format": {"type": "text"}},
+        "text": {"format": {"type": "text"}, **(req.text or {})},
         "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
         "usage": usage, "user": req.user, "metadata": req.metadata or {},
     }
@@ -240,18 +245,21 @@ def response_from_chat(req: ResponsesRequest, answer: dict[str, Any], rid: str, 
         output.append(_message_item(message.get("content") or "", ((choice.get("logprobs") or {}).get("content")) or []))
     output += [_call_item(c) for c in calls]
     status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
+    output[-1]["status"] = status  # (cut short: the last item, a call's arguments too, may be unfinished)
     return response_object(req, rid, answer["created"], model, status, output, _usage(answer.get("usage")))
 
 
 class ResponseEvents:
     """A chat stream's chunks as the Responses API's events (server-sent, each named by its type and
-    numbered): ``start`` before the first chunk, ``chunk`` for each, ``end`` after the last (or ``fail``)."""
+    numbered): ``start`` before the first chunk, ``chunk`` for each, ``end`` after the last (or ``fail``).
+    Items come one after another: each is done before the next is added. (Text that a model writes
+    after a tool call is a message of its own here, where the whole answer has one message first.)"""
 
     def __init__(self, req: ResponsesRequest, rid: str, created: int, model: str):
         self.req, self.rid, self.created, self.model = req, rid, created, model
         self.seq = 0
         self.output: list[dict[str, Any]] = []
-        self.text_at: int | None = None  # output index of the message being written
+        self.open_at: int | None = None  # output index of the item being written
         self.calls: dict[int, int] = {}  # the chat delta's tool call index -> output index
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -275,53 +283,44 @@ class ResponseEvents:
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                logprobs = (choice.get("logprobs") or {}).get("content") or []
-                out += self._text(delta["content"], logprobs)
+                out += self._text(delta["content"], (choice.get("logprobs") or {}).get("content") or [])
             for call in delta.get("tool_calls") or ():
                 out += self._call(call)
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
         return out
 
+    def _open(self, item: dict[str, Any]) -> list[str]:
+        out = self._close()  # the item before is done first
+        self.open_at = len(self.output)
+        self.output.append(item)
+        shown = {**item, "content": []} if item["type"] == "message" else item  # (its part is added next)
+        out.append(self._event("response.output_item.added", output_index=self.open_at, item=_copy(shown)))
+        if item["type"] == "message":
+            out.append(self._event("response.content_part.added", item_id=item["id"], output_index=self.open_at,
+                                   content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                          "logprobs": []}))
+        return out
+
     def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[str]:
         out = []
-        if self.text_at is None:
-            self.text_at = len(self.output)
-            item = _message_item("", [], "in_progress")
-            self.output.append(item)
-            out += [self._event("response.output_item.added", output_index=self.text_at, item=_copy(item)),
-                    self._event("response.content_part.added", item_id=item["id"], output_index=self.text_at,
-                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
-        item = self.output[self.text_at]
+        if self.open_at is None or self.output[self.open_at]["type"] != "message":
+            out += self._open(_message_item("", [], "in_progress"))
+        item = self.output[self.open_at]
         part = item["content"][0]
         part["text"] += text
         part["logprobs"] += logprobs
-        out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self.text_at,
+        out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self.open_at,
                                content_index=0, delta=text, logprobs=logprobs))
         return out
-
-    def _close_text(self) -> list[str]:
-        if self.text_at is None:
-            return []
-        at, self.text_at = self.text_at, None
-        item = self.output[at]
-        part = item["content"][0]
-        item["status"] = "completed"
-        return [self._event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
-                            text=part["text"], logprobs=part["logprobs"]),
-                self._event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
-                            part=_copy(part)),
-                self._event("response.output_item.done", output_index=at, item=_copy(item))]
 
     def _call(self, call: dict[str, Any]) -> list[str]:
         out = []
         k = call.get("index", 0)
-        if k not in self.calls:
-            out += self._close_text()  # text after a call opens a message of its own
-            self.calls[k] = len(self.output)
-            item = _call_item({**call, "function": {**(call.get("function") or {}), "arguments": ""}}, "in_progress")
-            self.output.append(item)
-            out.append(self._event("response.output_item.added", output_index=self.calls[k], item=_copy(item)))
+        if k not in self.calls:  # (calls come whole, but for a named function's, which streams alone)
+            out += self._open(_call_item({**call, "function": {**(call.get("function") or {}), "arguments": ""}},
+                                         "in_progress"))
+            self.calls[k] = self.open_at
         at = self.calls[k]
         item = self.output[at]
         args = (call.get("function") or {}).get("arguments") or ""
@@ -331,29 +330,36 @@ class ResponseEvents:
                                    delta=args))
         return out
 
-    def end(self) -> list[str]:
-        out = [] if self.output else self._text_start_only()
-        out += self._close_text()
-        for at in sorted(self.calls.values()):
-            item = self.output[at]
-            item["status"] = "completed"
-            out += [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+    def _close(self, status: str = "completed") -> list[str]:
+        if self.open_at is None:
+            return []
+        at, self.open_at = self.open_at, None
+        item = self.output[at]
+        item["status"] = status
+        if item["type"] == "function_call":
+            return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
                                 arguments=item["arguments"]),
                     self._event("response.output_item.done", output_index=at, item=_copy(item))]
-        self.calls = {}
+        part = item["content"][0]
+        return [self._event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
+                            text=part["text"], logprobs=part["logprobs"]),
+                self._event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
+                            part=_copy(part)),
+                self._event("response.output_item.done", output_index=at, item=_copy(item))]
+
+    def end(self) -> list[str]:
         status = "incomplete" if self.finish == "length" else "completed"
+        out = [] if self.output else self._open(_message_item("", [], "in_progress"))  # (an empty answer's message)
+        out += self._close(status)
         out.append(self._event(f"response.{status}", response=self._response(status)))
         return out
 
-    def _text_start_only(self) -> list[str]:
-        """An answer with no text and no call still has its (empty) message."""
-        out = self._text("", [])
-        return out[:-1]  # (no empty delta)
-
     def fail(self, error: dict[str, Any]) -> list[str]:
-        code, message = error.get("code") or "server_error", error.get("message", "the request failed")
-        return [self._event("error", code=code, message=message, param=None),
-                self._event("response.failed", response=self._response("failed", {"code": code, "message": message}))]
+        """The events that end a stream whose request failed (a server error: the API's code for it)."""
+        message = error.get("message") or "the request failed"
+        return [self._event("error", code="server_error", message=message, param=None),
+                self._event("response.failed", response=self._response(
+                    "failed", {"code": "server_error", "message": message}))]
 
 
 def _copy(obj: dict[str, Any]) -> dict[str, Any]:

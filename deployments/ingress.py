@@ -18,6 +18,7 @@ import inspect
 import json
 import logging
 import secrets
+import sys
 import threading
 import time
 import uuid
@@ -408,9 +409,12 @@ def _replica_header(events: list[dict]) -> dict[str, str]:
     return {"x-radixserve-replica": str(events[-1].get("replica", ""))}
 
 
+# an event stream's headers: no cache or proxy (nginx) may hold its events back to send them in a batch
+UNBUFFERED = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
 def _stream_headers(first: dict) -> dict[str, str]:
-    """An event stream's: no cache or proxy (nginx) may hold its events back to send them in a batch."""
-    return {**_replica_header([first]), "cache-control": "no-cache", "x-accel-buffering": "no"}
+    return {**_replica_header([first]), **UNBUFFERED}
 
 
 def _distinct_tokens(prefixes: list[list[int]], block_size: int, vocab_size: int) -> int:
@@ -1144,11 +1148,15 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat(self, req: ChatRequest):
+        return await self._chat(req, self.sampling_defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+
+    async def _chat(self, req: ChatRequest, default: int):
+        """A chat answer (a stream with ``stream``); ``default``: its max_tokens when it sets none (at most
+        the room its context leaves)."""
         self._check_model(req.model)
         ids = await self._truncated(await self._chat_ids(req, overlong=not req.truncate_prompt_tokens),
                                     req.truncate_prompt_tokens)
         top = req.top_logprobs or 0
-        default = self.sampling_defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         params = req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs,
                               top_logprobs=top, defaults=self.sampling_defaults)
         params["bad_words_ids"] = await self._bad_words_ids(req.bad_words)
@@ -1177,31 +1185,39 @@ class Ingress:
             chat = ChatRequest.model_validate(req.chat_body())
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
-        rid, answer = f"resp_{uuid.uuid4().hex}", await self.chat(chat)  # (refusals raise here, before any byte)
+        # without max_output_tokens, as OpenAI's: up to the room the context leaves (or the model's own default)
+        rid = f"resp_{uuid.uuid4().hex}"
+        answer = await self._chat(chat, self.sampling_defaults.get("max_new_tokens", sys.maxsize))  # (refusals raise)
+        replica = {k: v for k, v in answer.headers.items() if k == "x-radixserve-replica"}
         if not req.stream:
-            out = response_from_chat(req, json.loads(answer.body), rid, self.model_name)
-            return JSONResponse(out, headers={"x-radixserve-replica": answer.headers.get("x-radixserve-replica", "")})
+            return JSONResponse(response_from_chat(req, json.loads(answer.body), rid, self.model_name), headers=replica)
         events = ResponseEvents(req, rid, int(time.time()), self.model_name)
 
         async def body():
             async with contextlib.aclosing(answer.body_iterator) as chunks:  # (closing it ends the requests)
                 for ev in events.start():
                     yield ev
-                async for sse in chunks:
-                    data = sse.removeprefix("data: ").strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if chunk.get("error"):
-                        for ev in events.fail(chunk["error"]):
+                try:
+                    async for sse in chunks:
+                        data = sse.removeprefix("data: ").strip()
+                        if data == "[DONE]":
+                            break
+                        chunk = json.loads(data)
+                        if chunk.get("error"):
+                            for ev in events.fail(chunk["error"]):
+                                yield ev
+                            return
+                        for ev in events.chunk(chunk):
                             yield ev
-                        return
-                    for ev in events.chunk(chunk):
+                except Exception as e:  # noqa: BLE001 - a client waits for the stream's last event: it gets one
+                    log.exception("responses stream %s failed", rid)
+                    for ev in events.fail({"message": _error_text(e)}):
                         yield ev
+                    return
             for ev in events.end():
                 yield ev
 
-        headers = {k: v for k, v in answer.headers.items() if k not in ("content-type", "content-length")}
+        headers = {**replica, **UNBUFFERED}
         return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
     def _assistant_message(self, req: ChatRequest, events: list[dict]) -> tuple[dict[str, Any], str | None]:

@@ -32,6 +32,12 @@ def test_input_items_become_one_chat_with_each_turns_calls_together():
     assert msgs[2]["content"] == "Checking." and [c["id"] for c in msgs[2]["tool_calls"]] == ["a", "b"]
     assert msgs[4] == {"role": "tool", "tool_call_id": "b", "content": "rain"}
     ChatRequest.model_validate(body)  # what the chat route takes
+    # instructions and a system message in the input make one system turn; refusals sent back are text
+    req = ResponsesRequest.model_validate({"instructions": "Be brief.", "input": [
+        {"role": "developer", "content": "Use metric units."},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]}]})
+    assert req.chat_body()["messages"] == [{"role": "system", "content": "Be brief.\n\nUse metric units."},
+                                           {"role": "assistant", "content": "I cannot."}]
     # a call after a tool's output is a new assistant turn
     req = ResponsesRequest.model_validate({"input": [
         {"type": "function_call", "call_id": "a", "name": "w", "arguments": "{}"},
@@ -68,6 +74,10 @@ def test_a_stream_of_text_then_a_call_then_more_text():
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
     assert added == [(0, "message"), (1, "function_call"), (2, "message")]  # text after a call: a message of its own
+    # each item is done before the next is added (a client may run a call as soon as it is done)
+    opened_closed = [(e["type"].rsplit(".", 1)[1], e["output_index"]) for e in events
+                     if e["type"] in ("response.output_item.added", "response.output_item.done")]
+    assert opened_closed == [("added", 0), ("done", 0), ("added", 1), ("done", 1), ("added", 2), ("done", 2)]
     final = events[-1]
     assert final["type"] == "response.completed"
     out = final["response"]["output"]
@@ -77,9 +87,11 @@ def test_a_stream_of_text_then_a_call_then_more_text():
     assert final["response"]["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2},
                                           "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 0},
                                           "total_tokens": 12}
-    # each event shows its item as it was then
+    # each event shows its item as it was then; a message's text part is added by an event of its own
     first_added = next(e for e in events if e["type"] == "response.output_item.added")
-    assert first_added["item"]["content"][0]["text"] == "" and first_added["item"]["status"] == "in_progress"
+    assert first_added["item"]["content"] == [] and first_added["item"]["status"] == "in_progress"
+    call_done = next(e for e in events if e["type"] == "response.output_item.done" and e["output_index"] == 1)
+    assert call_done["item"]["arguments"] == "{\"a\": 1}" and call_done["item"]["status"] == "completed"
 
 
 def test_an_empty_answer_still_has_its_message_and_a_failure_ends_the_stream():
@@ -90,7 +102,8 @@ def test_an_empty_answer_still_has_its_message_and_a_failure_ends_the_stream():
                                                "response.output_text.done", "response.content_part.done",
                                                "response.output_item.done", "response.incomplete"]
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert events[-1]["response"]["output"][0]["status"] == "incomplete"  # the item cut short says so too
     ev = ResponseEvents(req, "resp_2", 0, "m")
     events = _events(ev.start() + ev.chunk(_chunk({"content": "a"})) + ev.fail({"message": "boom", "code": "engine_failure"}))
     assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
-    assert events[-1]["response"]["error"] == {"code": "engine_failure", "message": "boom"}
+    assert events[-1]["response"]["error"] == {"code": "server_error", "message": "boom"}  # (the API's code)

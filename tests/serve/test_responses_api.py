@@ -41,7 +41,7 @@ def test_openai_client_responses_match_the_chat_answer(serve_app, client):
     assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
     (item,) = r.output
-    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    assert item.type == "message" and item.role == "assistant" and item.status == r.status
     # streamed through the client: the API's events, in order, adding up to the same answer
     events = list(oc.responses.create(model="tiny", input=ASK, instructions=INSTRUCTIONS, max_output_tokens=6,
                                       temperature=0, stream=True))
@@ -117,6 +117,18 @@ def test_responses_structured_output_logprobs_and_extensions(client):
     assert len(part["logprobs"]) == 4 and all(len(lp["top_logprobs"]) == 2 for lp in part["logprobs"])
     assert "".join(lp["token"] for lp in part["logprobs"]) == part["text"]
     assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert r["output"][0]["status"] == "incomplete"
+    # top_logprobs alone says how many, not whether: no log-probs without the include (as OpenAI)
+    r = client.post("/v1/responses", json={"input": ASK, "max_output_tokens": 2, "top_logprobs": 2}).json()
+    assert r["output"][0]["content"][0]["logprobs"] == []
+    # without max_output_tokens the answer may take the room its context leaves (the chat route stops at 64)
+    long = r"(Hello world\. ){60}"
+    r = client.post("/v1/responses", json={"input": ASK, "guided_regex": long}).json()
+    assert r["status"] == "completed" and r["usage"]["output_tokens"] > 64, r["usage"]
+    assert r["output"][0]["content"][0]["text"] == "Hello world. " * 60
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ASK}],
+                                                     "guided_regex": long}).json()
+    assert chat["usage"]["completion_tokens"] == 64 and chat["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("body,needle", [
