@@ -10,6 +10,12 @@ override the command's defaults (``null`` keeps them). Each output line is one i
 written as it completes; a line without an ``id`` is named by ``"line"`` (its line number) instead, and
 so is a line refused before sending (not JSON, no prompt, an id used twice).
 
+A line may also come in OpenAI's batch format (what OpenAI's Batch API and ``vllm run-batch`` read):
+``{"custom_id", "method": "POST", "url", "body"}`` with ``url`` one of ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/responses``; its result is written in OpenAI's batch output format,
+``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``, the whole answer
+as the service gave it (``error`` is null when it answered 200, else ``{"code", "message"}``).
+
 Lines are sent in prefix order (sorted by their text), not file order: prompts that share a prefix run
 back to back, so the fleet computes the prefix once and keeps it while it is needed, even when its
 caches cannot hold every prefix in the file at once. Run it again with the same ``--output`` to go on
@@ -28,6 +34,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,21 +55,42 @@ ENGINE_FAILURE = "engine_failure"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+OPENAI_BATCH_URLS = (CHAT, COMPLETIONS, RESPONSES)  # what an OpenAI-format line may name as its url
+
+
 @dataclass
 class Line:
-    ref: dict  # {"id": the line's id as given (any JSON value)}, or {"line": its number} without one
+    # {"id": the line's id as given (any JSON value)}, {"line": its number} without one, or an OpenAI-format
+    # line's {"custom_id": ...}
+    ref: dict
     body: dict  # the request without ``id``
     chat: bool
+    url: str | None = None  # an OpenAI-format line's route (its result is written in that format too)
+
+    @property
+    def openai(self) -> bool:
+        return self.url is not None
+
+    @property
+    def path(self) -> str:
+        return self.url or (CHAT if self.chat else COMPLETIONS)
 
     def prefix_key(self) -> tuple:
         """Sort key that puts prompts sharing a prefix next to each other: texts and chats by their text,
         token ids among themselves, malformed prompts (the service will refuse them) last."""
+        if self.path == RESPONSES:  # (its instructions come first in the prompt)
+            given = self.body.get("input")
+            msgs = [{"role": "user", "content": given}] if isinstance(given, str) else given
+            if not isinstance(msgs, list):
+                return (2, "")
+            head = f"system\x01{self.body['instructions']}\x00" if isinstance(self.body.get("instructions"), str) else ""
+            return (0, head + _joined(msgs))
         if self.chat:
             msgs = self.body.get("messages")
             if not isinstance(msgs, list):
                 return (2, "")
-            return (0, "\x00".join(f"{m.get('role')}\x01{_text(m.get('content'))}" for m in msgs
-                                   if isinstance(m, dict)))
+            return (0, _joined(msgs))
         p = self.body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]  # one prompt wrapped in a list, as OpenAI's client sends it
@@ -71,6 +99,11 @@ class Line:
         if isinstance(p, list) and all(type(t) is int for t in p):
             return (1, tuple(p))
         return (2, "")
+
+
+def _joined(msgs: list) -> str:
+    """A conversation's roles and texts, in order (a sort key)."""
+    return "\x00".join(f"{m.get('role')}\x01{_text(m.get('content'))}" for m in msgs if isinstance(m, dict))
 
 
 def _text(content: Any) -> str:
@@ -85,6 +118,8 @@ def _text(content: Any) -> str:
 
 def ref_key(ref: dict) -> str:
     """Ids compare as JSON values (1 and "1" differ), apart from the line numbers of lines without one."""
+    if "custom_id" in ref:  # an OpenAI-format line (its record's "id" is the record's own)
+        return "id " + json.dumps(ref["custom_id"], sort_keys=True, ensure_ascii=False)
     if "id" in ref:
         return "id " + json.dumps(ref["id"], sort_keys=True, ensure_ascii=False)
     return f"line {ref['line']}"
@@ -118,6 +153,11 @@ def read_lines(path: Path, done: set[str]) -> Plan:
             except UnicodeEncodeError:
                 plan.errors.append({"line": n, "error": "holds an escaped lone surrogate (\\ud800-\\udfff): not Unicode text"})
                 continue
+            if isinstance(obj, dict) and "custom_id" in obj:
+                line = _openai_line(obj, n, plan, seen, done)
+                if line is not None:
+                    plan.todo.append(line)
+                continue
             # (a null prompt is no prompt: a null field means the default, as in OpenAI's API)
             if not isinstance(obj, dict) or (obj.get("prompt") is None) == (obj.get("messages") is None):
                 plan.errors.append({"line": n, "error": "needs an object with one of `prompt` and `messages`"})
@@ -134,6 +174,47 @@ def read_lines(path: Path, done: set[str]) -> Plan:
             else:  # a null field means the default, as in OpenAI's API
                 plan.todo.append(Line(ref, {k: v for k, v in obj.items() if v is not None}, obj.get("messages") is not None))
     return plan
+
+
+def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: set[str]) -> Line | None:
+    """An OpenAI-format line (``custom_id``, ``method``, ``url``, ``body``) to send, or None: refused
+    (recorded in ``plan``, in that format) or answered by an earlier run."""
+    ref = {"custom_id": obj["custom_id"]}
+    key = ref_key(ref)
+    problem = None
+    if not isinstance(obj["custom_id"], str) or not obj["custom_id"]:
+        problem = "custom_id must be a non-empty string"
+    elif obj.get("method", "POST") != "POST":
+        problem = f"method must be POST, got {obj.get('method')!r}"
+    elif obj.get("url") not in OPENAI_BATCH_URLS:
+        problem = f"url must be one of {', '.join(OPENAI_BATCH_URLS)}, got {obj.get('url')!r}"
+    elif not isinstance(obj.get("body"), dict):
+        problem = "body must be the request, a JSON object"
+    elif key in seen:
+        problem = f"custom_id {obj['custom_id']!r} is used by an earlier line"
+    if problem:
+        plan.errors.append(_openai_record(ref, None, None, {"code": "invalid_request", "message": f"line {n}: {problem}"}))
+        return None
+    seen.add(key)
+    if key in done:
+        plan.skipped += 1
+        return None
+    body = {k: v for k, v in obj["body"].items() if v is not None}
+    return Line(ref, body, obj["url"] == CHAT, obj["url"])
+
+
+def _openai_record(ref: dict, r: httpx.Response | None, body: Any, error: dict | None) -> dict:
+    """A result in OpenAI's batch output format."""
+    response = None if r is None else {"status_code": r.status_code, "request_id": r.headers.get("x-request-id", ""),
+                                       "body": body}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", **ref, "response": response, "error": error}
+
+
+def answered(rec: dict) -> bool:
+    """Whether a result record holds an answer (else it records a failure, which a rerun tries again)."""
+    if "custom_id" in rec:
+        return rec.get("error") is None and (rec.get("response") or {}).get("status_code") == 200
+    return "output" in rec
 
 
 def _no_constant(name: str):
@@ -187,7 +268,7 @@ def resume(output: Path, rewrite: bool = True) -> set[str]:
                     tmp.unlink()
                 raise
             key = ref_key(rec)
-            if "output" in rec and key not in done:
+            if answered(rec) and key not in done:
                 done.add(key)
                 dst.write(raw if raw.endswith("\n") else raw + "\n")
     if rewrite:
@@ -240,12 +321,14 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
     (no connection) or without replicas (502/503): the line was not answered, a rerun sends it again.
     A line that times out or gets 429/504 each time is this line's failure, recorded as such (or a
     line too slow for --request-timeout-s would stop every rerun)."""
+    if line.path == RESPONSES:  # (that API's name for it)
+        defaults = {("max_output_tokens" if k == "max_tokens" else k): v for k, v in defaults.items()}
     body = {**defaults, **line.body, "stream": False}
-    path = "/v1/chat/completions" if line.chat else "/v1/completions"
     gone = True
     for attempt in range(retries + 1):
+        r = None
         try:
-            r = await client.post(path, json=body)
+            r = await client.post(line.path, json=body)
         except httpx.TransportError as e:
             problem = _transport_problem(e)
             gone = gone and isinstance(e, GONE_ERRORS)
@@ -253,28 +336,46 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
             if r.status_code == 401:
                 raise Unauthorized.at(client)
             if r.status_code == 200:
-                try:
-                    out = r.json()
-                    answers = [_answer(c, line.chat) for c in out["choices"]]
-                    first = answers[0]
-                except (ValueError, LookupError, TypeError) as e:
-                    return {**line.ref, "error": f"unexpected answer ({type(e).__name__}): {r.text[:200]}"}, True
-                rec = {**line.ref, **{k: v for k, v in first.items() if k != "index"}, "usage": out.get("usage")}
-                if len(answers) > 1:  # a line that asked for n of them: all, in order (the first also above)
-                    rec["choices"] = answers
-                return rec, False
+                return _answer_record(line, r)
             problem = _error_message(r)
             engine_failed = r.status_code == 503 and _error_code(r) == ENGINE_FAILURE
             gone = gone and r.status_code in GONE_STATUS and not engine_failed
             if engine_failed and attempt >= 1:
-                return {**line.ref, "error": problem}, True
+                return _failure_record(line, problem, r), True
             if r.status_code not in RETRY_STATUS:  # a 4xx: the line itself is wrong and would fail again
-                return {**line.ref, "error": problem}, r.status_code >= 500  # a 500 may not
+                return _failure_record(line, problem, r), r.status_code >= 500  # a 500 may not
         if attempt < retries:
             await asyncio.sleep(RETRY_WAITS_S[min(attempt, len(RETRY_WAITS_S) - 1)])
     if gone:
         raise ServiceGone(problem)
-    return {**line.ref, "error": problem}, True
+    return _failure_record(line, problem, r), True
+
+
+def _answer_record(line: Line, r: httpx.Response) -> tuple[dict, bool]:
+    """The record of a 200 answer (and False: not a failure), or of an answer that is not one (True)."""
+    try:
+        out = r.json()
+        if line.openai:
+            return _openai_record(line.ref, r, out, None), False
+        answers = [_answer(c, line.chat) for c in out["choices"]]
+        first = answers[0]
+    except (ValueError, LookupError, TypeError) as e:
+        return _failure_record(line, f"unexpected answer ({type(e).__name__}): {r.text[:200]}", r), True
+    rec = {**line.ref, **{k: v for k, v in first.items() if k != "index"}, "usage": out.get("usage")}
+    if len(answers) > 1:  # a line that asked for n of them: all, in order (the first also above)
+        rec["choices"] = answers
+    return rec, False
+
+
+def _failure_record(line: Line, problem: str, r: httpx.Response | None) -> dict:
+    if not line.openai:
+        return {**line.ref, "error": problem}
+    try:
+        body = r.json() if r is not None else None
+    except ValueError:
+        body = r.text[:1000]
+    code = (_error_code(r) if r is not None else None) or (f"http_{r.status_code}" if r is not None else "connection_error")
+    return _openai_record(line.ref, r, body, {"code": code, "message": problem})
 
 
 async def run(args: argparse.Namespace, totals: dict) -> None:
@@ -374,7 +475,7 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
             out.flush()
             bar.update(1)
             _count(totals, rec)
-            totals["retryable"] += "error" in rec and transient
+            totals["retryable"] += not answered(rec) and transient
             totals["not_done"] -= 1  # answered or recorded as failed: a rerun sends only the others
 
     try:
@@ -386,14 +487,18 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
 
 
 def _count(totals: dict, rec: dict) -> None:
-    if "error" in rec:
+    if not answered(rec):
         totals["failed"] += 1
         return
     totals["ok"] += 1
-    usage = rec.get("usage") if isinstance(rec.get("usage"), dict) else {}
-    details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
-    totals["prompt_tokens"] += usage.get("prompt_tokens") or 0
-    totals["completion_tokens"] += usage.get("completion_tokens") or 0
+    answer = rec["response"]["body"] if "custom_id" in rec else rec
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    usage = usage if isinstance(usage, dict) else {}
+    # (the Responses API names them input and output tokens)
+    details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
+    details = details if isinstance(details, dict) else {}
+    totals["prompt_tokens"] += usage.get("prompt_tokens", usage.get("input_tokens")) or 0
+    totals["completion_tokens"] += usage.get("completion_tokens", usage.get("output_tokens")) or 0
     totals["cached_tokens"] += details.get("cached_tokens") or 0
 
 

@@ -151,6 +151,54 @@ def test_batch_answers_every_line_and_a_rerun_retries_only_the_failures(serve_ap
     assert "output" in got["toolong"] and {k for k, r in got.items() if "output" in r} == ok | {"toolong"}
 
 
+def test_openai_batch_format_in_and_out_and_a_rerun_sends_only_the_failures(serve_app, tmp_path, capsys):
+    """Lines in OpenAI's batch format (OpenAI's Batch API, ``vllm run-batch``): each goes to its url, and
+    its result is written in OpenAI's batch output format, the whole answer as the service gave it."""
+    def req(cid, url, body, method="POST"):
+        return {"custom_id": cid, "method": method, "url": url, "body": body}
+    rows = [req("chat-1", "/v1/chat/completions", {"messages": [{"role": "system", "content": SYS_A},
+                                                                {"role": "user", "content": "Hi"}], "max_tokens": 3}),
+            req("comp-1", "/v1/completions", {"prompt": SYS_A + "Question?", "n": 2}),
+            req("resp-1", "/v1/responses", {"instructions": SYS_A, "input": "Hello", "max_output_tokens": 2}),
+            req("too-long", "/v1/completions", {"prompt": "x" * 1500}),  # over max_input_tokens: a 400
+            req("bad-url", "/v1/embeddings", {"input": "x"}),
+            req("chat-1", "/v1/completions", {"prompt": "the same custom_id again"}),
+            {"id": "own-format", "prompt": "Hi", "max_tokens": 2}]  # the two formats may share a file
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write(src, rows)
+    argv = ["batch", "--input", str(src), "--output", str(out), "--url", serve_app, "--max-tokens", "4"]
+    assert cli(argv) == 1
+    totals = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (totals["ok"], totals["failed"], totals["refused"]) == (4, 1, 2), totals
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    by_cid = {r["custom_id"]: r for r in recs if "custom_id" in r and r["response"] is not None}
+    assert all(r["id"].startswith("batch_req_") for r in recs if "custom_id" in r)
+    chat = by_cid["chat-1"]["response"]
+    assert chat["status_code"] == 200 and chat["body"]["object"] == "chat.completion"
+    assert chat["body"]["usage"]["completion_tokens"] <= 3 and by_cid["chat-1"]["error"] is None
+    comp = by_cid["comp-1"]["response"]["body"]
+    assert len(comp["choices"]) == 2 and comp["usage"]["completion_tokens"] <= 8  # --max-tokens as its default
+    resp = by_cid["resp-1"]["response"]["body"]
+    assert resp["object"] == "response" and resp["usage"]["output_tokens"] <= 2
+    long = by_cid["too-long"]
+    assert long["response"]["status_code"] == 400 and "max_input_tokens" in long["error"]["message"]
+    assert long["response"]["body"]["error"]["type"] == "invalid_request_error"
+    refused = [r for r in recs if "custom_id" in r and r["response"] is None]
+    assert sorted(r["custom_id"] for r in refused) == ["bad-url", "chat-1"]
+    assert all(r["error"]["code"] == "invalid_request" for r in refused)
+    assert "url must be one of" in next(r for r in refused if r["custom_id"] == "bad-url")["error"]["message"]
+    assert any(r.get("id") == "own-format" and "output" in r for r in recs)
+    assert totals["prompt_tokens"] > 0 and totals["cached_tokens"] > 0  # (the Responses API's usage counts too)
+    # fixed and run again: only the failed line is sent
+    rows[3] = req("too-long", "/v1/completions", {"prompt": "now short"})
+    write(src, rows)
+    assert cli(argv) == 1  # the two malformed lines still fail
+    totals = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (totals["skipped"], totals["to_send"], totals["ok"]) == (4, 1, 1), totals
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["response"]["status_code"] for r in recs if r.get("custom_id") == "too-long"] == [200]
+
+
 def test_batch_without_a_service_says_so(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     write(src, [{"prompt": "hi"}])
