@@ -190,12 +190,14 @@ def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: set[str]) 
         problem = f"url must be one of {', '.join(OPENAI_BATCH_URLS)}, got {obj.get('url')!r}"
     elif not isinstance(obj.get("body"), dict):
         problem = "body must be the request, a JSON object"
-    elif key in seen:
-        problem = f"custom_id {obj['custom_id']!r} is used by an earlier line"
+    elif key in seen:  # (its record names the line, not the id: one id, one result)
+        plan.errors.append({"line": n, "error": f"custom_id {obj['custom_id']!r} is used by an earlier line"})
+        return None
+    if isinstance(obj["custom_id"], str):
+        seen.add(key)  # (a refused line's id too: a later line with it would be a second result for it)
     if problem:
         plan.errors.append(_openai_record(ref, None, None, {"code": "invalid_request", "message": f"line {n}: {problem}"}))
         return None
-    seen.add(key)
     if key in done:
         plan.skipped += 1
         return None
@@ -261,7 +263,8 @@ def resume(output: Path, rewrite: bool = True) -> set[str]:
                                       "--output") from None
                     cut = n
                     continue
-                if not (isinstance(rec, dict) and ("error" in rec or "output" in rec) and ("id" in rec or "line" in rec)):
+                if not (isinstance(rec, dict) and ("error" in rec or "output" in rec)
+                        and ("id" in rec or "line" in rec or "custom_id" in rec)):
                     raise NotOurs(f"{output} line {n} is not a result of `radixserve batch`; pass another --output")
             except NotOurs:
                 if rewrite:
@@ -326,11 +329,12 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
     body = {**defaults, **line.body, "stream": False}
     gone = True
     for attempt in range(retries + 1):
-        r = None
+        r, code = None, None
         try:
             r = await client.post(line.path, json=body)
         except httpx.TransportError as e:
             problem = _transport_problem(e)
+            code = "timeout" if isinstance(e, httpx.TimeoutException) else "connection_error"
             gone = gone and isinstance(e, GONE_ERRORS)
         else:
             if r.status_code == 401:
@@ -348,7 +352,7 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
             await asyncio.sleep(RETRY_WAITS_S[min(attempt, len(RETRY_WAITS_S) - 1)])
     if gone:
         raise ServiceGone(problem)
-    return _failure_record(line, problem, r), True
+    return _failure_record(line, problem, r, code), True
 
 
 def _answer_record(line: Line, r: httpx.Response) -> tuple[dict, bool]:
@@ -367,15 +371,19 @@ def _answer_record(line: Line, r: httpx.Response) -> tuple[dict, bool]:
     return rec, False
 
 
-def _failure_record(line: Line, problem: str, r: httpx.Response | None) -> dict:
+def _failure_record(line: Line, problem: str, r: httpx.Response | None, code: str | None = None) -> dict:
+    """The record of a line that got no answer. In OpenAI's format, as OpenAI writes it: the service's
+    answer, when there is one, is the ``response`` (its status and body) and ``error`` is null; without
+    one, ``error`` says why (``code``: timeout, connection_error, ...)."""
     if not line.openai:
         return {**line.ref, "error": problem}
+    if r is None:
+        return _openai_record(line.ref, None, None, {"code": code or "batch_error", "message": problem})
     try:
-        body = r.json() if r is not None else None
+        body = r.json()
     except ValueError:
         body = r.text[:1000]
-    code = (_error_code(r) if r is not None else None) or (f"http_{r.status_code}" if r is not None else "connection_error")
-    return _openai_record(line.ref, r, body, {"code": code, "message": problem})
+    return _openai_record(line.ref, r, body, None)
 
 
 async def run(args: argparse.Namespace, totals: dict) -> None:
@@ -470,7 +478,7 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
                 totals.setdefault("_unauthorized", e)
                 continue
             except Exception as e:  # noqa: BLE001 - one odd line must not end the job
-                rec, transient = {**line.ref, "error": f"{type(e).__name__}: {e}"}, True
+                rec, transient = _failure_record(line, f"{type(e).__name__}: {e}", None), True
             out.write(json.dumps(rec, ensure_ascii=False) + "\n")
             out.flush()
             bar.update(1)

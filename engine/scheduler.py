@@ -1,7 +1,7 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
 Every step: running decodes (1 token each), running prefills continued in chunks of at most
-``max_prefill_chunk_tokens``, then waiting requests admitted FCFS while the prefill budget
+``max_prefill_chunk_tokens``, then waiting requests admitted in queue order while the prefill budget
 (``max_batch_prefill_tokens``) and the pool allow. Chunking keeps a step short, so a cache hit admitted
 next to a long uncached prompt gets its first token after one short step, not after the whole prompt
 (and in a step where some request gets its first token, the other prompts' chunks shrink further).
@@ -119,7 +119,8 @@ class Scheduler:
         bs = self.kv.block_size
         dedup = self.kv.cache is not None
         self._logit_rows = PROMPT_LOGPROBS_CHUNK
-        # 1. running sequences, oldest first; the newest are preempted when blocks run out
+        # 1. running sequences in queue order (admission under fcfs, (priority, arrival) under priority);
+        # the last in it are preempted when blocks run out
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
@@ -128,10 +129,10 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.kv.ensure_blocks(seq, seq.num_computed + n):
-                # The victim is the newest running sequence, and only one admitted after ``seq``: the
-                # list is in admission order and walked oldest first, so those are not scheduled yet,
-                # while every older one keeps its place and blocks (even a prefill the budget left
-                # without tokens this step). When ``seq`` is the newest it gives way itself and waits.
+                # The victim is the last running sequence in queue order, and only one after ``seq``: the
+                # list is walked in that order, so those are not scheduled yet, while every one before
+                # keeps its place and blocks (even a prefill the budget left without tokens this step).
+                # When ``seq`` is the last it gives way itself and waits.
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 if victim is seq:
@@ -148,7 +149,7 @@ class Scheduler:
             plan.chunks.append(Chunk(seq, n))
         if plan.preempted:
             return plan  # the pool is tight: admit nothing new this step
-        # 2. admit waiting requests (FCFS), skipping one whose next block another prefill computes
+        # 2. admit waiting requests in queue order, skipping one whose next block another prefill computes
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()

@@ -180,13 +180,15 @@ def test_openai_batch_format_in_and_out_and_a_rerun_sends_only_the_failures(serv
     assert len(comp["choices"]) == 2 and comp["usage"]["completion_tokens"] <= 8  # --max-tokens as its default
     resp = by_cid["resp-1"]["response"]["body"]
     assert resp["object"] == "response" and resp["usage"]["output_tokens"] <= 2
-    long = by_cid["too-long"]
-    assert long["response"]["status_code"] == 400 and "max_input_tokens" in long["error"]["message"]
-    assert long["response"]["body"]["error"]["type"] == "invalid_request_error"
-    refused = [r for r in recs if "custom_id" in r and r["response"] is None]
-    assert sorted(r["custom_id"] for r in refused) == ["bad-url", "chat-1"]
-    assert all(r["error"]["code"] == "invalid_request" for r in refused)
-    assert "url must be one of" in next(r for r in refused if r["custom_id"] == "bad-url")["error"]["message"]
+    long = by_cid["too-long"]  # (as OpenAI writes an HTTP failure: the answer, and no error of its own)
+    assert long["response"]["status_code"] == 400 and long["error"] is None
+    assert "max_input_tokens" in long["response"]["body"]["error"]["message"]
+    (bad_url,) = [r for r in recs if r.get("custom_id") == "bad-url"]
+    assert bad_url["response"] is None and bad_url["error"]["code"] == "invalid_request"
+    assert "url must be one of" in bad_url["error"]["message"]
+    # one result per custom_id: the line that repeats one is named by its number
+    assert sum(r.get("custom_id") == "chat-1" for r in recs) == 1
+    assert any(r.get("line") == 6 and "used by an earlier line" in r["error"] for r in recs)
     assert any(r.get("id") == "own-format" and "output" in r for r in recs)
     assert totals["prompt_tokens"] > 0 and totals["cached_tokens"] > 0  # (the Responses API's usage counts too)
     # fixed and run again: only the failed line is sent
