@@ -92,6 +92,11 @@ class Settings(BaseModel):
         "hermes", description="how chat answers with tool_choice auto are read for tool calls: hermes "
         "(<tool_call>{...}</tool_call>: Qwen 2.5/3, Hermes), llama3_json (the answer is {\"name\": ..., "
         "\"parameters\": ...}: Llama 3.x), mistral ([TOOL_CALLS]...) or none (text only) (default: hermes)")
+    reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = Field(
+        "none", description="how chat answers of reasoning models are split into their thinking (the "
+        "message's reasoning_content, a Responses reasoning item) and content: qwen3 (an answer that opens with "
+        "<think> thinks until </think>), deepseek_r1 (the answer thinks from its start until </think>) or none "
+        "(default: none)")
     # serving
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

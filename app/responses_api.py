@@ -27,7 +27,8 @@ REFUSED = {
 }
 TEXT_PARTS = ("input_text", "output_text", "text")
 PASSED_ON = ("seed", "cache_salt", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop",  # extensions
-             "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+             "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+             "chat_template_kwargs")
 
 
 def _new_id(prefix: str) -> str:
@@ -133,6 +134,7 @@ class ResponsesRequest(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _well_formed(self):
@@ -229,6 +231,11 @@ def _message_item(text: str, logprobs: list[dict[str, Any]], status: str = "comp
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
 
 
+def _reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "reasoning", "id": _new_id("rs"), "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
     fn = call.get("function") or {}
     return {"type": "function_call", "id": _new_id("fc"), "call_id": call.get("id") or _new_id("call"),
@@ -240,7 +247,7 @@ def response_from_chat(req: ResponsesRequest, answer: dict[str, Any], rid: str, 
     choice = answer["choices"][0]
     message = choice["message"]
     calls = message.get("tool_calls") or []
-    output = []
+    output = [_reasoning_item(message["reasoning_content"])] if message.get("reasoning_content") else []
     if message.get("content") or not calls:
         output.append(_message_item(message.get("content") or "", ((choice.get("logprobs") or {}).get("content")) or []))
     output += [_call_item(c) for c in calls]
@@ -282,6 +289,8 @@ class ResponseEvents:
             self.usage = _usage(chunk["usage"])
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out += self._text(delta["reasoning_content"], [], "reasoning")
             if delta.get("content"):
                 out += self._text(delta["content"], (choice.get("logprobs") or {}).get("content") or [])
             for call in delta.get("tool_calls") or ():
@@ -294,21 +303,28 @@ class ResponseEvents:
         out = self._close()  # the item before is done first
         self.open_at = len(self.output)
         self.output.append(item)
-        shown = {**item, "content": []} if item["type"] == "message" else item  # (its part is added next)
-        out.append(self._event("response.output_item.added", output_index=self.open_at, item=_copy(shown)))
-        if item["type"] == "message":
-            out.append(self._event("response.content_part.added", item_id=item["id"], output_index=self.open_at,
-                                   content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                          "logprobs": []}))
+        if item["type"] == "function_call":
+            out.append(self._event("response.output_item.added", output_index=self.open_at, item=_copy(item)))
+            return out
+        # a message's or a thought's text part is added by an event of its own, after the item
+        out.append(self._event("response.output_item.added", output_index=self.open_at, item=_copy({**item, "content": []})))
+        out.append(self._event("response.content_part.added", item_id=item["id"], output_index=self.open_at,
+                               content_index=0, part=_copy(item["content"][0])))
         return out
 
-    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[str]:
+    def _text(self, text: str, logprobs: list[dict[str, Any]], kind: str = "message") -> list[str]:
+        """Text of the answer (``message``) or of its thinking (``reasoning``), in the item open for it."""
         out = []
-        if self.open_at is None or self.output[self.open_at]["type"] != "message":
-            out += self._open(_message_item("", [], "in_progress"))
+        if self.open_at is None or self.output[self.open_at]["type"] != kind:
+            out += self._open(_message_item("", [], "in_progress") if kind == "message"
+                              else _reasoning_item("", "in_progress"))
         item = self.output[self.open_at]
         part = item["content"][0]
         part["text"] += text
+        if kind == "reasoning":
+            out.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=self.open_at,
+                                   content_index=0, delta=text))
+            return out
         part["logprobs"] += logprobs
         out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self.open_at,
                                content_index=0, delta=text, logprobs=logprobs))
@@ -341,15 +357,19 @@ class ResponseEvents:
                                 arguments=item["arguments"]),
                     self._event("response.output_item.done", output_index=at, item=_copy(item))]
         part = item["content"][0]
-        return [self._event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
-                            text=part["text"], logprobs=part["logprobs"]),
+        done = (self._event("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
+                            text=part["text"]) if item["type"] == "reasoning" else
+                self._event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
+                            text=part["text"], logprobs=part["logprobs"]))
+        return [done,
                 self._event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
                             part=_copy(part)),
                 self._event("response.output_item.done", output_index=at, item=_copy(item))]
 
     def end(self) -> list[str]:
         status = "incomplete" if self.finish == "length" else "completed"
-        out = [] if self.output else self._open(_message_item("", [], "in_progress"))  # (an empty answer's message)
+        # an answer with no text (only thinking, or nothing) still has its message
+        out = [] if any(item["type"] != "reasoning" for item in self.output) else self._open(_message_item("", [], "in_progress"))
         out += self._close(status)
         out.append(self._event(f"response.{status}", response=self._response(status)))
         return out

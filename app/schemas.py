@@ -68,7 +68,6 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "logits_processors": ("logits processors", _OFF),
     "spaces_between_special_tokens": ("false", (None, True)),
     "chat_template": ("a chat template per request", _OFF),
-    "chat_template_kwargs": ("chat template arguments", _OFF),
     "documents": ("chat documents", _OFF),
     "mm_processor_kwargs": ("multimodal inputs", _OFF),
     "audio": ("audio output", _OFF),
@@ -468,6 +467,16 @@ class ChatMessage(_Strict):
         return "".join(parts)
 
 
+# what chat_template_kwargs may not set: apply_chat_template's own arguments, the request's fields, the
+# template's functions and the tokenizer's special tokens
+TEMPLATE_RESERVED = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens", "raise_exception",
+    "strftime_now", "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
+    "additional_special_tokens"})
+
+
 class ChatPrompt(_Strict):
     """A chat rendered by the model's template: the messages and how their end is rendered."""
 
@@ -476,6 +485,17 @@ class ChatPrompt(_Strict):
     # the last (assistant) message instead of starting a new one
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # variables for the model's template (vLLM's field), e.g. Qwen3's {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in v or {}:
+            if not key.isidentifier() or key.startswith("_") or key in TEMPLATE_RESERVED:
+                raise ValueError(f"chat_template_kwargs: {key!r} cannot be set (the request's own fields, the "
+                                 "tokenizer's arguments and its special tokens are not template variables to override)")
+        return v
 
     @model_validator(mode="after")
     def _continued_turn(self):

@@ -37,6 +37,7 @@ from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import Settings
+from app.reasoning import ReasoningStream, split
 from app.responses_api import ResponseEvents, ResponsesRequest, response_from_chat
 from app.sampling_defaults import read_sampling_defaults
 from app.schemas import (
@@ -495,6 +496,18 @@ class _StreamedChoice:
     unsent: list[dict] = field(default_factory=list)
     sent: int = 0
     first_token: bool = True
+    thinking: ReasoningStream | None = None  # a chat answer's thinking, split as it streams (app.reasoning)
+
+
+def _split_piece(thinking: ReasoningStream | None, ev: dict) -> tuple[str, str]:
+    """(thinking, content) text of a token event to send now (all content without a reasoning parser)."""
+    if thinking is None:
+        return "", ev["text"]
+    thought, piece = thinking.feed(ev["text"])
+    if ev["finished"]:
+        more_thought, more = thinking.finish()
+        thought, piece = thought + more_thought, piece + more
+    return thought, piece
 
 
 def _choice_params(params: dict[str, Any], n: int) -> list[dict[str, Any]]:
@@ -1224,6 +1237,9 @@ class Ingress:
         """A chat choice's message, with the tool calls its answer makes (app.tool_calls), and the finish
         reason those calls give it (None: the engine's)."""
         text = "".join(ev["text"] for ev in events)
+        thinking = ""
+        if self.settings.reasoning_parser != "none":
+            thinking, text = split(text, self.settings.reasoning_parser, guided=req.guide() is not None)
         mode = req.tool_mode()
         content: str | None = text
         calls: list[ToolCall] = []
@@ -1235,9 +1251,16 @@ class Ingress:
         elif mode == "auto" and self.settings.tool_call_parser != "none":
             content, calls = PARSERS[self.settings.tool_call_parser](text, {t.function.name for t in req.tools})
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if thinking:
+            message["reasoning_content"] = thinking
         if calls:
             message["tool_calls"] = [c.as_openai() for c in calls]
         return message, "tool_calls" if calls and mode != "named" else None
+
+    def _thinking(self, req: ChatRequest) -> ReasoningStream | None:
+        """The splitter of a streamed chat answer's thinking (None: no reasoning parser)."""
+        parser = self.settings.reasoning_parser
+        return None if parser == "none" else ReasoningStream(parser, guided=req.guide() is not None)
 
     async def _tool_stream(self, req: ChatRequest, jobs, rid: str, created: int, top: int) -> StreamingResponse:
         """A chat stream of a request that may call tools. Its text streams up to where a call may begin
@@ -1258,6 +1281,7 @@ class Ingress:
             texts = [""] * len(started)
             sent = [0] * len(started)  # characters of each choice's text streamed (as content or arguments)
             unsent: list[list[dict]] = [[] for _ in started]  # token events whose log-probs are not out yet
+            thinking = [self._thinking(req) if mode == "auto" else None for _ in started]
             for i in range(len(started)):
                 yield chunk(i, {"role": "assistant", "content": ""})
             async with contextlib.aclosing(_merged([_chain(first, rest) for first, rest in started])) as events:
@@ -1268,7 +1292,11 @@ class Ingress:
                     runs[i].append(ev)
                     if ev.get("token_id") is not None:
                         unsent[i].append(ev)
-                    texts[i] = text = texts[i] + ev["text"]
+                    thought, piece = _split_piece(thinking[i], ev)
+                    if thought:
+                        yield chunk(i, {"reasoning_content": thought}, events=unsent[i])
+                        unsent[i] = []
+                    texts[i] = text = texts[i] + piece  # (the answer's content: the calls are read in it)
                     if mode == "named" and (ev["text"] or (ev["finished"] and not sent[i])):
                         head = {} if sent[i] else {"id": new_call_id(), "type": "function"}
                         fn = {"arguments": ev["text"]} if sent[i] else {"name": req.named_tool().name, "arguments": ev["text"]}
@@ -1373,7 +1401,8 @@ class Ingress:
         try:
             enc = await self._off_loop(self.tokenizer.apply_chat_template, msgs, tokenize=True,
                                        add_generation_prompt=req.add_generation_prompt,
-                                       continue_final_message=req.continue_final_message, **tools, **self._sanitize)
+                                       continue_final_message=req.continue_final_message, **tools,
+                                       **(req.chat_template_kwargs or {}), **self._sanitize)
         except Exception as e:  # noqa: BLE001 - the template refused these messages (raise_exception, ...)
             raise ApiError(422, f"the model's chat template cannot render these messages: {_error_text(e)}",
                            param="messages") from None
@@ -1442,7 +1471,8 @@ class Ingress:
             return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
 
         async def body():
-            states = [_StreamedChoice(i, prefixes[i // req.n]) for i in range(len(started))]
+            states = [_StreamedChoice(i, prefixes[i // req.n], thinking=self._thinking(req) if chat else None)
+                      for i in range(len(started))]
             for st in states:
                 if chat:
                     yield _sse(chunk(st, "", None, role=True))
@@ -1467,7 +1497,11 @@ class Ingress:
                         st.unsent.append(ev)
                     if ev["text"] or ev["finished"] or (st.first_token and ev.get("token_id") is not None):
                         st.first_token = False
-                        yield _sse(chunk(st, ev["text"], _oai_finish(ev["finish_reason"]) if ev["finished"] else None))
+                        thought, piece = _split_piece(st.thinking, ev)
+                        c = chunk(st, piece, _oai_finish(ev["finish_reason"]) if ev["finished"] else None)
+                        if thought:
+                            c["choices"][0]["delta"]["reasoning_content"] = thought
+                        yield _sse(c)
                     if ev["finished"]:
                         finals[i] = ev
             if include_usage and len(finals) == len(states):

@@ -24,7 +24,9 @@ CHAT_TEMPLATE = (
     "{% for call in message.get('tool_calls', []) %}<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}"
     "<|end|>"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    # (as Qwen3's: enable_thinking false writes an empty thinking block, so the answer starts after it)
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 
 

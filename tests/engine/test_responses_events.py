@@ -107,3 +107,26 @@ def test_an_empty_answer_still_has_its_message_and_a_failure_ends_the_stream():
     events = _events(ev.start() + ev.chunk(_chunk({"content": "a"})) + ev.fail({"message": "boom", "code": "engine_failure"}))
     assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
     assert events[-1]["response"]["error"] == {"code": "server_error", "message": "boom"}  # (the API's code)
+
+
+def test_thinking_streams_as_a_reasoning_item_before_the_message():
+    ev = ResponseEvents(ResponsesRequest.model_validate({"input": "x"}), "resp_1", 0, "m")
+    lines = ev.start()
+    for c in (_chunk({"reasoning_content": "Plan"}), _chunk({"reasoning_content": " it."}), _chunk({"content": "Hi."}),
+              _chunk({}, "stop")):
+        lines += ev.chunk(c)
+    events = _events(lines + ev.end())
+    kinds = [e["type"] for e in events]
+    assert kinds[2:] == ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                         "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+                         "response.output_item.done", "response.output_item.added", "response.content_part.added",
+                         "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                         "response.output_item.done", "response.completed"]
+    reasoning, message = events[-1]["response"]["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text", "text": "Plan it."}]
+    assert message["content"][0]["text"] == "Hi."
+    # only thinking (cut short): the answer still has its (empty) message
+    ev = ResponseEvents(ResponsesRequest.model_validate({"input": "x"}), "resp_2", 0, "m")
+    events = _events(ev.start() + ev.chunk(_chunk({"reasoning_content": "Hmm"})) + ev.chunk(_chunk({}, "length")) + ev.end())
+    assert [o["type"] for o in events[-1]["response"]["output"]] == ["reasoning", "message"]
+    assert events[-1]["type"] == "response.incomplete"

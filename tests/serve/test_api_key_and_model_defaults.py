@@ -1,6 +1,7 @@
-"""A service started with ``--api-key`` and ``--scheduling-policy priority``, of a model whose
-``generation_config.json`` declares a sampling default (top_k 1, greedy), over real HTTP: who gets in,
-what a request that leaves sampling unset gets, and that a priority is served."""
+"""A service started with ``--api-key``, ``--scheduling-policy priority`` and ``--reasoning-parser qwen3``,
+of a model whose ``generation_config.json`` declares a sampling default (top_k 1, greedy), over real HTTP:
+who gets in, what a request that leaves sampling unset gets, that a priority is served, and thinking
+split from answers."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def keyed(serve_app, model_dir, redis_server, tmp_path_factory):
     (folder / "generation_config.json").write_text(json.dumps({**gc, "top_k": 1, "max_new_tokens": 5}))
     settings = Settings(model_id=str(folder), num_replicas=1, replica_num_cpus=1, max_batch_total_tokens=2048,
                         redis_url=redis_server.url, api_key=KEY, deployment_name="ktest",
-                        scheduling_policy="priority")
+                        scheduling_policy="priority", reasoning_parser="qwen3")
     serve.run(build_app(settings), name="ktest", route_prefix=ROUTE)
     url = serve_app + ROUTE
     wait_healthy(url, timeout=120)  # /health needs no key
@@ -102,6 +103,52 @@ def test_a_priority_server_serves_each_requests_priority(keyed):
                 r = c.post(path, json={**body, "max_tokens": 2, "priority": priority})
                 assert r.status_code == 200, r.text
                 assert r.text.count('"finish_reason":"length"') + r.text.count('"finish_reason": "length"') == 1
+
+
+# the tiny model writes what a regex holds it to: here a reasoning model's thinking, then its answer
+THINKING = r"<think>\nPlan: [a-z]{3,8}\.\n</think>\n\nHello[a-z ]{2,6}\."
+
+
+def _sse_data(resp) -> list[dict]:
+    return [json.loads(line[5:]) for line in resp.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
+
+
+def test_thinking_is_split_from_the_answer_whole_and_streamed(keyed):
+    chat = {"messages": [{"role": "user", "content": "Greet me."}], "max_tokens": 60, "guided_regex": THINKING}
+    with httpx.Client(base_url=keyed, timeout=60, headers=AUTH) as c:
+        msg = c.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]
+        assert msg["reasoning_content"].startswith("\nPlan: ") and msg["content"].startswith("Hello")
+        assert "<think>" not in msg["content"] and "</think>" not in msg["reasoning_content"]
+        with c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
+            deltas = [e["choices"][0]["delta"] for e in _sse_data(s) if e["choices"]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == msg["reasoning_content"]
+        assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
+        assert sum(bool(d.get("reasoning_content")) for d in deltas) > 3  # it streams, as the answer does
+        # an answer that opens no thinking block is all content (a JSON one, say)
+        plain = c.post("/v1/chat/completions", json={**chat, "guided_regex": "Hi[a-z]{2}"}).json()["choices"][0]
+        assert "reasoning_content" not in plain["message"] and plain["message"]["content"].startswith("Hi")
+        # a tool call after the thinking is read from the answer, not from the thought
+        call = r'<think>\nUse add\.\n</think>\n\n<tool_call>\{"name": "add", "arguments": \{"a": true\}\}</tool_call>'
+        tools = {"tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
+                 "guided_regex": call, "max_tokens": 100}
+        msg = c.post("/v1/chat/completions", json={**chat, **tools}).json()["choices"][0]["message"]
+        assert msg["reasoning_content"] == "\nUse add.\n" and msg["tool_calls"][0]["function"]["name"] == "add"
+        with c.stream("POST", "/v1/chat/completions", json={**chat, **tools, "stream": True}) as s:
+            deltas = [e["choices"][0]["delta"] for e in _sse_data(s) if e["choices"]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nUse add.\n"
+        assert [d["tool_calls"][0]["function"]["name"] for d in deltas if d.get("tool_calls")] == ["add"]
+        # the Responses API: a reasoning item before the message
+        body = {"input": "Greet me.", "max_output_tokens": 60, "guided_regex": THINKING}
+        out = c.post("/v1/responses", json=body).json()["output"]
+        assert [o["type"] for o in out] == ["reasoning", "message"]
+        assert out[0]["content"][0]["text"].startswith("\nPlan: ")
+        with c.stream("POST", "/v1/responses", json={**body, "stream": True}) as s:
+            events = _sse_data(s)
+        thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+        (done,) = [e for e in events if e["type"] == "response.reasoning_text.done"]
+        assert thought == done["text"] and thought.startswith("\nPlan: ")
+        final = events[-1]["response"]["output"]
+        assert [o["type"] for o in final] == ["reasoning", "message"] and final[1]["content"][0]["text"].startswith("Hello")
 
 
 def test_batch_sends_the_key_and_says_at_once_when_it_has_none(keyed, tmp_path, capsys):

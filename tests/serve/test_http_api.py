@@ -191,6 +191,8 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
                               "messages": [{"role": "user", "content": "x"}]}, 400, "audio"),
     ("/v1/chat/completions", {"model": "tiny", "chat_template": "{{ x }}",
                               "messages": [{"role": "user", "content": "x"}]}, 400, "chat_template"),
+    ("/v1/chat/completions", {"model": "tiny", "chat_template_kwargs": ["x"],
+                              "messages": [{"role": "user", "content": "x"}]}, 400, "chat_template_kwargs"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
@@ -455,6 +457,24 @@ def test_tool_calling_named_required_and_auto(client):
                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     r = client.post("/v1/chat/completions", json={**chat, "messages": history, "tools": [WEATHER], "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > prompt_tokens(tools=[WEATHER]) + 20
+
+
+def test_chat_template_kwargs_reach_the_template(client):
+    # the tiny template, as Qwen3's, writes an empty thinking block with enable_thinking false
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+
+    def prompt_tokens(**kw) -> int:
+        r = client.post("/v1/chat/completions", json={**chat, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+    plain = prompt_tokens()
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == plain + len("<think>\n\n</think>\n\n")
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
+    tok = client.post("/tokenize", json={**chat, "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert tok["count"] == plain + 19
+    for key in ("add_generation_prompt", "tools", "bos_token", "_private", "not an identifier"):
+        r = client.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {key: 1}})
+        assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"], (key, r.text)
 
 
 def test_control_tokens_typed_into_a_message_are_text_and_developer_is_the_system_role(client):
