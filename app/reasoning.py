@@ -2,23 +2,41 @@
 ``<think>...</think>`` block becomes the chat message's ``reasoning_content`` (a Responses ``reasoning``
 item), what follows it the content.
 
-- ``qwen3``: an answer that opens with ``<think>`` thinks until ``</think>``; any other is all content
-  (Qwen3 with thinking on writes the opening tag, with ``enable_thinking: false`` its template writes an
-  empty block into the prompt).
-- ``deepseek_r1``: the answer thinks from its start until ``</think>`` (the template opened the block in
-  the prompt; an opening tag the model writes anyway is dropped), and one cut short before it is all
-  thinking. An answer held to a guide (a schema, a regex) thinks only where it opens with ``<think>``,
-  as under ``qwen3``: the guide shaped it from its first token, so it holds a block only if it asked for one.
+Where an answer starts is decided per request (``start_mode``), from the prompt first: a prompt that ends
+in an open ``<think>`` (QwQ, Qwen3 thinking-only models, DeepSeek-R1's templates) has the answer think
+until ``</think>``; one that ends in a closed block (Qwen3's ``enable_thinking: false``) has no thinking.
+Otherwise the parser says:
 
-The tags are read in the text, so they must be ordinary tokens (as in Qwen3 and DeepSeek-R1), not
-special ones that the detokenizer leaves out. ``ReasoningStream`` splits an answer as it streams, with
-the same result as ``split`` of the whole answer.
+- ``qwen3``: an answer that opens with ``<think>`` thinks until ``</think>``; any other is all content.
+- ``deepseek_r1``: the answer thinks from its start until ``</think>``, and one cut short before it is
+  all thinking.
+
+An opening tag the model writes where the prompt opened the block is dropped. An answer held to a guide
+(a schema, a regex) thinks only where it opens with ``<think>``: the guide shaped it from its first token,
+so it holds a block only if the guide asked for one. Thinking that is only whitespace (an empty block)
+is none. The tags are read in the text, so they must be ordinary tokens (as in Qwen3 and DeepSeek-R1),
+not special ones that the detokenizer leaves out. ``ReasoningStream`` splits an answer as it streams,
+with the same result as ``split`` of the whole answer.
 """
 
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")
+# how an answer starts: thinking (until </think>), tagged (thinking only if it opens with <think>), content
+THINKING, TAGGED, CONTENT = "thinking", "tagged", "content"
+
+
+def start_mode(parser: str, prompt_tail: str, guided: bool = False) -> str:
+    """How an answer to a prompt ending in ``prompt_tail`` (its last tokens' text) starts."""
+    tail = prompt_tail.rstrip()
+    if tail.endswith(END):
+        return CONTENT
+    if guided:
+        return TAGGED
+    if tail.endswith(START) or parser == "deepseek_r1":
+        return THINKING
+    return TAGGED
 
 
 def _partial_tail(text: str, tag: str) -> int:
@@ -29,36 +47,40 @@ def _partial_tail(text: str, tag: str) -> int:
     return 0
 
 
-def split(text: str, parser: str, guided: bool = False, final: bool = True) -> tuple[str, str]:
-    """(thinking, content) of ``text``, an answer (``final``) or its start so far; thinking is "" when
-    there is none. Of an answer's start, both are what may be sent already: each only grows as the
-    answer does, up to what ``split`` of the whole answer gives."""
+def split(text: str, mode: str, final: bool = True) -> tuple[str, str]:
+    """(thinking, content) of ``text``, an answer (``final``) or its start so far, as an answer that starts
+    in ``mode`` (``start_mode``); thinking is "" when there is none. Of an answer's start, both are what
+    may be sent already: each only grows as the answer does, up to what ``split`` of the whole gives."""
+    if mode == CONTENT:
+        return "", text
     opened = text.lstrip()
     if not final and START.startswith(opened) and opened != START:
         return "", ""  # (nothing but the start of an opening tag yet, or nothing at all)
     if opened.startswith(START):
         body = opened[len(START):]
-    elif parser == "deepseek_r1" and not guided:
+    elif mode == THINKING:
         body = text
     else:
         return "", text
     end = body.find(END)
-    if end < 0:
-        return (body if final else body[:len(body) - _partial_tail(body, END)]), ""
-    return body[:end], body[end + len(END):].lstrip()
+    thinking = body if end >= 0 or final else body[:len(body) - _partial_tail(body, END)]
+    if end >= 0:
+        thinking = body[:end]
+    thinking = thinking if thinking.strip() else ""  # (an empty block, or its start: none yet)
+    return thinking, body[end + len(END):].lstrip() if end >= 0 else ""
 
 
 class ReasoningStream:
     """``split`` of an answer as its text comes: ``feed`` each piece, ``finish`` at its end; each gives
     the (thinking, content) text to send now."""
 
-    def __init__(self, parser: str, guided: bool = False):
-        self.parser, self.guided = parser, guided
+    def __init__(self, mode: str):
+        self.mode = mode
         self.text = ""
         self.sent = ("", "")
 
     def _step(self, final: bool) -> tuple[str, str]:
-        thinking, content = split(self.text, self.parser, self.guided, final)
+        thinking, content = split(self.text, self.mode, final)
         (t0, c0) = self.sent
         self.sent = (thinking, content)
         return thinking[len(t0):], content[len(c0):]

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from app.reasoning import END
 from app.schemas import MAX_CACHE_SALT_CHARS, MAX_TOOLS, _refuse_named, _Strict
 from engine.sequence import MAX_TOP_LOGPROBS
 
@@ -56,8 +57,10 @@ def _part_text(content: Any, where: str) -> str:
 
 def _messages(items: list[Any]) -> list[dict[str, Any]]:
     """Input items as chat messages: messages, function calls (an assistant turn's tool_calls) and their
-    outputs (tool messages); reasoning items, which a client sends back as it got them, are left out."""
+    outputs (tool messages); a reasoning item, which a client sends back as it got it, goes with the assistant
+    turn after it (its ``reasoning_content``, which templates such as Qwen3's render)."""
     out: list[dict[str, Any]] = []
+    thought = None  # a reasoning item's text, for the assistant turn after it (templates may render it)
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -68,6 +71,8 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise ValueError(f"{where}.role must be user, assistant, system or developer, got {role!r}")
             out.append({"role": role, "content": _part_text(item.get("content"), where)})
+            if role == "assistant" and thought:
+                out[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call":
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
@@ -78,13 +83,16 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
                 last.setdefault("tool_calls", []).append(call)  # the same turn's text, or its other calls
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if thought:
+                    out[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise ValueError(f"{where}: a function_call_output needs a call_id")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _part_text(item.get("output"), where)})
         elif kind == "reasoning":
-            continue
+            parts = item.get("content") or item.get("summary") or []
+            thought = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
         else:
             raise ValueError(f"{where}: items of type {kind!r} are not supported by this server (messages, "
                              "function_call and function_call_output are)")
@@ -98,9 +106,6 @@ class ResponsesRequest(_Strict):
         _refuse_named(data, REFUSED)
         if isinstance(data, dict):  # null is "not set" for every optional field here
             data = {k: v for k, v in data.items() if v is not None}
-            reasoning = data.get("reasoning")
-            if isinstance(reasoning, dict) and any(v is not None for v in reasoning.values()):
-                raise ValueError("reasoning: this server runs no reasoning models' options (send reasoning: null)")
         return data
 
     model: str | None = None
@@ -117,6 +122,8 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
     truncation: Literal["disabled"] | None = None  # "auto" would drop the conversation's start
+    # taken and echoed, not a knob: a model thinks as its template has it (--reasoning-parser splits it out)
+    reasoning: dict[str, Any] | None = None
     store: bool | None = None  # nothing is stored either way
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -218,7 +225,8 @@ def response_object(req: ResponsesRequest, rid: str, created: int, model: str, s
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
         "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+        "previous_response_id": None, "store": False,
+        "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": (req.reasoning or {}).get("summary")},
         "temperature": req.temperature, "top_p": req.top_p, "top_logprobs": req.top_logprobs,
         "text": {"format": {"type": "text"}, **(req.text or {})},
         "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
@@ -242,14 +250,36 @@ def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any
             "name": fn.get("name", ""), "arguments": fn.get("arguments", ""), "status": status}
 
 
+class _AfterThinking:
+    """Which of an answer's log-prob entries are its content's: those after the token that completes
+    ``</think>`` (an answer with thinking; the chat route gives every token's)."""
+
+    def __init__(self) -> None:
+        self.text, self.done = "", False
+
+    def keep(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if self.done:
+            return entries
+        for i, entry in enumerate(entries):
+            self.text = (self.text + str(entry.get("token", "")))[-2 * len(END):]
+            if END in self.text:
+                self.done = True
+                return entries[i + 1:]
+        return []
+
+
 def response_from_chat(req: ResponsesRequest, answer: dict[str, Any], rid: str, model: str) -> dict[str, Any]:
     """The response object of a whole chat answer (one choice)."""
     choice = answer["choices"][0]
     message = choice["message"]
     calls = message.get("tool_calls") or []
-    output = [_reasoning_item(message["reasoning_content"])] if message.get("reasoning_content") else []
+    logprobs = (choice.get("logprobs") or {}).get("content") or []
+    output = []
+    if message.get("reasoning_content"):
+        output.append(_reasoning_item(message["reasoning_content"]))
+        logprobs = _AfterThinking().keep(logprobs)
     if message.get("content") or not calls:
-        output.append(_message_item(message.get("content") or "", ((choice.get("logprobs") or {}).get("content")) or []))
+        output.append(_message_item(message.get("content") or "", logprobs))
     output += [_call_item(c) for c in calls]
     status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
     output[-1]["status"] = status  # (cut short: the last item, a call's arguments too, may be unfinished)
@@ -270,6 +300,7 @@ class ResponseEvents:
         self.calls: dict[int, int] = {}  # the chat delta's tool call index -> output index
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
+        self.thought: _AfterThinking | None = None  # once the answer thinks: its content's log-probs
 
     def _event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -289,10 +320,14 @@ class ResponseEvents:
             self.usage = _usage(chunk["usage"])
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
             if delta.get("reasoning_content"):
                 out += self._text(delta["reasoning_content"], [], "reasoning")
+                self.thought = self.thought or _AfterThinking()
+            if self.thought is not None:
+                logprobs = self.thought.keep(logprobs)
             if delta.get("content"):
-                out += self._text(delta["content"], (choice.get("logprobs") or {}).get("content") or [])
+                out += self._text(delta["content"], logprobs)
             for call in delta.get("tool_calls") or ():
                 out += self._call(call)
             if choice.get("finish_reason"):

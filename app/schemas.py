@@ -427,6 +427,9 @@ class ChatMessage(_Strict):
     content: str | list[dict[str, Any]] | None = None  # none: an assistant turn of tool calls
     tool_calls: list[HistoryToolCall] | None = None
     tool_call_id: str | None = None  # a tool's answer: to which call
+    # an earlier answer's thinking, as the reasoning parser gave it (vLLM's field; templates such as Qwen3's
+    # render it for the turns after the last user message)
+    reasoning_content: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -452,6 +455,8 @@ class ChatMessage(_Strict):
             out["tool_calls"] = template_tool_calls([c.model_dump() for c in self.tool_calls])
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
     def text(self) -> str:

@@ -37,7 +37,7 @@ from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import Settings
-from app.reasoning import ReasoningStream, split
+from app.reasoning import ReasoningStream, split, start_mode
 from app.responses_api import ResponseEvents, ResponsesRequest, response_from_chat
 from app.sampling_defaults import read_sampling_defaults
 from app.schemas import (
@@ -1177,12 +1177,14 @@ class Ingress:
             params["skip_special_tokens"] = False  # (a call's tag may be a special token: [TOOL_CALLS])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         tools = req.tool_mode() != "none"
+        mode = self._thinking_mode(ids, params)
         if req.stream and tools:  # the calls are known once the answer is whole
-            return await self._tool_stream(req, [(ids, params)], rid, created, top)
+            return await self._tool_stream(req, [(ids, params)], rid, created, top, mode)
         if req.stream:
-            return await self._openai_stream([(ids, params)], rid, created, "chat.completion.chunk", req, [""], top)
+            return await self._openai_stream([(ids, params)], rid, created, "chat.completion.chunk", req, [""], top,
+                                             thinking=mode)
         def choice(i: int, events: list[dict]) -> dict:
-            message, finish = self._assistant_message(req, events)
+            message, finish = self._assistant_message(req, events, mode)
             return {"message": message, "logprobs": self._oai_logprobs(events, True, top) if req.logprobs else None,
                     **({"finish_reason": finish} if finish else {})}
 
@@ -1233,13 +1235,22 @@ class Ingress:
         headers = {**replica, **UNBUFFERED}
         return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
-    def _assistant_message(self, req: ChatRequest, events: list[dict]) -> tuple[dict[str, Any], str | None]:
-        """A chat choice's message, with the tool calls its answer makes (app.tool_calls), and the finish
-        reason those calls give it (None: the engine's)."""
+    def _thinking_mode(self, ids: list[int], params: dict[str, Any]) -> str | None:
+        """How a chat answer starts (app.reasoning.start_mode) under the reasoning parser, from the end of
+        its prompt: a template may open (or close) the thinking block there. None: no parser."""
+        parser = self.settings.reasoning_parser
+        if parser == "none":
+            return None
+        return start_mode(parser, self.tokenizer.decode(ids[-32:]), guided=params.get("guide") is not None)
+
+    def _assistant_message(self, req: ChatRequest, events: list[dict], thinking_mode: str | None = None
+                           ) -> tuple[dict[str, Any], str | None]:
+        """A chat choice's message, with its thinking split out (``thinking_mode``: app.reasoning), the tool
+        calls its answer makes (app.tool_calls), and the finish reason those calls give it (None: the engine's)."""
         text = "".join(ev["text"] for ev in events)
         thinking = ""
-        if self.settings.reasoning_parser != "none":
-            thinking, text = split(text, self.settings.reasoning_parser, guided=req.guide() is not None)
+        if thinking_mode is not None:
+            thinking, text = split(text, thinking_mode)
         mode = req.tool_mode()
         content: str | None = text
         calls: list[ToolCall] = []
@@ -1253,16 +1264,13 @@ class Ingress:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if thinking:
             message["reasoning_content"] = thinking
+            message["content"] = content or None  # (all thinking: no answer yet, as vLLM says it)
         if calls:
             message["tool_calls"] = [c.as_openai() for c in calls]
         return message, "tool_calls" if calls and mode != "named" else None
 
-    def _thinking(self, req: ChatRequest) -> ReasoningStream | None:
-        """The splitter of a streamed chat answer's thinking (None: no reasoning parser)."""
-        parser = self.settings.reasoning_parser
-        return None if parser == "none" else ReasoningStream(parser, guided=req.guide() is not None)
-
-    async def _tool_stream(self, req: ChatRequest, jobs, rid: str, created: int, top: int) -> StreamingResponse:
+    async def _tool_stream(self, req: ChatRequest, jobs, rid: str, created: int, top: int,
+                           thinking_mode: str | None = None) -> StreamingResponse:
         """A chat stream of a request that may call tools. Its text streams up to where a call may begin
         (``app.tool_calls.streamable``); a named function's arguments stream as they come, in OpenAI's
         ``tool_calls`` deltas; the calls read out of the rest (auto), or of the whole answer (required),
@@ -1281,7 +1289,7 @@ class Ingress:
             texts = [""] * len(started)
             sent = [0] * len(started)  # characters of each choice's text streamed (as content or arguments)
             unsent: list[list[dict]] = [[] for _ in started]  # token events whose log-probs are not out yet
-            thinking = [self._thinking(req) if mode == "auto" else None for _ in started]
+            thinking = [ReasoningStream(thinking_mode) if mode == "auto" and thinking_mode else None for _ in started]
             for i in range(len(started)):
                 yield chunk(i, {"role": "assistant", "content": ""})
             async with contextlib.aclosing(_merged([_chain(first, rest) for first, rest in started])) as events:
@@ -1307,7 +1315,7 @@ class Ingress:
                         sent[i], unsent[i] = upto, []
                     if not ev["finished"]:
                         continue
-                    message, finish = self._assistant_message(req, runs[i])
+                    message, finish = self._assistant_message(req, runs[i], thinking_mode if mode == "auto" else None)
                     if mode == "named":
                         pass  # (its arguments are out)
                     elif message.get("tool_calls"):
@@ -1439,7 +1447,9 @@ class Ingress:
         return {"prompt": await self._off_loop(self.tokenizer.decode, req.tokens, skip_special_tokens=False)}
 
     async def _openai_stream(self, jobs, rid, created, obj, req, prefixes: list[str], top: int = 0,
-                             offsets: list | None = None):
+                             offsets: list | None = None, thinking: str | None = None):
+        """An OpenAI stream (completions, or chat without tools); ``thinking``: how a chat answer starts
+        under the reasoning parser (app.reasoning), None without one."""
         started = await self._choices(jobs, req.n, stream=True)
         chat = obj == "chat.completion.chunk"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -1471,7 +1481,7 @@ class Ingress:
             return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
 
         async def body():
-            states = [_StreamedChoice(i, prefixes[i // req.n], thinking=self._thinking(req) if chat else None)
+            states = [_StreamedChoice(i, prefixes[i // req.n], thinking=ReasoningStream(thinking) if thinking else None)
                       for i in range(len(started))]
             for st in states:
                 if chat:

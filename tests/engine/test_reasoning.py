@@ -1,5 +1,6 @@
-"""Reasoning models' thinking split from their answers (app.reasoning): each parser's rule, and the same
-split of a streamed answer, piece by piece, as of the whole."""
+"""Reasoning models' thinking split from their answers (app.reasoning): where an answer starts (from its
+prompt's end, the parser, a guide), each start's rule, and the same split of a streamed answer, piece by
+piece, as of the whole."""
 
 from __future__ import annotations
 
@@ -7,38 +8,50 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.reasoning import ReasoningStream, split
+from app.reasoning import CONTENT, TAGGED, THINKING, ReasoningStream, split, start_mode
 
 
-@pytest.mark.parametrize("parser, guided, text, expected", [
-    ("qwen3", False, "<think>\nplan it\n</think>\n\nThe answer.", ("\nplan it\n", "The answer.")),
-    ("qwen3", False, "The answer, no thinking.", ("", "The answer, no thinking.")),
-    ("qwen3", False, "\n<think>cut short", ("cut short", "")),  # max_tokens inside the block
-    ("qwen3", False, "a </think> b", ("", "a </think> b")),  # a closing tag alone opens nothing
-    ("deepseek_r1", False, "plan it</think>\n\nThe answer.", ("plan it", "The answer.")),  # opened by the template
-    ("deepseek_r1", False, "<think>plan it</think>The answer.", ("plan it", "The answer.")),
-    ("deepseek_r1", False, "still thinking", ("still thinking", "")),
-    ("deepseek_r1", True, "yes", ("", "yes")),  # a guided answer holds a block only if it opens one
-    ("deepseek_r1", True, "<think>x</think>yes", ("x", "yes")),
-    ("qwen3", False, "<think></think>", ("", "")),
+@pytest.mark.parametrize("parser, tail, guided, expected", [
+    ("qwen3", "<|im_start|>assistant\n", False, TAGGED),  # Qwen3: the model writes <think> if it thinks
+    ("qwen3", "<|im_start|>assistant\n<think>\n", False, THINKING),  # QwQ, Qwen3 thinking-only: the prompt opened it
+    ("qwen3", "assistant\n<think>\n\n</think>\n\n", False, CONTENT),  # enable_thinking: false
+    ("deepseek_r1", "<｜Assistant｜>", False, THINKING),
+    ("deepseek_r1", "<｜Assistant｜><think>\n", True, TAGGED),  # a guide shapes the answer from its first token
+    ("deepseek_r1", "</think>", True, CONTENT),
 ])
-def test_each_parser_splits_thinking_from_the_answer(parser, guided, text, expected):
-    assert split(text, parser, guided) == expected
+def test_where_an_answer_starts(parser, tail, guided, expected):
+    assert start_mode(parser, tail, guided) == expected
+
+
+@pytest.mark.parametrize("mode, text, expected", [
+    (TAGGED, "<think>\nplan it\n</think>\n\nThe answer.", ("\nplan it\n", "The answer.")),
+    (TAGGED, "The answer, no thinking.", ("", "The answer, no thinking.")),
+    (TAGGED, "\n<think>cut short", ("cut short", "")),  # max_tokens inside the block
+    (TAGGED, "a </think> b", ("", "a </think> b")),  # a closing tag alone opens nothing
+    (TAGGED, "<think>\n\n</think>\n\nHi", ("", "Hi")),  # an empty block is no thinking
+    (THINKING, "plan it</think>\n\nThe answer.", ("plan it", "The answer.")),  # opened by the template
+    (THINKING, "<think>plan it</think>The answer.", ("plan it", "The answer.")),  # (a second opening dropped)
+    (THINKING, "still thinking", ("still thinking", "")),
+    (THINKING, "\n\n", ("", "")),
+    (CONTENT, "<think>x</think>yes", ("", "<think>x</think>yes")),
+])
+def test_each_start_splits_thinking_from_the_answer(mode, text, expected):
+    assert split(text, mode) == expected
 
 
 PIECES = ["<", "think", ">", "\n", "pl", "an", " <", "/th", "ink", ">", "\n\n", "A", "n", "swer", "</", "think>",
-          " x", "a", "b", "<think>", "</"]
+          " x", "a", "b", "<think>", "</", " "]
 
 
-@settings(max_examples=300, deadline=None)
-@given(parser=st.sampled_from(["qwen3", "deepseek_r1"]), guided=st.booleans(),
-       lead=st.sampled_from(["", " ", "<think>", "\n<think>\n", "<thi", "x"]),
+@settings(max_examples=400, deadline=None)
+@given(mode=st.sampled_from([THINKING, TAGGED, CONTENT]),
+       lead=st.sampled_from(["", " ", "\n\n", "<think>", "\n<think>\n", "<thi", "x"]),
        pieces=st.lists(st.sampled_from(PIECES), max_size=14))
-def test_a_streamed_answer_splits_as_the_whole_does(parser, guided, lead, pieces):
-    stream = ReasoningStream(parser, guided)
+def test_a_streamed_answer_splits_as_the_whole_does(mode, lead, pieces):
+    stream = ReasoningStream(mode)
     thinking, content = "", ""
     for piece in [lead, *pieces]:
         t, c = stream.feed(piece)
         thinking, content = thinking + t, content + c
     t, c = stream.finish()
-    assert (thinking + t, content + c) == split(lead + "".join(pieces), parser, guided)
+    assert (thinking + t, content + c) == split(lead + "".join(pieces), mode)

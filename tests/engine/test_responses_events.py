@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from app.responses_api import ResponseEvents, ResponsesRequest
+from app.responses_api import ResponseEvents, ResponsesRequest, response_from_chat
 from app.schemas import ChatRequest
 
 
@@ -130,3 +130,29 @@ def test_thinking_streams_as_a_reasoning_item_before_the_message():
     events = _events(ev.start() + ev.chunk(_chunk({"reasoning_content": "Hmm"})) + ev.chunk(_chunk({}, "length")) + ev.end())
     assert [o["type"] for o in events[-1]["response"]["output"]] == ["reasoning", "message"]
     assert events[-1]["type"] == "response.incomplete"
+
+
+def test_a_reasoning_item_goes_back_with_the_turn_after_it_and_logprobs_are_the_contents():
+    req = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Ask it."}]},
+        {"type": "function_call", "call_id": "a", "name": "w", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "a", "output": "sun"}]})
+    msgs = req.chat_body()["messages"]
+    assert msgs[1]["reasoning_content"] == "Ask it." and msgs[1]["tool_calls"][0]["id"] == "a"
+    assert ChatRequest.model_validate(req.chat_body()).messages[1].for_template()["reasoning_content"] == "Ask it."
+    # the answer's log-probs are its content's, whole or streamed: not the thinking's, nor its tags'
+    tokens = ["<think>", "Hm", "</think>", "\n\n", "Hi", "."]
+    entries = [{"token": t, "logprob": -1.0, "bytes": [], "top_logprobs": []} for t in tokens]
+    answer = {"created": 0, "choices": [{"finish_reason": "stop", "logprobs": {"content": entries},
+                                         "message": {"role": "assistant", "content": "Hi.", "reasoning_content": "Hm"}}]}
+    whole = response_from_chat(req, answer, "resp_1", "m")["output"][1]["content"][0]["logprobs"]
+    assert [e["token"] for e in whole] == ["\n\n", "Hi", "."]
+    ev = ResponseEvents(req, "resp_2", 0, "m")
+    lines = ev.start()
+    for delta, ents in (({}, entries[:1]), ({"reasoning_content": "Hm"}, entries[1:2]),
+                        ({"content": "Hi"}, entries[2:5]), ({"content": "."}, entries[5:])):
+        lines += ev.chunk({"choices": [{"index": 0, "delta": delta, "finish_reason": None,
+                                        "logprobs": {"content": ents}}]})
+    streamed = _events(lines + ev.end())[-1]["response"]["output"][1]["content"][0]["logprobs"]
+    assert streamed == whole

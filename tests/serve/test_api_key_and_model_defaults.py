@@ -124,6 +124,10 @@ def test_thinking_is_split_from_the_answer_whole_and_streamed(keyed):
         assert "".join(d.get("reasoning_content", "") for d in deltas) == msg["reasoning_content"]
         assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
         assert sum(bool(d.get("reasoning_content")) for d in deltas) > 3  # it streams, as the answer does
+        # a prompt whose template closed the thinking block (enable_thinking false) has no thinking
+        closed = c.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"enable_thinking": False}})
+        assert "reasoning_content" not in closed.json()["choices"][0]["message"]
+        assert closed.json()["choices"][0]["message"]["content"].startswith("<think>")
         # an answer that opens no thinking block is all content (a JSON one, say)
         plain = c.post("/v1/chat/completions", json={**chat, "guided_regex": "Hi[a-z]{2}"}).json()["choices"][0]
         assert "reasoning_content" not in plain["message"] and plain["message"]["content"].startswith("Hi")
