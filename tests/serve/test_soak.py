@@ -61,9 +61,9 @@ class Client:
         return (self.rng.choice(GROUPS) if self.rng.random() < 0.8 else "") + self.question()
 
     def run(self) -> None:
-        calls = [self.generate, self.generate_stream, self.completion_stream, self.chat, self.leave_mid_stream,
-                 self.bad_request]
-        weights = [3, 2, 3, 2, 1, 1]
+        calls = [self.generate, self.generate_stream, self.completion_stream, self.chat, self.responses_stream,
+                 self.leave_mid_stream, self.bad_request]
+        weights = [3, 2, 3, 2, 2, 1, 1]
         while time.monotonic() < self.deadline:
             call = self.rng.choices(calls, weights)[0]
             try:
@@ -110,10 +110,22 @@ class Client:
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
         self.seen["ok"] += 1
 
+    def responses_stream(self) -> None:
+        body = {"instructions": self.rng.choice(GROUPS), "input": self.question(), "max_output_tokens": self.tokens(),
+                "stream": True}
+        with self.http.stream("POST", "/v1/responses", json=body) as r:
+            self.expect(r)
+            events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1:]
+        self.seen["ok"] += 1
+
     def leave_mid_stream(self) -> None:
-        body = {"prompt": self.prompt(), "max_tokens": 200, "ignore_eos": True, "stream": True}
+        path, body = self.rng.choice([
+            ("/v1/completions", {"prompt": self.prompt(), "max_tokens": 200}),
+            ("/v1/responses", {"input": self.prompt(), "max_output_tokens": 200})])
+        body = {**body, "ignore_eos": True, "stream": True}
         leave_after = self.rng.randrange(1, 12)  # lines read
-        with self.http.stream("POST", "/v1/completions", json=body) as r:
+        with self.http.stream("POST", path, json=body) as r:
             self.expect(r)
             for n, _ in enumerate(r.iter_lines()):
                 if n >= leave_after:
