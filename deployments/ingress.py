@@ -1279,10 +1279,12 @@ class Ingress:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         mode, parser = req.tool_mode(), self.settings.tool_call_parser
 
-        def chunk(index: int, delta: dict, finish: str | None = None, events: list[dict] | None = None) -> str:
+        def chunk(index: int, delta: dict, finish: str | None = None, events: list[dict] | None = None,
+                  **extra: Any) -> str:
             logprobs = self._oai_logprobs(events, True, top) if req.logprobs and events else None
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                         "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
+                         "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs,
+                                      **extra}]})
 
         async def body():
             runs: list[list[dict]] = [[] for _ in started]
@@ -1330,7 +1332,8 @@ class Ingress:
                     elif len(text) > sent[i]:  # no call after all: the text held back
                         yield chunk(i, {"content": text[sent[i]:]}, events=unsent[i])
                         unsent[i] = []
-                    yield chunk(i, {}, finish or _oai_finish(ev["finish_reason"]), events=unsent[i])
+                    yield chunk(i, {}, finish or _oai_finish(ev["finish_reason"]), events=unsent[i],
+                                stop_reason=ev.get("stop_reason"))
             if include_usage:
                 yield self._usage_event(rid, "chat.completion.chunk", created, [run[-1] for run in runs], req.n)
             yield "data: [DONE]\n\n"
@@ -1350,6 +1353,7 @@ class Ingress:
         choices = [{"index": i, **choice(i, events)} for i, events in enumerate(runs)]
         for c, events in zip(choices, runs, strict=True):  # (last, as OpenAI writes it; a choice may say its own)
             c["finish_reason"] = c.pop("finish_reason", None) or _oai_finish(events[-1]["finish_reason"])
+            c["stop_reason"] = events[-1].get("stop_reason")  # vLLM's: the stop string or token id that ended it
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                              "choices": choices, "usage": _usage([events[-1] for events in runs], n), **(extra or {})},
                             headers=_replica_header(runs[0]))
@@ -1511,6 +1515,8 @@ class Ingress:
                         c = chunk(st, piece, _oai_finish(ev["finish_reason"]) if ev["finished"] else None)
                         if thought:
                             c["choices"][0]["delta"]["reasoning_content"] = thought
+                        if ev["finished"]:
+                            c["choices"][0]["stop_reason"] = ev.get("stop_reason")
                         yield _sse(c)
                     if ev["finished"]:
                         finals[i] = ev

@@ -68,20 +68,20 @@ def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> int | None:
     return min(start, len(seq.text))
 
 
-def find_stop(seq: Sequence, after: int) -> bool:
+def find_stop(seq: Sequence, after: int) -> str | None:
     """Cut ``seq.text`` at the first stop string that ends past ``after`` (the text's length before the
-    newest token: an older one was seen then, or came before ``min_tokens`` and does not count); True
-    when one was found. While running, ``take_delta`` holds back enough that such a stop string was
-    never sent."""
+    newest token: an older one was seen then, or came before ``min_tokens`` and does not count); that
+    stop string, when one was found. While running, ``take_delta`` holds back enough that such a stop
+    string was never sent."""
     stops = seq.params.stop
     if not stops:
-        return False
-    hits = [(i, i + len(s)) for i, s in ((seq.text.find(s, max(0, after - len(s) + 1)), s) for s in stops) if i >= 0]
+        return None
+    hits = [(i, i + len(s), s) for i, s in ((seq.text.find(s, max(0, after - len(s) + 1)), s) for s in stops) if i >= 0]
     if not hits:
-        return False
-    at, end = min(hits)
+        return None
+    at, end, stop = min(hits)
     seq.text = seq.text[: end if seq.params.include_stop_str_in_output else at]
-    return True
+    return stop
 
 
 def take_delta(seq: Sequence, final: bool) -> str:

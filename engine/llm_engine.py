@@ -351,17 +351,18 @@ class LLMEngine:
         # a guided request ends where its guide is complete (the token that completes it is text)
         guide_done = seq.matcher is not None and _guide_step(seq.matcher, tok)
         reason = None
+        stop_reason: str | int | None = None  # which stop string or stop token ended it (vLLM's field)
         if tok in self.eos_ids and not p.ignore_eos:
             reason = "eos"
         elif tok in p.stop_token_ids:
-            reason = "stop"
+            reason, stop_reason = "stop", tok
         before = start = len(seq.text)  # this token's text starts here (a held-back byte: where it completes)
         by_string = False
         if reason is None:  # the token that ends a request (EOS, a stop token) is not text
             own = update_text(self.tokenizer, seq)
             start = start if own is None else own
             # stop strings count from min_tokens on (as in vLLM), and only ones this token completes
-            if len(seq.output_ids) >= p.min_tokens and find_stop(seq, before):
+            if len(seq.output_ids) >= p.min_tokens and (stop_reason := find_stop(seq, before)):
                 reason, by_string = "stop", True
         by_guide = reason is None and guide_done  # (an EOS or stop token that ended the guide is no text)
         if by_guide:
@@ -376,8 +377,8 @@ class LLMEngine:
             own = flush_text(self.tokenizer, seq, len(seq.output_ids) - (not keep_end))
             if keep_end and own is not None:
                 start = own
-            if find_stop(seq, before):
-                reason = "stop"
+            if found := find_stop(seq, before):
+                reason, stop_reason = "stop", found
         if reason is None:
             self.kv.trim_window(seq)
             ev = TokenEvent(seq.request_id, tok, take_delta(seq, final=False), s.logprob, False,
@@ -385,7 +386,7 @@ class LLMEngine:
                             num_output_tokens=len(seq.output_ids), top_logprobs=s.top, text_offset=start)
         else:
             ev = self._finish(seq, reason)
-            ev.token_id, ev.logprob, ev.top_logprobs = tok, s.logprob, s.top
+            ev.token_id, ev.logprob, ev.top_logprobs, ev.stop_reason = tok, s.logprob, s.top, stop_reason
             ev.text_offset = min(start, len(seq.text))  # a stop string left out of the text took its place
         if len(seq.output_ids) == 1 and seq.params.prompt_logprobs is not None:
             ev.prompt_logprobs = seq.prompt_logprobs

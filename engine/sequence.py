@@ -193,6 +193,7 @@ class TokenEvent:
     # on the first token's event of a request that asked for them: each prompt token's log-probability
     # and best alternatives, None for the first (nothing comes before it)
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    stop_reason: str | int | None = None  # on the last event: the stop string or stop token id that ended it
 
 
 @dataclass(eq=False)

@@ -459,6 +459,23 @@ def test_tool_calling_named_required_and_auto(client):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > prompt_tokens(tools=[WEATHER]) + 20
 
 
+def test_stop_reason_names_the_stop_string_or_token_that_ended_the_answer(client):
+    # vLLM's field: the tiny model writes what the regex holds it to, and its tokens are bytes
+    body = {"prompt": "Say it.", "max_tokens": 30, "guided_regex": "abc, def\\. ghi"}
+    by_string = client.post("/v1/completions", json={**body, "stop": ["zz", ". "]}).json()["choices"][0]
+    assert (by_string["text"], by_string["finish_reason"], by_string["stop_reason"]) == ("abc, def", "stop", ". ")
+    by_token = client.post("/v1/completions", json={**body, "stop_token_ids": [ord(",")]}).json()["choices"][0]
+    assert (by_token["text"], by_token["stop_reason"]) == ("abc", ord(","))
+    cut = client.post("/v1/completions", json={**body, "max_tokens": 2}).json()["choices"][0]
+    assert (cut["finish_reason"], cut["stop_reason"]) == ("length", None)
+    chat = {"messages": [{"role": "user", "content": "Say it."}], "max_tokens": 30, "guided_regex": "abc, def\\. ghi",
+            "stop": [". "]}
+    assert client.post("/v1/chat/completions", json=chat).json()["choices"][0]["stop_reason"] == ". "
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
+        last = [e for e in sse_events(s) if e != "[DONE]" and e["choices"]][-1]["choices"][0]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == ". "
+
+
 def test_chat_template_kwargs_reach_the_template(client):
     # the tiny template, as Qwen3's, writes an empty thinking block with enable_thinking false
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
