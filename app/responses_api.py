@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
+from app.chat_view import ChatView, ChunkEvents
 from app.reasoning import END
-from app.schemas import MAX_CACHE_SALT_CHARS, MAX_TOOLS, _refuse_named, _Strict
+from app.schemas import MAX_CACHE_SALT_CHARS, MAX_TOOLS, content_text
 from engine.sequence import MAX_TOP_LOGPROBS
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -26,7 +27,6 @@ REFUSED = {
     "prompt": ("stored prompt templates", _OFF),
     "max_tool_calls": ("max_tool_calls", _OFF),
 }
-TEXT_PARTS = ("input_text", "output_text", "text")
 PASSED_ON = ("seed", "cache_salt", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop",  # extensions
              "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
              "chat_template_kwargs")
@@ -36,23 +36,13 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+# the Responses API's text parts, by the field that holds their text (a refusal: an earlier answer, sent back)
+TEXT_FIELDS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
+
+
 def _part_text(content: Any, where: str) -> str:
     """A message's or a tool output's content as text: a string, or a list of text parts."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ValueError(f"{where}.content must be a string or a list of content parts")
-    texts = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "refusal" and isinstance(part.get("refusal"), str):  # an earlier answer, sent back
-            texts.append(part["refusal"])
-            continue
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}.content[{i}]: only text parts ({', '.join(TEXT_PARTS)}) are supported, "
-                             f"got {kind!r}")
-        texts.append(part["text"])
-    return "".join(texts)
+    return content_text(content, f"{where}.content", TEXT_FIELDS)
 
 
 def _messages(items: list[Any]) -> list[dict[str, Any]]:
@@ -99,14 +89,8 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-class ResponsesRequest(_Strict):
-    @model_validator(mode="before")
-    @classmethod
-    def _refused(cls, data: Any) -> Any:
-        _refuse_named(data, REFUSED)
-        if isinstance(data, dict):  # null is "not set" for every optional field here
-            data = {k: v for k, v in data.items() if v is not None}
-        return data
+class ResponsesRequest(ChatView):
+    _refused_here: ClassVar[dict[str, tuple[str, tuple]]] = REFUSED
 
     model: str | None = None
     input: str | list[Any] = Field(..., min_length=1)
@@ -142,11 +126,6 @@ class ResponsesRequest(_Strict):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _well_formed(self):
-        self.chat_body()  # (raises for what cannot become a chat request)
-        return self
 
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or ())  # (top_logprobs only says how many alternatives)
@@ -286,7 +265,7 @@ def response_from_chat(req: ResponsesRequest, answer: dict[str, Any], rid: str, 
     return response_object(req, rid, answer["created"], model, status, output, _usage(answer.get("usage")))
 
 
-class ResponseEvents:
+class ResponseEvents(ChunkEvents):
     """A chat stream's chunks as the Responses API's events (server-sent, each named by its type and
     numbered): ``start`` before the first chunk, ``chunk`` for each, ``end`` after the last (or ``fail``).
     Items come one after another: each is done before the next is added. (Text that a model writes
@@ -314,24 +293,23 @@ class ResponseEvents:
         return [self._event("response.created", response=self._response("in_progress")),
                 self._event("response.in_progress", response=self._response("in_progress"))]
 
-    def chunk(self, chunk: dict[str, Any]) -> list[str]:
+    def _usage(self, chat_usage: dict[str, Any]) -> dict[str, Any]:
+        return _usage(chat_usage)
+
+    def _delta(self, choice: dict[str, Any], delta: dict[str, Any]) -> list[str]:
         out: list[str] = []
-        if chunk.get("usage"):
-            self.usage = _usage(chunk["usage"])
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            logprobs = (choice.get("logprobs") or {}).get("content") or []
-            if delta.get("reasoning_content"):
-                out += self._text(delta["reasoning_content"], [], "reasoning")
-                self.thought = self.thought or _AfterThinking()
-            if self.thought is not None:
-                logprobs = self.thought.keep(logprobs)
-            if delta.get("content"):
-                out += self._text(delta["content"], logprobs)
-            for call in delta.get("tool_calls") or ():
-                out += self._call(call)
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
+        logprobs = (choice.get("logprobs") or {}).get("content") or []
+        if delta.get("reasoning_content"):
+            out += self._text(delta["reasoning_content"], [], "reasoning")
+            self.thought = self.thought or _AfterThinking()
+        if self.thought is not None:
+            logprobs = self.thought.keep(logprobs)
+        if delta.get("content"):
+            out += self._text(delta["content"], logprobs)
+        for call in delta.get("tool_calls") or ():
+            out += self._call(call)
+        if choice.get("finish_reason"):
+            self.finish = choice["finish_reason"]
         return out
 
     def _open(self, item: dict[str, Any]) -> list[str]:
@@ -409,9 +387,8 @@ class ResponseEvents:
         out.append(self._event(f"response.{status}", response=self._response(status)))
         return out
 
-    def fail(self, error: dict[str, Any]) -> list[str]:
+    def fail(self, message: str) -> list[str]:
         """The events that end a stream whose request failed (a server error: the API's code for it)."""
-        message = error.get("message") or "the request failed"
         return [self._event("error", code="server_error", message=message, param=None),
                 self._event("response.failed", response=self._response(
                     "failed", {"code": "server_error", "message": message}))]

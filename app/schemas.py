@@ -51,6 +51,23 @@ class _Strict(BaseModel):
         return data
 
 
+def content_text(content: Any, where: str, fields: Mapping[str, str]) -> str:
+    """A message's content as text: a string, or a list of parts whose ``type`` is one of ``fields``, each
+    holding its text under that field (``{"text": "text"}``: ``[{"type": "text", "text": ...}]``)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where} must be a string or a list of content parts")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in fields or not isinstance(part.get(fields[kind]), str):
+            raise ValueError(f"{where}[{i}]: only text parts ({', '.join(fields)}) are supported by this server, "
+                             f"got {kind!r}")
+        texts.append(part[fields[kind]])
+    return "".join(texts)
+
+
 def _unsupported(name: str, value: Any, allowed: tuple = (None,)) -> None:
     if value not in allowed and value != [] and value != {}:
         raise ValueError(f"{name} is not supported by this server")

@@ -37,6 +37,13 @@ from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import Settings
+from app.messages_api import (
+    MessageEvents,
+    MessagesCountRequest,
+    MessagesRequest,
+    error_body,
+    message_from_chat,
+)
 from app.reasoning import ReasoningStream, split, start_mode
 from app.responses_api import ResponseEvents, ResponsesRequest, response_from_chat
 from app.sampling_defaults import read_sampling_defaults
@@ -262,6 +269,7 @@ class JsonOnly:
 # The routes that take a JSON body by POST (below, in Ingress); other paths answer 404 or 405 whatever
 # the body's type. (Serve wraps the class's routes in its own router, so app.routes does not list them.)
 JSON_POST_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/responses",
+                             "/v1/messages", "/v1/messages/count_tokens",
                              "/warmup", "/tokenize", "/detokenize"})
 
 
@@ -273,7 +281,7 @@ def _too_large(limit: int) -> ApiError:
 class ApiKey:
     """ASGI middleware: with ``--api-key`` set, every request but a liveness probe, a Prometheus scrape and
     a browser's preflight must carry ``Authorization: Bearer <key>`` (what OpenAI's and Hugging Face's
-    clients send), else 401 in the API's error format."""
+    clients send) or ``x-api-key: <key>`` (Anthropic's), else 401 in the API's error format."""
 
     key: bytes | None = None  # the key's SHA-256, set from the settings by Ingress.__init__ (one ingress per process)
     OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -289,8 +297,10 @@ class ApiKey:
         # the first Authorization header, as Starlette reads it
         sent = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"")
         scheme, token = (*sent.split(None, 1), b"", b"")[:2]  # "Bearer <key>", any whitespace between
+        if scheme.lower() != b"bearer":  # Anthropic's clients send the key alone, as x-api-key
+            scheme, token = b"bearer", next((v for k, v in scope.get("headers") or () if k == b"x-api-key"), None)
         # digests compared in constant time: how long a refusal takes says nothing of the key, its length included
-        if scheme.lower() == b"bearer" and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), key):
+        if token is not None and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), key):
             return await self.app(scope, receive, send)
         err = ApiError(401, "a valid API key is required: send it as the header Authorization: Bearer <key>",
                        "authentication", code="invalid_api_key")
@@ -318,14 +328,19 @@ def _route_path(scope) -> str:
     return path
 
 
+ANTHROPIC_PATHS = "/v1/messages"
+
+
 def _is_openai(request: Request) -> bool:
     return _route_path(request.scope).startswith("/v1/")
 
 
 def _error_response(request: Request, err: ApiError) -> JSONResponse:
+    message = err.message.replace("max_new_tokens", "max_tokens")  # (the engine's name for it)
+    if _route_path(request.scope).startswith(ANTHROPIC_PATHS):  # Anthropic's format, on its routes
+        return JSONResponse(error_body(err.status, message), status_code=400 if err.status == 422 else err.status)
     if _is_openai(request):
         etype = "invalid_request_error" if err.status < 500 else "server_error"
-        message = err.message.replace("max_new_tokens", "max_tokens")  # the engine's name for it
         body = {"error": {"message": message, "type": etype, "param": err.param, "code": err.code}}
         status = 400 if err.status == 422 else err.status
         return JSONResponse(body, status_code=status)
@@ -497,6 +512,14 @@ class _StreamedChoice:
     sent: int = 0
     first_token: bool = True
     thinking: ReasoningStream | None = None  # a chat answer's thinking, split as it streams (app.reasoning)
+
+
+def _validated_chat(body: dict[str, Any]) -> ChatRequest:
+    """A chat request made from another API's (its refusals are 400s in that API's format)."""
+    try:
+        return ChatRequest.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
 
 
 def _split_piece(thinking: ReasoningStream | None, ev: dict) -> tuple[str, str]:
@@ -1196,19 +1219,38 @@ class Ingress:
     async def responses(self, req: ResponsesRequest):
         """OpenAI's Responses API, answered by the chat route (``app.responses_api``)."""
         self._check_model(req.model)
-        try:
-            chat = ChatRequest.model_validate(req.chat_body())
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
-        # without max_output_tokens, as OpenAI's: up to the room the context leaves (or the model's own default)
         rid = f"resp_{uuid.uuid4().hex}"
-        answer = await self._chat(chat, self.sampling_defaults.get("max_new_tokens", sys.maxsize))  # (refusals raise)
-        replica = {k: v for k, v in answer.headers.items() if k == "x-radixserve-replica"}
-        if not req.stream:
-            return JSONResponse(response_from_chat(req, json.loads(answer.body), rid, self.model_name), headers=replica)
-        events = ResponseEvents(req, rid, int(time.time()), self.model_name)
+        # without max_output_tokens, as OpenAI's: up to the room the context leaves (or the model's own default)
+        return await self._chat_view(req.chat_body(), self.sampling_defaults.get("max_new_tokens", sys.maxsize),
+                                     lambda answer: response_from_chat(req, answer, rid, self.model_name),
+                                     ResponseEvents(req, rid, int(time.time()), self.model_name), req.stream)
 
-        async def body():
+    @app.post("/v1/messages")
+    async def messages(self, req: MessagesRequest):
+        """Anthropic's Messages API, answered by the chat route (``app.messages_api``)."""
+        self._check_model(req.model)
+        rid = f"msg_{uuid.uuid4().hex}"
+        return await self._chat_view(req.chat_body(), req.max_tokens,
+                                     lambda answer: message_from_chat(answer, rid, self.model_name),
+                                     MessageEvents(rid, self.model_name), req.stream)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(self, req: MessagesCountRequest):
+        """Anthropic's token count of a request: its prompt's tokens as the chat route renders them."""
+        self._check_model(req.model)
+        chat = _validated_chat({**req.chat_body(), "stream": False})
+        return {"input_tokens": len(await self._chat_ids(chat))}
+
+    async def _chat_view(self, body: dict[str, Any], default: int, whole, events, stream: bool):
+        """The chat route's answer to ``body`` in another API's shape: ``whole`` makes it of a chat answer,
+        ``events`` (``start``, ``chunk``, ``end``, ``fail``) its stream of a chat stream's chunks.
+        ``default``: max_tokens when the body sets none."""
+        answer = await self._chat(_validated_chat(body), default)  # (refusals raise here, before any byte)
+        replica = {k: v for k, v in answer.headers.items() if k == "x-radixserve-replica"}
+        if not stream:
+            return JSONResponse(whole(json.loads(answer.body)), headers=replica)
+
+        async def translated():
             async with contextlib.aclosing(answer.body_iterator) as chunks:  # (closing it ends the requests)
                 for ev in events.start():
                     yield ev
@@ -1219,21 +1261,20 @@ class Ingress:
                             break
                         chunk = json.loads(data)
                         if chunk.get("error"):
-                            for ev in events.fail(chunk["error"]):
+                            for ev in events.fail(chunk["error"].get("message") or "the request failed"):
                                 yield ev
                             return
                         for ev in events.chunk(chunk):
                             yield ev
                 except Exception as e:  # noqa: BLE001 - a client waits for the stream's last event: it gets one
-                    log.exception("responses stream %s failed", rid)
-                    for ev in events.fail({"message": _error_text(e)}):
+                    log.exception("stream of %s failed", type(events).__name__)
+                    for ev in events.fail(_error_text(e)):
                         yield ev
                     return
             for ev in events.end():
                 yield ev
 
-        headers = {**replica, **UNBUFFERED}
-        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(translated(), media_type="text/event-stream", headers={**replica, **UNBUFFERED})
 
     def _thinking_mode(self, ids: list[int], params: dict[str, Any]) -> str | None:
         """How a chat answer starts (app.reasoning.start_mode) under the reasoning parser, from the end of

@@ -104,7 +104,7 @@ def test_an_empty_answer_still_has_its_message_and_a_failure_ends_the_stream():
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     assert events[-1]["response"]["output"][0]["status"] == "incomplete"  # the item cut short says so too
     ev = ResponseEvents(req, "resp_2", 0, "m")
-    events = _events(ev.start() + ev.chunk(_chunk({"content": "a"})) + ev.fail({"message": "boom", "code": "engine_failure"}))
+    events = _events(ev.start() + ev.chunk(_chunk({"content": "a"})) + ev.fail("boom"))
     assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
     assert events[-1]["response"]["error"] == {"code": "server_error", "message": "boom"}  # (the API's code)
 

@@ -58,6 +58,12 @@ def test_an_api_key_guards_every_route_but_health_and_metrics(keyed):
         r = c.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}},
                    headers={"authorization": f"bearer {KEY}"})  # the scheme's case does not matter
         assert r.status_code == 200, r.text
+    import anthropic  # Anthropic's client sends the key as x-api-key, and gets its refusal in its format
+    ac = anthropic.Anthropic(base_url=keyed, api_key=KEY)
+    assert ac.messages.create(model="tiny-top-k-1", max_tokens=2, messages=[{"role": "user", "content": "hi"}]).usage
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=keyed, api_key="wrong").messages.create(
+            model="tiny-top-k-1", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     from openai import OpenAI  # what OpenAI's client sends
 
     out = OpenAI(base_url=keyed + "/v1", api_key=KEY).completions.create(model="tiny-top-k-1", prompt="hi", max_tokens=3)

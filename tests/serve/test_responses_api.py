@@ -153,10 +153,14 @@ def test_responses_refusals_are_400s_in_openais_format(client, body, needle):
     assert client.post("/v1/responses", json={"input": "hi", "model": "other"}).status_code == 404
 
 
-def test_a_responses_stream_left_mid_answer_frees_its_blocks(serve_app, client):
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"input": ASK, "max_output_tokens": 1500}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": ASK}], "max_tokens": 1500})])
+def test_a_translated_stream_left_mid_answer_frees_its_blocks(serve_app, client, path, body):
+    """(The Responses and the Messages APIs' streams are the chat route's, translated.)"""
     aborted = metrics(client).get(("radixserve_requests_aborted_total", "all"), 0.0)
-    body = {"input": ASK, "max_output_tokens": 1500, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=serve_app, timeout=30) as c, c.stream("POST", "/v1/responses", json=body) as r:
+    body = {**body, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=serve_app, timeout=30) as c, c.stream("POST", path, json=body) as r:
         for lines, _ in enumerate(r.iter_lines()):
             if lines >= 12:
                 break

@@ -1,0 +1,54 @@
+"""What the routes of other APIs that the chat route answers share (app.responses_api, app.messages_api):
+their requests become chat requests, and a chat stream's chunks become their events."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import model_validator
+
+from app.schemas import _refuse_named, _Strict
+
+
+class ChatView(_Strict):
+    """A request of another API that the chat route answers (app.responses_api, app.messages_api): its own
+    fields refused by name, null as "not set" for every field, and checked by making its chat request."""
+
+    _refused_here: ClassVar[dict[str, tuple[str, tuple]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_unset(cls, data: Any) -> Any:
+        _refuse_named(data, cls._refused_here)
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _well_formed(self):
+        self.chat_body()  # (raises for what cannot become a chat request)
+        return self
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat request this one asks for (validated by ``ChatRequest``)."""
+        raise NotImplementedError
+
+
+class ChunkEvents:
+    """A chat stream's chunks as another API's events: ``start`` before the first chunk, ``chunk`` for each
+    (its choice's delta goes to ``_delta``, its usage to ``usage`` through ``_usage``), ``end`` after the last,
+    or ``fail``."""
+
+    usage: dict[str, Any] | None = None
+
+    def _usage(self, chat_usage: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _delta(self, choice: dict[str, Any], delta: dict[str, Any]) -> list[str]:
+        raise NotImplementedError
+
+    def chunk(self, chunk: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        if chunk.get("usage"):
+            self.usage = self._usage(chunk["usage"])
+        for choice in chunk.get("choices") or ():
+            out += self._delta(choice, choice.get("delta") or {})
+        return out

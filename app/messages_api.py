@@ -1,0 +1,301 @@
+"""Anthropic's Messages API (``POST /v1/messages``, what Anthropic's SDKs and Claude Code send) as a view of
+the chat route, as ``app.responses_api`` is of OpenAI's Responses API: a request becomes a chat request
+(``MessagesRequest.chat_body``), the chat answer a message (``message_from_chat``), or its stream of chunks
+the Messages API's events (``MessageEvents``)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from app.chat_view import ChatView, ChunkEvents
+from app.schemas import MAX_CACHE_SALT_CHARS, MAX_TOOLS, content_text
+from engine.sequence import MAX_STOP_STRINGS
+
+_OFF = (None, False, [], {}, "")
+REFUSED = {
+    "mcp_servers": ("MCP servers", _OFF),
+    "container": ("code execution containers", _OFF),
+}
+# the error types of Anthropic's API, by HTTP status
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """An error in Anthropic's format."""
+    kind = ERROR_TYPES.get(400 if status == 422 else status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _text(content: Any, where: str) -> str:
+    """A system prompt's or a tool result's content as text: a string, or text blocks."""
+    return content_text(content, where, {"text": "text"})
+
+
+def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Anthropic's turns as chat messages: an assistant turn's ``tool_use`` blocks become its tool calls (and
+    its ``thinking`` its reasoning_content), a user turn's ``tool_result`` blocks tool messages before its text."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("user", "assistant"):
+            raise ValueError(f"{where}.role must be user or assistant, got {role!r}")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"{where}.content must be a string or a list of content blocks")
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        thinking = None
+        for j, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            at = f"{where}.content[{j}]"
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_use" and role == "assistant":
+                if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                    raise ValueError(f"{at}: a tool_use block needs an id and a name")
+                calls.append({"id": block["id"], "type": "function", "function": {
+                    "name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
+            elif kind == "tool_result" and role == "user":
+                if not isinstance(block.get("tool_use_id"), str):
+                    raise ValueError(f"{at}: a tool_result block needs a tool_use_id")
+                results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                                "content": _text(block.get("content", ""), f"{at}.content")})
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                thinking = block.get("thinking") or thinking  # (a redacted one has nothing to show a template)
+            else:
+                raise ValueError(f"{at}: {kind!r} blocks are not supported by this server in a {role} turn (text, "
+                                 "tool_use and thinking in the assistant's, text and tool_result in the user's are)")
+        if role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+            if calls:
+                msg["tool_calls"] = calls
+            if thinking:
+                msg["reasoning_content"] = thinking
+            out.append(msg)
+        else:
+            out += results
+            if texts or not results:
+                out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+class MessagesRequest(ChatView):
+    _refused_here: ClassVar[dict[str, tuple[str, tuple]]] = REFUSED
+
+    model: str | None = None
+    max_tokens: int = Field(..., ge=1)  # (required, as Anthropic's API has it)
+    messages: list[Any] = Field(..., min_length=1)
+    system: str | list[Any] | None = None
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    # taken, not a knob: a model thinks as its template has it (--reasoning-parser splits it out)
+    thinking: dict[str, Any] | None = None
+    service_tier: str | None = None
+    # {"format": {"type": "json_schema", "schema": ...}, "effort": ...}: the format is held to (the effort,
+    # like thinking, is taken, not a knob); output_format: the same format, as the older clients send it
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
+    # extensions, as the chat route's
+    ignore_eos: bool | None = None
+    seed: int | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    priority: int = 0
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat request this one asks for (validated by ``ChatRequest``)."""
+        msgs = _chat_messages(self.messages)
+        if self.system:
+            msgs.insert(0, {"role": "system", "content": _text(self.system, "system")})
+        body: dict[str, Any] = {"messages": msgs, "stream": self.stream, "max_tokens": self.max_tokens,
+                                "priority": self.priority}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.stop_sequences:
+            body["stop"] = self.stop_sequences
+        for name in ("temperature", "top_p", "top_k", "seed", "cache_salt", "ignore_eos"):
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
+        if self.tools:
+            body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body.update(_chat_tool_choice(self.tool_choice))
+        fmt = (self.output_config or {}).get("format") or self.output_format
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+                raise ValueError("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}")
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+        return body
+
+
+def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    if tool.get("type") not in (None, "custom") or not isinstance(tool.get("name"), str):
+        raise ValueError(f"tools[{i}]: only custom tools (name, description, input_schema) are supported by this "
+                         f"server, got {tool.get('type')!r}")
+    fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+    if tool.get("description") is not None:
+        fn["description"] = tool["description"]
+    return {"type": "function", "function": fn}
+
+
+def _chat_tool_choice(choice: dict[str, Any]) -> dict[str, Any]:
+    kind = choice.get("type")
+    out: dict[str, Any] = {}
+    if kind in ("auto", "none"):
+        out["tool_choice"] = kind
+    elif kind == "any":
+        out["tool_choice"] = "required"
+    elif kind == "tool" and isinstance(choice.get("name"), str):
+        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    else:
+        raise ValueError("tool_choice type must be auto, any, none or tool (with a name)")
+    if choice.get("disable_parallel_tool_use"):
+        out["parallel_tool_calls"] = False
+    return out
+
+
+# ----------------------------------------------------------------------------- answers
+def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
+    """Anthropic's usage: its input tokens leave out the ones read from the (prefix) cache."""
+    u = chat_usage or {}
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": u.get("prompt_tokens", 0) - cached, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0, "output_tokens": u.get("completion_tokens", 0)}
+
+
+def _stop(finish: str | None, stop_reason: Any) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence of a chat choice's finish and stop reasons."""
+    if finish == "length":
+        return "max_tokens", None
+    if finish == "tool_calls":
+        return "tool_use", None
+    if isinstance(stop_reason, str):
+        return "stop_sequence", stop_reason
+    return "end_turn", None
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}  # (arguments cut short by max_tokens)
+    return value if isinstance(value, dict) else {}
+
+
+def message_object(rid: str, model: str, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
+                   usage: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+
+
+def message_from_chat(answer: dict[str, Any], rid: str, model: str) -> dict[str, Any]:
+    """The message of a whole chat answer (one choice)."""
+    choice = answer["choices"][0]
+    msg = choice["message"]
+    content: list[dict[str, Any]] = []
+    if msg.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
+    if msg.get("content"):
+        content.append({"type": "text", "text": msg["content"]})
+    for call in msg.get("tool_calls") or ():
+        content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                        "input": _input(call["function"]["arguments"])})
+    stop = _stop(choice.get("finish_reason"), choice.get("stop_reason"))
+    if msg.get("tool_calls") and stop[0] != "max_tokens":
+        stop = ("tool_use", None)  # (a named tool's call too: the chat route's finish is "stop" there)
+    return message_object(rid, model, content, stop, _usage(answer.get("usage")))
+
+
+class MessageEvents(ChunkEvents):
+    """A chat stream's chunks as the Messages API's events: ``start`` before the first chunk, ``chunk`` for
+    each, ``end`` after the last (or ``fail``). Content blocks come one after another, each stopped before
+    the next starts."""
+
+    def __init__(self, rid: str, model: str):
+        self.rid, self.model = rid, model
+        self.index = -1  # the open block's (-1: none yet)
+        self.kind: str | None = None  # its type, while open
+        self.calls: dict[int, int] = {}  # the chat delta's tool call index -> block index
+        self.stop: tuple[str, str | None] = ("end_turn", None)
+        self.usage: dict[str, Any] | None = None
+
+    @staticmethod
+    def _event(kind: str, **fields: Any) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, separators=(',', ':'))}\n\n"
+
+    def start(self) -> list[str]:
+        empty = {"input_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0, "output_tokens": 0}
+        return [self._event("message_start", message=message_object(self.rid, self.model, [], (None, None), empty))]
+
+    def _open(self, block: dict[str, Any]) -> list[str]:
+        out = self._close()
+        self.index += 1
+        self.kind = block["type"]
+        out.append(self._event("content_block_start", index=self.index, content_block=block))
+        return out
+
+    def _close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [self._event("content_block_stop", index=self.index)]
+
+    def _usage(self, chat_usage: dict[str, Any]) -> dict[str, Any]:
+        return _usage(chat_usage)
+
+    def _delta(self, choice: dict[str, Any], delta: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        for kind, text, field in (("thinking", delta.get("reasoning_content"), "thinking"),
+                                  ("text", delta.get("content"), "text")):
+            if not text:
+                continue
+            if self.kind != kind:
+                out += self._open({"type": kind, field: "", **({"signature": ""} if kind == "thinking" else {})})
+            out.append(self._event("content_block_delta", index=self.index,
+                                   delta={"type": f"{kind}_delta", field: text}))
+        for call in delta.get("tool_calls") or ():
+            k = call.get("index", 0)
+            fn = call.get("function") or {}
+            if k not in self.calls:
+                out += self._open({"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
+                                   "name": fn.get("name", ""), "input": {}})
+                self.calls[k] = self.index
+            if fn.get("arguments"):
+                out.append(self._event("content_block_delta", index=self.calls[k],
+                                       delta={"type": "input_json_delta", "partial_json": fn["arguments"]}))
+        if choice.get("finish_reason"):
+            self.stop = _stop(choice["finish_reason"], choice.get("stop_reason"))
+        return out
+
+    def end(self) -> list[str]:
+        out = self._close()
+        if self.calls and self.stop[0] != "max_tokens":
+            self.stop = ("tool_use", None)
+        out.append(self._event("message_delta", delta={"stop_reason": self.stop[0], "stop_sequence": self.stop[1]},
+                               usage=self.usage or _usage(None)))
+        out.append(self._event("message_stop"))
+        return out
+
+    def fail(self, message: str) -> list[str]:
+        return [self._event("error", error={"type": "api_error", "message": message})]
+
+
+class MessagesCountRequest(MessagesRequest):
+    """``/v1/messages/count_tokens``: a request without max_tokens."""
+
+    max_tokens: int = Field(1, ge=1)

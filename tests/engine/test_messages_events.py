@@ -1,0 +1,97 @@
+"""Anthropic's Messages API pieces that need no server: turns as chat messages, chat answers as messages,
+and chat chunks as the API's events (the HTTP side is tests/serve/test_messages_api.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from app.messages_api import MessageEvents, MessagesRequest, message_from_chat
+from app.schemas import ChatRequest
+
+
+def test_turns_become_a_chat_with_calls_results_and_thinking():
+    req = MessagesRequest.model_validate({"max_tokens": 5, "system": [{"type": "text", "text": "Be brief."}], "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Ask the tool.", "signature": "x"},
+                                          {"type": "text", "text": "Checking."},
+                                          {"type": "tool_use", "id": "t1", "name": "w", "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+                                     {"type": "text", "text": "And tomorrow?", "cache_control": {"type": "ephemeral"}}]}],
+        "tools": [{"name": "w", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
+    body = req.chat_body()
+    assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant", "tool", "user"]
+    turn = body["messages"][2]
+    assert turn["content"] == "Checking." and turn["reasoning_content"] == "Ask the tool."
+    assert json.loads(turn["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert body["messages"][3] == {"role": "tool", "tool_call_id": "t1", "content": "sunny"}
+    assert body["tool_choice"] == "required" and body["parallel_tool_calls"] is False
+    ChatRequest.model_validate(body)
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": "x"}]},  # max_tokens is required
+    {"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+    {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "w"}]}]},
+    {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "tool"}},
+    {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "output_config": {"format": {"type": "xml"}}},
+])
+def test_malformed_requests_are_refused(body):
+    with pytest.raises(ValidationError):
+        MessagesRequest.model_validate(body)
+
+
+def _answer(message: dict, finish: str, stop_reason=None) -> dict:
+    return {"created": 0, "choices": [{"message": message, "finish_reason": finish, "stop_reason": stop_reason}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                      "prompt_tokens_details": {"cached_tokens": 8}}}
+
+
+@pytest.mark.parametrize("finish, stop_reason, expected", [
+    ("stop", None, ("end_turn", None)), ("stop", "\n\n", ("stop_sequence", "\n\n")), ("stop", 7, ("end_turn", None)),
+    ("length", None, ("max_tokens", None))])
+def test_why_a_message_stopped(finish, stop_reason, expected):
+    m = message_from_chat(_answer({"role": "assistant", "content": "Hi"}, finish, stop_reason), "msg_1", "m")
+    assert (m["stop_reason"], m["stop_sequence"]) == expected
+    assert m["usage"] == {"input_tokens": 2, "cache_read_input_tokens": 8, "cache_creation_input_tokens": 0,
+                          "output_tokens": 3}
+
+
+def test_a_named_tools_call_stops_for_tool_use():
+    call = {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{\"a\": 1}"}}
+    m = message_from_chat(_answer({"role": "assistant", "content": None, "tool_calls": [call],
+                                   "reasoning_content": "Hm"}, "stop"), "msg_1", "m")
+    assert [b["type"] for b in m["content"]] == ["thinking", "tool_use"] and m["content"][1]["input"] == {"a": 1}
+    assert m["stop_reason"] == "tool_use"
+
+
+def _events(lines: list[str]) -> list[dict]:
+    return [json.loads(line.split("data: ", 1)[1]) for line in lines]
+
+
+def test_a_stream_of_thinking_text_and_a_call():
+    ev = MessageEvents("msg_1", "m")
+    lines = ev.start()
+    for delta in ({"role": "assistant", "content": ""}, {"reasoning_content": "Plan."}, {"content": "Let me "},
+                  {"content": "check."}, {"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "w", "arguments": "{\"a\""}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}):
+        lines += ev.chunk({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    lines += ev.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls", "stop_reason": None}]})
+    lines += ev.chunk({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 9, "total_tokens": 13}})
+    events = _events(lines + ev.end())
+    kinds = [e["type"] for e in events]
+    assert kinds == ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                     "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
+                     "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
+                     "message_delta", "message_stop"]
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1, 2]
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert deltas[0] == {"type": "thinking_delta", "thinking": "Plan."}
+    assert "".join(d.get("partial_json", "") for d in deltas) == "{\"a\": 1}"
+    assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert events[-2]["usage"]["output_tokens"] == 9

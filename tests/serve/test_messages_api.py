@@ -1,0 +1,108 @@
+"""Anthropic's Messages API over real HTTP (2 replicas of the tiny model): through Anthropic's own client,
+the same answers as the chat route, streamed as the API's events, tools, token counts and errors in
+Anthropic's format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.serve.test_http_api import WEATHER
+
+anthropic = pytest.importorskip("anthropic")
+
+SYSTEM = "You are terse."
+ASK = "Say hi to the quick brown fox."
+TOOL = {"name": "get_weather", "description": WEATHER["function"]["description"],
+        "input_schema": WEATHER["function"]["parameters"]}
+
+
+@pytest.fixture(scope="module")
+def ac(serve_app):
+    return anthropic.Anthropic(base_url=serve_app, api_key="unused")
+
+
+def test_anthropic_client_messages_match_the_chat_answer(ac, client):
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": SYSTEM},
+                                                                  {"role": "user", "content": ASK}],
+                                                     "max_tokens": 6, "temperature": 0}).json()
+    greedy = {"temperature": 0}  # (this client no longer takes sampling settings; the API still does)
+    m = ac.messages.create(model="tiny", max_tokens=6, system=SYSTEM, extra_body=greedy,
+                           messages=[{"role": "user", "content": ASK}])
+    assert m.id.startswith("msg_") and m.role == "assistant" and m.type == "message"
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == chat["choices"][0]["message"]["content"]
+    assert m.stop_reason == ("max_tokens" if chat["choices"][0]["finish_reason"] == "length" else "end_turn")
+    # its input tokens leave out the ones read from the prefix cache, as Anthropic counts them
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
+    assert m.usage.cache_read_input_tokens > 0 and m.usage.output_tokens == chat["usage"]["completion_tokens"]
+    # streamed through the client's own helper: the same text, and a final message it accumulates
+    with ac.messages.stream(model="tiny", max_tokens=6, system=SYSTEM, extra_body=greedy,
+                            messages=[{"role": "user", "content": ASK}]) as s:
+        pieces = list(s.text_stream)
+        final = s.get_final_message()
+    assert len(pieces) > 1 and "".join(pieces) == m.content[0].text == final.content[0].text
+    assert final.stop_reason == m.stop_reason and final.usage.output_tokens == m.usage.output_tokens
+    assert final.usage.input_tokens == m.usage.input_tokens - (final.usage.cache_read_input_tokens
+                                                               - m.usage.cache_read_input_tokens)
+    count = ac.messages.count_tokens(model="tiny", system=SYSTEM, messages=[{"role": "user", "content": ASK}])
+    assert count.input_tokens == chat["usage"]["prompt_tokens"]
+
+
+def test_anthropic_tools_whole_and_streamed_and_their_results(ac, client):
+    kw = {"model": "tiny", "max_tokens": 60, "extra_body": {"temperature": 0}, "tools": [TOOL],
+          "tool_choice": {"type": "tool", "name": "get_weather"}, "messages": [{"role": "user", "content": "Weather?"}]}
+    m = ac.messages.create(**kw)
+    (use,) = m.content
+    assert use.type == "tool_use" and use.name == "get_weather" and m.stop_reason == "tool_use"
+    assert use.input["city"] in ("Oslo", "Lima")
+    with ac.messages.stream(**kw) as s:
+        final = s.get_final_message()  # (the client parses the input_json_delta pieces)
+    assert final.content[0].input == use.input and final.stop_reason == "tool_use"
+    # the call and its result go back as the next turns: the template renders them as the chat route does
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                  "input": use.input}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                             "content": [{"type": "text", "text": "sunny"}]}]}]
+    count = ac.messages.count_tokens(model="tiny", tools=[TOOL], messages=history)
+    chat_history = [{"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": "t1", "type": "function", "function": {
+                        "name": "get_weather", "arguments": json.dumps(use.input)}}]},
+                    {"role": "tool", "tool_call_id": "t1", "content": "sunny"}]
+    chat = client.post("/v1/chat/completions", json={"messages": chat_history, "tools": [WEATHER], "max_tokens": 1})
+    assert count.input_tokens == chat.json()["usage"]["prompt_tokens"]
+    m = ac.messages.create(model="tiny", max_tokens=3, tools=[TOOL], messages=history)
+    assert m.usage.output_tokens >= 1
+    # a structured output, as this client asks for one
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    m = ac.messages.create(model="tiny", max_tokens=40, messages=[{"role": "user", "content": "JSON?"}],
+                           output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "low"})
+    assert isinstance(json.loads(m.content[0].text)["ok"], bool)
+
+
+@pytest.mark.parametrize("body,status,kind,needle", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error", "max_tokens"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
+     "invalid_request_error", "'image' blocks"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error", "custom tools"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "mcp_servers": [{"url": "x"}]}, 400,
+     "invalid_request_error", "MCP"),
+    ({"max_tokens": 5, "model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "not_found_error",
+     "other"),
+    ({"max_tokens": 5000, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error", "max_tokens"),
+])
+def test_anthropic_errors_come_in_anthropics_format(client, body, status, kind, needle):
+    r = client.post("/v1/messages", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == kind and needle in err["error"]["message"], err
+
+
+def test_the_anthropic_client_raises_its_own_errors(ac):
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+        ac.messages.create(model="tiny", max_tokens=5000, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.NotFoundError):
+        ac.messages.create(model="claude-opus", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
