@@ -22,7 +22,10 @@ REFUSED = {
 }
 # the error types of Anthropic's API, by HTTP status
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error"}
+BLOCKS_SEP = "\n\n"  # between the text blocks of one turn (Claude Code's system prompt and reminders come as several)
+# what stands for a block the model cannot read inside a tool's result (an image a tool opened)
+STAND_IN = "[a {kind} block, which this server's model cannot read]"
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -31,9 +34,9 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, stand_in: str | None = None) -> str:
     """A system prompt's or a tool result's content as text: a string, or text blocks."""
-    return content_text(content, where, {"text": "text"})
+    return content_text(content, where, {"text": "text"}, BLOCKS_SEP, stand_in)
 
 
 def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
@@ -54,7 +57,7 @@ def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
         results: list[dict[str, Any]] = []
-        thinking = None
+        thoughts: list[str] = []
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}.content[{j}]"
@@ -68,24 +71,26 @@ def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
             elif kind == "tool_result" and role == "user":
                 if not isinstance(block.get("tool_use_id"), str):
                     raise ValueError(f"{at}: a tool_result block needs a tool_use_id")
+                result = _text(block.get("content"), f"{at}.content", STAND_IN)
                 results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                                "content": _text(block.get("content", ""), f"{at}.content")})
+                                "content": f"Error: {result}" if block.get("is_error") else result})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-                thinking = block.get("thinking") or thinking  # (a redacted one has nothing to show a template)
+                if isinstance(block.get("thinking"), str):  # (a redacted one has nothing to show a template)
+                    thoughts.append(block["thinking"])
             else:
                 raise ValueError(f"{at}: {kind!r} blocks are not supported by this server in a {role} turn (text, "
                                  "tool_use and thinking in the assistant's, text and tool_result in the user's are)")
         if role == "assistant":
-            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+            msg: dict[str, Any] = {"role": "assistant", "content": BLOCKS_SEP.join(texts) if texts or not calls else None}
             if calls:
                 msg["tool_calls"] = calls
-            if thinking:
-                msg["reasoning_content"] = thinking
+            if thoughts:
+                msg["reasoning_content"] = BLOCKS_SEP.join(thoughts)
             out.append(msg)
         else:
             out += results
             if texts or not results:
-                out.append({"role": "user", "content": "".join(texts)})
+                out.append({"role": "user", "content": BLOCKS_SEP.join(texts)})
     return out
 
 
@@ -122,8 +127,10 @@ class MessagesRequest(ChatView):
         msgs = _chat_messages(self.messages)
         if self.system:
             msgs.insert(0, {"role": "system", "content": _text(self.system, "system")})
-        body: dict[str, Any] = {"messages": msgs, "stream": self.stream, "max_tokens": self.max_tokens,
-                                "priority": self.priority}
+        # (max_tokens is the route's default, cut to the room the context leaves: Claude Code asks for 32,000)
+        body: dict[str, Any] = {"messages": msgs, "stream": self.stream, "priority": self.priority}
+        if msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls"):
+            body.update(add_generation_prompt=False, continue_final_message=True)  # a prefill: carried on
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         if self.stop_sequences:
@@ -203,7 +210,14 @@ def message_object(rid: str, model: str, content: list[dict[str, Any]], stop: tu
             "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
 
-def message_from_chat(answer: dict[str, Any], rid: str, model: str) -> dict[str, Any]:
+def _cut(stop: tuple[str, str | None], usage: dict[str, Any], asked: int) -> tuple[str, str | None]:
+    """An answer stopped short of max_tokens by the room its context left says so."""
+    if stop[0] == "max_tokens" and usage["output_tokens"] < asked:
+        return "model_context_window_exceeded", None
+    return stop
+
+
+def message_from_chat(answer: dict[str, Any], rid: str, model: str, asked: int) -> dict[str, Any]:
     """The message of a whole chat answer (one choice)."""
     choice = answer["choices"][0]
     msg = choice["message"]
@@ -218,7 +232,8 @@ def message_from_chat(answer: dict[str, Any], rid: str, model: str) -> dict[str,
     stop = _stop(choice.get("finish_reason"), choice.get("stop_reason"))
     if msg.get("tool_calls") and stop[0] != "max_tokens":
         stop = ("tool_use", None)  # (a named tool's call too: the chat route's finish is "stop" there)
-    return message_object(rid, model, content, stop, _usage(answer.get("usage")))
+    usage = _usage(answer.get("usage"))
+    return message_object(rid, model, content, _cut(stop, usage, asked), usage)
 
 
 class MessageEvents(ChunkEvents):
@@ -226,8 +241,8 @@ class MessageEvents(ChunkEvents):
     each, ``end`` after the last (or ``fail``). Content blocks come one after another, each stopped before
     the next starts."""
 
-    def __init__(self, rid: str, model: str):
-        self.rid, self.model = rid, model
+    def __init__(self, rid: str, model: str, asked: int):
+        self.rid, self.model, self.asked = rid, model, asked
         self.index = -1  # the open block's (-1: none yet)
         self.kind: str | None = None  # its type, while open
         self.calls: dict[int, int] = {}  # the chat delta's tool call index -> block index
@@ -286,8 +301,9 @@ class MessageEvents(ChunkEvents):
         out = self._close()
         if self.calls and self.stop[0] != "max_tokens":
             self.stop = ("tool_use", None)
-        out.append(self._event("message_delta", delta={"stop_reason": self.stop[0], "stop_sequence": self.stop[1]},
-                               usage=self.usage or _usage(None)))
+        usage = self.usage or _usage(None)
+        stop = _cut(self.stop, usage, self.asked)
+        out.append(self._event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]}, usage=usage))
         out.append(self._event("message_stop"))
         return out
 

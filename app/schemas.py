@@ -51,9 +51,14 @@ class _Strict(BaseModel):
         return data
 
 
-def content_text(content: Any, where: str, fields: Mapping[str, str]) -> str:
+def content_text(content: Any, where: str, fields: Mapping[str, str], sep: str = "",
+                 stand_in: str | None = None) -> str:
     """A message's content as text: a string, or a list of parts whose ``type`` is one of ``fields``, each
-    holding its text under that field (``{"text": "text"}``: ``[{"type": "text", "text": ...}]``)."""
+    holding its text under that field (``{"text": "text"}``: ``[{"type": "text", "text": ...}]``), joined
+    by ``sep``. Other parts are refused, or stand as ``stand_in`` (a tool's image, say, that the model
+    cannot see: a conversation that holds one must go on)."""
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -61,11 +66,16 @@ def content_text(content: Any, where: str, fields: Mapping[str, str]) -> str:
     texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in fields or not isinstance(part.get(fields[kind]), str):
+        if kind in fields and isinstance(part.get(fields[kind]), str):
+            texts.append(part[fields[kind]])
+        elif kind in fields:
+            raise ValueError(f"{where}[{i}].{fields[kind]} must be a string")
+        elif stand_in is not None:
+            texts.append(stand_in.format(kind=kind))
+        else:
             raise ValueError(f"{where}[{i}]: only text parts ({', '.join(fields)}) are supported by this server, "
                              f"got {kind!r}")
-        texts.append(part[fields[kind]])
-    return "".join(texts)
+    return sep.join(texts)
 
 
 def _unsupported(name: str, value: Any, allowed: tuple = (None,)) -> None:

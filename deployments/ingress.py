@@ -302,7 +302,8 @@ class ApiKey:
         # digests compared in constant time: how long a refusal takes says nothing of the key, its length included
         if token is not None and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), key):
             return await self.app(scope, receive, send)
-        err = ApiError(401, "a valid API key is required: send it as the header Authorization: Bearer <key>",
+        err = ApiError(401, "a valid API key is required: send it as the header Authorization: Bearer <key> "
+                            "(or x-api-key: <key>)",
                        "authentication", code="invalid_api_key")
         response = _error_response(Request(scope), err)
         response.headers["www-authenticate"] = "Bearer"
@@ -328,7 +329,7 @@ def _route_path(scope) -> str:
     return path
 
 
-ANTHROPIC_PATHS = "/v1/messages"
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 
 
 def _is_openai(request: Request) -> bool:
@@ -337,7 +338,7 @@ def _is_openai(request: Request) -> bool:
 
 def _error_response(request: Request, err: ApiError) -> JSONResponse:
     message = err.message.replace("max_new_tokens", "max_tokens")  # (the engine's name for it)
-    if _route_path(request.scope).startswith(ANTHROPIC_PATHS):  # Anthropic's format, on its routes
+    if _route_path(request.scope) in ANTHROPIC_PATHS:  # Anthropic's format, on its routes
         return JSONResponse(error_body(err.status, message), status_code=400 if err.status == 422 else err.status)
     if _is_openai(request):
         etype = "invalid_request_error" if err.status < 500 else "server_error"
@@ -1231,15 +1232,15 @@ class Ingress:
         self._check_model(req.model)
         rid = f"msg_{uuid.uuid4().hex}"
         return await self._chat_view(req.chat_body(), req.max_tokens,
-                                     lambda answer: message_from_chat(answer, rid, self.model_name),
-                                     MessageEvents(rid, self.model_name), req.stream)
+                                     lambda answer: message_from_chat(answer, rid, self.model_name, req.max_tokens),
+                                     MessageEvents(rid, self.model_name, req.max_tokens), req.stream)
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(self, req: MessagesCountRequest):
         """Anthropic's token count of a request: its prompt's tokens as the chat route renders them."""
         self._check_model(req.model)
         chat = _validated_chat({**req.chat_body(), "stream": False})
-        return {"input_tokens": len(await self._chat_ids(chat))}
+        return {"input_tokens": len(await self._chat_ids(chat, overlong=False))}
 
     async def _chat_view(self, body: dict[str, Any], default: int, whole, events, stream: bool):
         """The chat route's answer to ``body`` in another API's shape: ``whole`` makes it of a chat answer,

@@ -82,20 +82,24 @@ def test_a_request_id_in_use_is_refused_and_the_first_stream_goes_on(make_engine
     # the second stream used to take over the first one's queue: the first then hung for good
     ae = AsyncEngine(make_engine("tiny"))
 
-    async def first():
-        return [ev async for ev in ae.generate(PROMPT, SamplingParams(max_new_tokens=200, ignore_eos=True),
-                                               request_id="same")]
+    async def first(running: asyncio.Event):
+        events = []
+        async for ev in ae.generate(PROMPT, SamplingParams(max_new_tokens=1000, ignore_eos=True), request_id="same"):
+            events.append(ev)
+            running.set()
+        return events
 
     async def main():
-        task = asyncio.create_task(first())
-        await asyncio.sleep(0.2)
+        running = asyncio.Event()  # (a sleep instead let a fast machine finish the first before the second came)
+        task = asyncio.create_task(first(running))
+        await asyncio.wait_for(running.wait(), 60)
         with pytest.raises(RequestError, match="already in use"):
             await _drain(ae.generate(PROMPT, SamplingParams(max_new_tokens=5), request_id="same"))
         return await asyncio.wait_for(task, 60)
 
     try:
         events = asyncio.run(main())
-        assert events[-1].finish_reason == "length" and events[-1].num_output_tokens == 200
+        assert events[-1].finish_reason == "length" and events[-1].num_output_tokens == 1000
     finally:
         ae.shutdown()
 

@@ -32,6 +32,29 @@ def test_turns_become_a_chat_with_calls_results_and_thinking():
     ChatRequest.model_validate(body)
 
 
+def test_several_text_blocks_tool_errors_and_images_a_tool_opened():
+    """What Claude Code sends: a system prompt and reminders in several blocks, a failed tool, an image a
+    tool read (which stands as a note: the conversation goes on)."""
+    req = MessagesRequest.model_validate({"max_tokens": 5, "system": [
+        {"type": "text", "text": "You are a coding agent."}, {"type": "text", "text": "Be brief.",
+                                                             "cache_control": {"type": "ephemeral"}}], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "<system-reminder>x</system-reminder>"},
+                                     {"type": "text", "text": "Open the logo."}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Read it."},
+                                          {"type": "tool_use", "id": "t1", "name": "Read", "input": {}},
+                                          {"type": "thinking", "thinking": "And the other."},
+                                          {"type": "tool_use", "id": "t2", "name": "Read", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "image", "source": {}}]},
+            {"type": "tool_result", "tool_use_id": "t2", "content": "no such file", "is_error": True}]}]})
+    msgs = req.chat_body()["messages"]
+    assert msgs[0]["content"] == "You are a coding agent.\n\nBe brief."
+    assert msgs[1]["content"] == "<system-reminder>x</system-reminder>\n\nOpen the logo."
+    assert msgs[2]["reasoning_content"] == "Read it.\n\nAnd the other."
+    assert msgs[3]["content"] == "[a image block, which this server's model cannot read]"
+    assert msgs[4]["content"] == "Error: no such file"
+
+
 @pytest.mark.parametrize("body", [
     {"messages": [{"role": "user", "content": "x"}]},  # max_tokens is required
     {"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
@@ -54,16 +77,19 @@ def _answer(message: dict, finish: str, stop_reason=None) -> dict:
     ("stop", None, ("end_turn", None)), ("stop", "\n\n", ("stop_sequence", "\n\n")), ("stop", 7, ("end_turn", None)),
     ("length", None, ("max_tokens", None))])
 def test_why_a_message_stopped(finish, stop_reason, expected):
-    m = message_from_chat(_answer({"role": "assistant", "content": "Hi"}, finish, stop_reason), "msg_1", "m")
+    m = message_from_chat(_answer({"role": "assistant", "content": "Hi"}, finish, stop_reason), "msg_1", "m", 3)
     assert (m["stop_reason"], m["stop_sequence"]) == expected
     assert m["usage"] == {"input_tokens": 2, "cache_read_input_tokens": 8, "cache_creation_input_tokens": 0,
                           "output_tokens": 3}
+    # cut short by the room the context left, not by max_tokens (3 tokens of the 4 asked)
+    cut = message_from_chat(_answer({"role": "assistant", "content": "Hi"}, finish, stop_reason), "msg_1", "m", 4)
+    assert cut["stop_reason"] == ("model_context_window_exceeded" if finish == "length" else expected[0])
 
 
 def test_a_named_tools_call_stops_for_tool_use():
     call = {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{\"a\": 1}"}}
     m = message_from_chat(_answer({"role": "assistant", "content": None, "tool_calls": [call],
-                                   "reasoning_content": "Hm"}, "stop"), "msg_1", "m")
+                                   "reasoning_content": "Hm"}, "stop"), "msg_1", "m", 3)
     assert [b["type"] for b in m["content"]] == ["thinking", "tool_use"] and m["content"][1]["input"] == {"a": 1}
     assert m["stop_reason"] == "tool_use"
 
@@ -73,7 +99,7 @@ def _events(lines: list[str]) -> list[dict]:
 
 
 def test_a_stream_of_thinking_text_and_a_call():
-    ev = MessageEvents("msg_1", "m")
+    ev = MessageEvents("msg_1", "m", 9)
     lines = ev.start()
     for delta in ({"role": "assistant", "content": ""}, {"reasoning_content": "Plan."}, {"content": "Let me "},
                   {"content": "check."}, {"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "w", "arguments": "{\"a\""}}]},

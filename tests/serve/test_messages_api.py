@@ -92,7 +92,8 @@ def test_anthropic_tools_whole_and_streamed_and_their_results(ac, client):
      "invalid_request_error", "MCP"),
     ({"max_tokens": 5, "model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "not_found_error",
      "other"),
-    ({"max_tokens": 5000, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error", "max_tokens"),
+    ({"max_tokens": 5, "temperature": 1.5, "messages": [{"role": "user", "content": "hi"}]}, 400,
+     "invalid_request_error", "temperature"),
 ])
 def test_anthropic_errors_come_in_anthropics_format(client, body, status, kind, needle):
     r = client.post("/v1/messages", json=body)
@@ -102,7 +103,25 @@ def test_anthropic_errors_come_in_anthropics_format(client, body, status, kind, 
 
 
 def test_the_anthropic_client_raises_its_own_errors(ac):
-    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
-        ac.messages.create(model="tiny", max_tokens=5000, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.BadRequestError, match="tool_result"):
+        ac.messages.create(model="tiny", max_tokens=5, messages=[{"role": "assistant", "content": [
+            {"type": "tool_result", "tool_use_id": "x", "content": "y"}]}])
     with pytest.raises(anthropic.NotFoundError):
         ac.messages.create(model="claude-opus", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_max_tokens_past_the_context_is_cut_to_it_and_an_assistant_turn_is_carried_on(ac, client):
+    """Claude Code asks for 32,000 tokens whatever the model: the answer takes the room its context leaves,
+    and says that is why it stopped."""
+    long = "x" * 990  # (a token a character): about 1,000 of this server's 2,048
+    m = ac.messages.create(model="tiny", max_tokens=5000, messages=[{"role": "user", "content": long}],
+                           extra_body={"ignore_eos": True})
+    assert m.stop_reason == "model_context_window_exceeded"
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens + m.usage.output_tokens == 2048
+    # a last assistant turn is a prefill: the answer carries it on (no new turn is opened)
+    turns = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    count = ac.messages.count_tokens(model="tiny", messages=turns).input_tokens
+    carried = client.post("/tokenize", json={"messages": turns, "add_generation_prompt": False,
+                                             "continue_final_message": True}).json()["count"]
+    assert count == carried
+    assert ac.messages.create(model="tiny", max_tokens=3, messages=turns).usage.output_tokens >= 1
