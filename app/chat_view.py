@@ -3,6 +3,9 @@ their requests become chat requests, and a chat stream's chunks become their eve
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 from pydantic import model_validator
@@ -35,9 +38,10 @@ class ChatView(_Strict):
 class ChunkEvents:
     """A chat stream's chunks as another API's events: ``start`` before the first chunk, ``chunk`` for each
     (its choice's delta goes to ``_delta``, its usage to ``usage`` through ``_usage``), ``end`` after the last,
-    or ``fail``."""
+    or ``fail``; ``PING`` keeps an idle stream open."""
 
     usage: dict[str, Any] | None = None
+    PING = ": ping\n\n"  # (an SSE comment: clients skip it)
 
     def _usage(self, chat_usage: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
@@ -52,3 +56,30 @@ class ChunkEvents:
         for choice in chunk.get("choices") or ():
             out += self._delta(choice, choice.get("delta") or {})
         return out
+
+
+async def with_pings(items: AsyncIterator[Any], every_s: float, ping: Any) -> AsyncIterator[Any]:
+    """``items``, with ``ping`` put in whenever none came for ``every_s`` (a long prefill, text held back
+    while a tool call may be starting): proxies that cut idle streams keep them. The pending item is
+    awaited on, never cancelled: cancelling it would close ``items`` mid-answer."""
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(items.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield ping
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            finally:
+                pending = None
+            yield item
+    finally:
+        if pending is not None:  # (the reader left while one was pending)
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending

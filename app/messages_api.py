@@ -241,6 +241,8 @@ class MessageEvents(ChunkEvents):
     each, ``end`` after the last (or ``fail``). Content blocks come one after another, each stopped before
     the next starts."""
 
+    PING = 'event: ping\ndata: {"type":"ping"}\n\n'  # (Anthropic's own keep-alive)
+
     def __init__(self, rid: str, model: str, asked: int):
         self.rid, self.model, self.asked = rid, model, asked
         self.index = -1  # the open block's (-1: none yet)

@@ -36,6 +36,7 @@ from ray.exceptions import TaskCancelledError
 from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.chat_view import with_pings
 from app.config import Settings
 from app.messages_api import (
     MessageEvents,
@@ -329,6 +330,7 @@ def _route_path(scope) -> str:
     return path
 
 
+PING_EVERY_S = 10.0  # an idle stream of another API's view gets a keep-alive this often
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 
 
@@ -1252,11 +1254,16 @@ class Ingress:
             return JSONResponse(whole(json.loads(answer.body)), headers=replica)
 
         async def translated():
-            async with contextlib.aclosing(answer.body_iterator) as chunks:  # (closing it ends the requests)
+            # (closing the chunks ends the requests; the pings' reader closes first, with what it awaits)
+            async with contextlib.aclosing(answer.body_iterator) as chunks, \
+                    contextlib.aclosing(with_pings(chunks, PING_EVERY_S, None)) as pinged:
                 for ev in events.start():
                     yield ev
                 try:
-                    async for sse in chunks:
+                    async for sse in pinged:
+                        if sse is None:  # nothing for a while: a keep-alive
+                            yield events.PING
+                            continue
                         data = sse.removeprefix("data: ").strip()
                         if data == "[DONE]":
                             break
