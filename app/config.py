@@ -55,6 +55,8 @@ class Settings(BaseModel):
     model_id: str | None = Field(None, description="local model folder; default: the built-in tiny model")
     served_model_name: str | None = Field(None, description="name clients pass as `model`; default: the folder's name "
                                    "(the built-in model: radixserve-tiny)")
+    model_aliases: list[str] = Field([], description="other names clients may pass as `model`, comma-separated "
+                                     "(e.g. the ones Claude Code sends); answers name the served model")
     # engine (TGI names)
     max_batch_prefill_tokens: int = Field(4096, gt=0)
     max_prefill_chunk_tokens: int = Field(512, gt=0, description="tokens of one prompt prefilled per step")
@@ -170,6 +172,15 @@ class Settings(BaseModel):
             return []
         if isinstance(v, list) and any(not isinstance(x, int) or x <= 0 for x in v):
             raise ValueError(f"cuda_graphs must list positive batch sizes (or 0 for none), got {v}")
+        return v
+
+    @field_validator("model_aliases", mode="before")
+    @classmethod
+    def _aliases(cls, v: Any) -> Any:
+        if v is None:
+            return []
+        if isinstance(v, str):  # a flag or an environment variable: "claude-sonnet-4-5,claude-haiku-4-5"
+            v = [x.strip() for x in v.split(",") if x.strip()]
         return v
 
     @field_validator("cors_allow_origin", mode="before")

@@ -885,8 +885,10 @@ class Ingress:
         return events
 
     def _check_model(self, name: str | None, placeholders: bool = True) -> None:
-        if name is not None and name != self.model_name and not (placeholders and name in PLACEHOLDER_MODELS):
-            raise ApiError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`).",
+        if (name is not None and name != self.model_name and name not in self.settings.model_aliases
+                and not (placeholders and name in PLACEHOLDER_MODELS)):
+            raise ApiError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`; "
+                                "its --model-aliases option adds other names).",
                            code="model_not_found", param="model")
 
     # ------------------------------------------------------------------ TGI
@@ -1065,17 +1067,19 @@ class Ingress:
         return not states or (self.scales_to_zero and not states.get("RUNNING"))
 
     # ------------------------------------------------------------------ OpenAI
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "radixserve"}
+    def _model_card(self, name: str | None = None) -> dict[str, Any]:
+        return {"id": name or self.model_name, "object": "model", "created": 0, "owned_by": "radixserve",
+                **({"root": self.model_name} if name and name != self.model_name else {})}
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(self):
-        return {"object": "list", "data": [self._model_card()]}
+        # the served name first (what clients that take the first model use), then its aliases
+        return {"object": "list", "data": [self._model_card(n) for n in (self.model_name, *self.settings.model_aliases)]}
 
     @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
     async def model(self, model: str):
         self._check_model(model, placeholders=False)  # the placeholders requests may name ("tgi") are no model
-        return self._model_card()
+        return self._model_card(model)
 
     async def _max_tokens(self, req, ids: list[int], default: int) -> int:
         """What the client asked for; else the default, cut to the room the context leaves (a long

@@ -33,7 +33,7 @@ def keyed(serve_app, model_dir, redis_server, tmp_path_factory):
     (folder / "generation_config.json").write_text(json.dumps({**gc, "top_k": 1, "max_new_tokens": 5}))
     settings = Settings(model_id=str(folder), num_replicas=1, replica_num_cpus=1, max_batch_total_tokens=2048,
                         redis_url=redis_server.url, api_key=KEY, deployment_name="ktest",
-                        scheduling_policy="priority", reasoning_parser="qwen3")
+                        scheduling_policy="priority", reasoning_parser="qwen3", model_aliases="claude-haiku-4-5, gpt-x")
     serve.run(build_app(settings), name="ktest", route_prefix=ROUTE)
     url = serve_app + ROUTE
     wait_healthy(url, timeout=120)  # /health needs no key
@@ -61,6 +61,14 @@ def test_an_api_key_guards_every_route_but_health_and_metrics(keyed):
     import anthropic  # Anthropic's client sends the key as x-api-key, and gets its refusal in its format
     ac = anthropic.Anthropic(base_url=keyed, api_key=KEY)
     assert ac.messages.create(model="tiny-top-k-1", max_tokens=2, messages=[{"role": "user", "content": "hi"}]).usage
+    # --model-aliases: the names Claude Code sends are this model's too; answers name the served model
+    m = ac.messages.create(model="claude-haiku-4-5", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert m.model == "tiny-top-k-1"
+    models = httpx.get(keyed + "/v1/models", headers=AUTH).json()["data"]
+    assert [x["id"] for x in models] == ["tiny-top-k-1", "claude-haiku-4-5", "gpt-x"]
+    assert httpx.get(keyed + "/v1/models/gpt-x", headers=AUTH).json()["root"] == "tiny-top-k-1"
+    with pytest.raises(anthropic.NotFoundError, match="model-aliases"):
+        ac.messages.create(model="claude-opus", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=keyed, api_key="wrong").messages.create(
             model="tiny-top-k-1", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
