@@ -46,6 +46,10 @@ class ChunkEvents:
     def _usage(self, chat_usage: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
+    def prompt_tokens(self, prompt: int, cached: int) -> None:
+        """The prompt's tokens, and the prefix cache's share of them, known before the first chunk (an API
+        whose first event says them keeps them)."""
+
     def _delta(self, choice: dict[str, Any], delta: dict[str, Any]) -> list[str]:
         raise NotImplementedError
 

@@ -255,9 +255,14 @@ class MessageEvents(ChunkEvents):
     def _event(kind: str, **fields: Any) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, separators=(',', ':'))}\n\n"
 
+    def prompt_tokens(self, prompt: int, cached: int) -> None:
+        self.usage = _usage({"prompt_tokens": prompt, "completion_tokens": 0,
+                             "prompt_tokens_details": {"cached_tokens": cached}})
+
     def start(self) -> list[str]:
-        empty = {"input_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0, "output_tokens": 0}
-        return [self._event("message_start", message=message_object(self.rid, self.model, [], (None, None), empty))]
+        # (with the prompt's tokens when they are known: clients that track the context read them here)
+        usage = self.usage or _usage(None)
+        return [self._event("message_start", message=message_object(self.rid, self.model, [], (None, None), usage))]
 
     def _open(self, block: dict[str, Any]) -> list[str]:
         out = self._close()

@@ -433,7 +433,10 @@ UNBUFFERED = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 def _stream_headers(first: dict) -> dict[str, str]:
-    return {**_replica_header([first]), **UNBUFFERED}
+    """A stream's: which replica, and its prompt's tokens and how many of them the prefix cache served (known
+    at the first token: the Messages API's first event says them)."""
+    return {**_replica_header([first]), **UNBUFFERED, "x-radixserve-prompt-tokens": str(first.get("num_prompt_tokens", 0)),
+            "x-radixserve-cached-tokens": str(first.get("num_cached_tokens", 0))}
 
 
 def _distinct_tokens(prefixes: list[list[int]], block_size: int, vocab_size: int) -> int:
@@ -1256,6 +1259,9 @@ class Ingress:
         replica = {k: v for k, v in answer.headers.items() if k == "x-radixserve-replica"}
         if not stream:
             return JSONResponse(whole(json.loads(answer.body)), headers=replica)
+
+        events.prompt_tokens(int(answer.headers.get("x-radixserve-prompt-tokens", 0)),
+                             int(answer.headers.get("x-radixserve-cached-tokens", 0)))
 
         async def translated():
             # (closing the chunks ends the requests; the pings' reader closes first, with what it awaits)

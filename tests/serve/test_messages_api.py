@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from tests.serve.test_http_api import WEATHER
@@ -45,6 +46,14 @@ def test_anthropic_client_messages_match_the_chat_answer(ac, client):
     assert final.stop_reason == m.stop_reason and final.usage.output_tokens == m.usage.output_tokens
     assert final.usage.input_tokens == m.usage.input_tokens - (final.usage.cache_read_input_tokens
                                                                - m.usage.cache_read_input_tokens)
+    # the first event already says the prompt's tokens (clients that track their context read them there)
+    with httpx.stream("POST", str(ac.base_url).rstrip("/") + "/v1/messages", json={
+            "model": "tiny", "max_tokens": 3, "stream": True, "system": SYSTEM,
+            "messages": [{"role": "user", "content": ASK}]}) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data:"))[5:])
+    usage = first["message"]["usage"]
+    assert first["type"] == "message_start" and usage["output_tokens"] == 0
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == chat["usage"]["prompt_tokens"]
     count = ac.messages.count_tokens(model="tiny", system=SYSTEM, messages=[{"role": "user", "content": ASK}])
     assert count.input_tokens == chat["usage"]["prompt_tokens"]
 
