@@ -181,6 +181,9 @@ def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: set[str]) 
     (recorded in ``plan``, in that format) or answered by an earlier run."""
     ref = {"custom_id": obj["custom_id"]}
     key = ref_key(ref)
+    if key in seen:  # (its record names the line, not the id: one id, one result)
+        plan.errors.append({"line": n, "error": f"custom_id {obj['custom_id']!r} is used by an earlier line"})
+        return None
     problem = None
     if not isinstance(obj["custom_id"], str) or not obj["custom_id"]:
         problem = "custom_id must be a non-empty string"
@@ -190,9 +193,6 @@ def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: set[str]) 
         problem = f"url must be one of {', '.join(OPENAI_BATCH_URLS)}, got {obj.get('url')!r}"
     elif not isinstance(obj.get("body"), dict):
         problem = "body must be the request, a JSON object"
-    elif key in seen:  # (its record names the line, not the id: one id, one result)
-        plan.errors.append({"line": n, "error": f"custom_id {obj['custom_id']!r} is used by an earlier line"})
-        return None
     if isinstance(obj["custom_id"], str):
         seen.add(key)  # (a refused line's id too: a later line with it would be a second result for it)
     if problem:

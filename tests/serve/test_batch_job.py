@@ -56,6 +56,14 @@ def test_input_lines_ids_and_encodings(tmp_path):
     assert [(x.ref, x.chat) for x in plan.todo] == [({"id": "x"}, False), ({"line": 5}, False)]
     # null fields mean the default
     assert read_lines(src, set()).todo[3].body == {"prompt": "no id: line 4"}
+    # OpenAI-format lines: one result per custom_id, even when the line that repeats it is malformed too
+    openai = tmp_path / "openai.jsonl"
+    write(openai, [{"custom_id": "r1", "url": "/v1/embeddings", "body": {}},
+                   {"custom_id": "r1", "url": "/v1/nope", "body": {}},
+                   {"custom_id": "r2", "method": "POST", "url": "/v1/responses", "body": {"input": "x", "seed": None}}])
+    plan = read_lines(openai, set())
+    assert [e.get("custom_id", e.get("line")) for e in plan.errors] == ["r1", 2]
+    assert [(x.ref, x.path, x.body) for x in plan.todo] == [({"custom_id": "r2"}, "/v1/responses", {"input": "x"})]
 
 
 def test_resume_keeps_answers_drops_failures_and_a_cut_last_line(tmp_path):
