@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
-from pydantic import model_validator
+from pydantic import PrivateAttr, model_validator
 
 from app.schemas import _refuse_named, _Strict
 
@@ -25,14 +26,25 @@ class ChatView(_Strict):
         _refuse_named(data, cls._refused_here)
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
+    _chat: dict[str, Any] = PrivateAttr(default_factory=dict)
+
     @model_validator(mode="after")
     def _well_formed(self):
-        self.chat_body()  # (raises for what cannot become a chat request)
+        self._chat = self.chat_body()  # (raises for what cannot become a chat request)
         return self
+
+    def chat(self) -> dict[str, Any]:
+        """The chat request, as made when this one was checked."""
+        return dict(self._chat)
 
     def chat_body(self) -> dict[str, Any]:
         """The chat request this one asks for (validated by ``ChatRequest``)."""
         raise NotImplementedError
+
+
+def sse_event(kind: str, data: dict[str, Any]) -> str:
+    """A server-sent event named ``kind`` (the Responses and Messages APIs name each of theirs)."""
+    return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 class ChunkEvents:
@@ -40,11 +52,9 @@ class ChunkEvents:
     (its choice's delta goes to ``_delta``, its usage to ``usage`` through ``_usage``), ``end`` after the last,
     or ``fail``; ``PING`` keeps an idle stream open."""
 
-    usage: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None  # the answer's, in the API's own terms (``_usage`` of the chat route's)
     PING = ": ping\n\n"  # (an SSE comment: clients skip it)
-
-    def _usage(self, chat_usage: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
+    _usage: Callable[[dict[str, Any]], dict[str, Any]]
 
     def prompt_tokens(self, prompt: int, cached: int) -> None:
         """The prompt's tokens, and the prefix cache's share of them, known before the first chunk (an API

@@ -6,16 +6,14 @@ the Messages API's events (``MessageEvents``)."""
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any, ClassVar
 
 from pydantic import Field
 
-from app.chat_view import ChatView, ChunkEvents
-from app.schemas import MAX_CACHE_SALT_CHARS, MAX_TOOLS, content_text
+from app.chat_view import ChatView, ChunkEvents, sse_event
+from app.schemas import _OFF, MAX_CACHE_SALT_CHARS, MAX_TOOLS, content_text
 from engine.sequence import MAX_STOP_STRINGS
 
-_OFF = (None, False, [], {}, "")
 REFUSED = {
     "mcp_servers": ("MCP servers", _OFF),
     "container": ("code execution containers", _OFF),
@@ -249,14 +247,13 @@ class MessageEvents(ChunkEvents):
         self.kind: str | None = None  # its type, while open
         self.calls: dict[int, int] = {}  # the chat delta's tool call index -> block index
         self.stop: tuple[str, str | None] = ("end_turn", None)
-        self.usage: dict[str, Any] | None = None
 
     @staticmethod
     def _event(kind: str, **fields: Any) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, separators=(',', ':'))}\n\n"
+        return sse_event(kind, {"type": kind, **fields})
 
     def prompt_tokens(self, prompt: int, cached: int) -> None:
-        self.usage = _usage({"prompt_tokens": prompt, "completion_tokens": 0,
+        self.usage = self._usage({"prompt_tokens": prompt, "completion_tokens": 0,
                              "prompt_tokens_details": {"cached_tokens": cached}})
 
     def start(self) -> list[str]:
@@ -277,8 +274,7 @@ class MessageEvents(ChunkEvents):
         self.kind = None
         return [self._event("content_block_stop", index=self.index)]
 
-    def _usage(self, chat_usage: dict[str, Any]) -> dict[str, Any]:
-        return _usage(chat_usage)
+    _usage = staticmethod(_usage)
 
     def _delta(self, choice: dict[str, Any], delta: dict[str, Any]) -> list[str]:
         out: list[str] = []
@@ -294,7 +290,7 @@ class MessageEvents(ChunkEvents):
             k = call.get("index", 0)
             fn = call.get("function") or {}
             if k not in self.calls:
-                out += self._open({"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
+                out += self._open({"type": "tool_use", "id": call["id"],
                                    "name": fn.get("name", ""), "input": {}})
                 self.calls[k] = self.index
             if fn.get("arguments"):

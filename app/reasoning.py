@@ -22,7 +22,6 @@ with the same result as ``split`` of the whole answer.
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
-REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")
 # how an answer starts: thinking (until </think>), tagged (thinking only if it opens with <think>), content
 THINKING, TAGGED, CONTENT = "thinking", "tagged", "content"
 
@@ -72,22 +71,66 @@ def split(text: str, mode: str, final: bool = True) -> tuple[str, str]:
 
 class ReasoningStream:
     """``split`` of an answer as its text comes: ``feed`` each piece, ``finish`` at its end; each gives
-    the (thinking, content) text to send now."""
+    the (thinking, content) text to send now. Each piece costs its own length, not the answer's: after
+    the start, only a held-back tail (a tag in the making, thinking that is whitespace so far) is kept."""
 
     def __init__(self, mode: str):
         self.mode = mode
-        self.text = ""
-        self.sent = ("", "")
-
-    def _step(self, final: bool) -> tuple[str, str]:
-        thinking, content = split(self.text, self.mode, final)
-        (t0, c0) = self.sent
-        self.sent = (thinking, content)
-        return thinking[len(t0):], content[len(c0):]
+        self.state = "start" if mode != CONTENT else "content"
+        self.text = ""  # while the start is undecided (a few characters)
+        self.held = ""  # thinking not sent yet: whitespace so far, or what may begin </think>
+        self.thought = False  # whether any thinking was sent
+        # whether content may go as it comes: an answer without thinking does; after </think> its leading
+        # whitespace is left out first
+        self.answered = mode == CONTENT
 
     def feed(self, piece: str) -> tuple[str, str]:
-        self.text += piece
-        return self._step(final=False)
+        if self.state == "start":
+            self.text += piece
+            opened = self.text.lstrip()
+            if START.startswith(opened) and opened != START:
+                return "", ""  # (nothing but the start of an opening tag yet, or nothing at all)
+            if opened.startswith(START):
+                self.state, piece = "thinking", opened[len(START):]
+            elif self.mode == THINKING:
+                self.state, piece = "thinking", self.text
+            else:
+                self.state, self.answered = "content", True
+                return "", self.text
+        if self.state == "thinking":
+            return self._think(piece)
+        return "", self._answer(piece)
+
+    def _think(self, piece: str) -> tuple[str, str]:
+        text = self.held + piece
+        end = text.find(END)
+        if end >= 0:
+            self.state, self.held = "content", ""
+            return self._thought(text[:end]), self._answer(text[end + len(END):])
+        keep = _partial_tail(text, END)
+        send, self.held = text[:len(text) - keep], text[len(text) - keep:]
+        if not self.thought and not send.strip():  # whitespace only so far: none yet
+            self.held = send + self.held
+            return "", ""
+        return self._thought(send), ""
+
+    def _thought(self, text: str) -> str:
+        if not self.thought and not text.strip():
+            return ""
+        self.thought = True
+        return text
+
+    def _answer(self, piece: str) -> str:
+        if not self.answered:
+            piece = piece.lstrip()
+            self.answered = bool(piece)
+        return piece
 
     def finish(self) -> tuple[str, str]:
-        return self._step(final=True)
+        if self.state == "start":  # (a few characters: the whole answer's split)
+            self.state = "done"
+            return split(self.text, self.mode)
+        if self.state == "thinking":  # cut short inside the block: what was held is thinking too
+            held, self.held = self.held, ""
+            return self._thought(held), ""
+        return "", ""

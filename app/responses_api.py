@@ -12,13 +12,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from app.chat_view import ChatView, ChunkEvents
+from app.chat_view import ChatView, ChunkEvents, sse_event
 from app.reasoning import END
-from app.schemas import MAX_CACHE_SALT_CHARS, MAX_TOOLS, content_text
+from app.schemas import _OFF, MAX_CACHE_SALT_CHARS, MAX_TOOLS, content_text
 from engine.sequence import MAX_TOP_LOGPROBS
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-_OFF = (None, False, [], {}, "")
 # fields that need what this server does not keep or run: refused by name rather than ignored
 REFUSED = {
     "previous_response_id": ("stored responses (send the whole conversation as input)", _OFF),
@@ -225,7 +224,7 @@ def _reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
 
 def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
     fn = call.get("function") or {}
-    return {"type": "function_call", "id": _new_id("fc"), "call_id": call.get("id") or _new_id("call"),
+    return {"type": "function_call", "id": _new_id("fc"), "call_id": call["id"],
             "name": fn.get("name", ""), "arguments": fn.get("arguments", ""), "status": status}
 
 
@@ -278,13 +277,11 @@ class ResponseEvents(ChunkEvents):
         self.open_at: int | None = None  # output index of the item being written
         self.calls: dict[int, int] = {}  # the chat delta's tool call index -> output index
         self.finish: str | None = None
-        self.usage: dict[str, Any] | None = None
         self.thought: _AfterThinking | None = None  # once the answer thinks: its content's log-probs
 
     def _event(self, kind: str, **fields: Any) -> str:
-        data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+        return sse_event(kind, {"type": kind, "sequence_number": self.seq - 1, **fields})
 
     def _response(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
         return response_object(self.req, self.rid, self.created, self.model, status, self.output, self.usage, error)
@@ -293,8 +290,7 @@ class ResponseEvents(ChunkEvents):
         return [self._event("response.created", response=self._response("in_progress")),
                 self._event("response.in_progress", response=self._response("in_progress"))]
 
-    def _usage(self, chat_usage: dict[str, Any]) -> dict[str, Any]:
-        return _usage(chat_usage)
+    _usage = staticmethod(_usage)
 
     def _delta(self, choice: dict[str, Any], delta: dict[str, Any]) -> list[str]:
         out: list[str] = []

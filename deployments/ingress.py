@@ -299,7 +299,7 @@ class ApiKey:
         sent = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"")
         scheme, token = (*sent.split(None, 1), b"", b"")[:2]  # "Bearer <key>", any whitespace between
         if scheme.lower() != b"bearer":  # Anthropic's clients send the key alone, as x-api-key
-            scheme, token = b"bearer", next((v for k, v in scope.get("headers") or () if k == b"x-api-key"), None)
+            token = next((v for k, v in scope.get("headers") or () if k == b"x-api-key"), None)
         # digests compared in constant time: how long a refusal takes says nothing of the key, its length included
         if token is not None and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), key):
             return await self.app(scope, receive, send)
@@ -1231,7 +1231,7 @@ class Ingress:
         self._check_model(req.model)
         rid = f"resp_{uuid.uuid4().hex}"
         # without max_output_tokens, as OpenAI's: up to the room the context leaves (or the model's own default)
-        return await self._chat_view(req.chat_body(), self.sampling_defaults.get("max_new_tokens", sys.maxsize),
+        return await self._chat_view(req.chat(), self.sampling_defaults.get("max_new_tokens", sys.maxsize),
                                      lambda answer: response_from_chat(req, answer, rid, self.model_name),
                                      ResponseEvents(req, rid, int(time.time()), self.model_name), req.stream)
 
@@ -1240,7 +1240,7 @@ class Ingress:
         """Anthropic's Messages API, answered by the chat route (``app.messages_api``)."""
         self._check_model(req.model)
         rid = f"msg_{uuid.uuid4().hex}"
-        return await self._chat_view(req.chat_body(), req.max_tokens,
+        return await self._chat_view(req.chat(), req.max_tokens,
                                      lambda answer: message_from_chat(answer, rid, self.model_name, req.max_tokens),
                                      MessageEvents(rid, self.model_name, req.max_tokens), req.stream)
 
@@ -1248,7 +1248,7 @@ class Ingress:
     async def count_message_tokens(self, req: MessagesCountRequest):
         """Anthropic's token count of a request: its prompt's tokens as the chat route renders them."""
         self._check_model(req.model)
-        chat = _validated_chat({**req.chat_body(), "stream": False})
+        chat = _validated_chat({**req.chat(), "stream": False})
         return {"input_tokens": len(await self._chat_ids(chat, overlong=False))}
 
     async def _chat_view(self, body: dict[str, Any], default: int, whole, events, stream: bool):
@@ -1350,7 +1350,7 @@ class Ingress:
             texts = [""] * len(started)
             sent = [0] * len(started)  # characters of each choice's text streamed (as content or arguments)
             unsent: list[list[dict]] = [[] for _ in started]  # token events whose log-probs are not out yet
-            thinking = [ReasoningStream(thinking_mode) if mode == "auto" and thinking_mode else None for _ in started]
+            thinking = [ReasoningStream(thinking_mode) if thinking_mode else None for _ in started]
             for i in range(len(started)):
                 yield chunk(i, {"role": "assistant", "content": ""})
             async with contextlib.aclosing(_merged([_chain(first, rest) for first, rest in started])) as events:
@@ -1376,7 +1376,7 @@ class Ingress:
                         sent[i], unsent[i] = upto, []
                     if not ev["finished"]:
                         continue
-                    message, finish = self._assistant_message(req, runs[i], thinking_mode if mode == "auto" else None)
+                    message, finish = self._assistant_message(req, runs[i], thinking_mode)
                     if mode == "named":
                         pass  # (its arguments are out)
                     elif message.get("tool_calls"):
