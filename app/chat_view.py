@@ -9,9 +9,13 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
-from pydantic import PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
-from app.schemas import _refuse_named, _Strict
+from app.schemas import MAX_CACHE_SALT_CHARS, _refuse_named, _Strict
+
+# the chat route's extensions (vLLM's) that the other APIs' requests take as well: checked there
+EXTENSIONS = ("seed", "cache_salt", "top_k", "min_p", "repetition_penalty", "ignore_eos", "guided_json",
+              "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "chat_template_kwargs")
 
 
 class ChatView(_Strict):
@@ -27,6 +31,25 @@ class ChatView(_Strict):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     _chat: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    # the extensions (EXTENSIONS), and the scheduling priority
+    seed: int | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    priority: int = 0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def extensions(self) -> dict[str, Any]:
+        """The chat request's fields of the extensions this one sets, and its priority."""
+        return {"priority": self.priority, **{k: getattr(self, k) for k in EXTENSIONS if getattr(self, k) is not None}}
 
     @model_validator(mode="after")
     def _well_formed(self):

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from app.chat_view import ChatView, ChunkEvents, sse_event
-from app.schemas import _OFF, MAX_CACHE_SALT_CHARS, MAX_TOOLS, content_text
+from app.schemas import _OFF, MAX_TOOLS, content_text
 from engine.sequence import MAX_STOP_STRINGS
 
 REFUSED = {
@@ -102,7 +102,6 @@ class MessagesRequest(ChatView):
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
     stream: bool = False
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: dict[str, Any] | None = None
@@ -114,11 +113,6 @@ class MessagesRequest(ChatView):
     # like thinking, is taken, not a knob); output_format: the same format, as the older clients send it
     output_config: dict[str, Any] | None = None
     output_format: dict[str, Any] | None = None
-    # extensions, as the chat route's
-    ignore_eos: bool | None = None
-    seed: int | None = None
-    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
-    priority: int = 0
 
     def chat_body(self) -> dict[str, Any]:
         """The chat request this one asks for (validated by ``ChatRequest``)."""
@@ -126,14 +120,14 @@ class MessagesRequest(ChatView):
         if self.system:
             msgs.insert(0, {"role": "system", "content": _text(self.system, "system")})
         # (max_tokens is the route's default, cut to the room the context leaves: Claude Code asks for 32,000)
-        body: dict[str, Any] = {"messages": msgs, "stream": self.stream, "priority": self.priority}
+        body: dict[str, Any] = {"messages": msgs, "stream": self.stream, **self.extensions()}
         if msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls"):
             body.update(add_generation_prompt=False, continue_final_message=True)  # a prefill: carried on
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         if self.stop_sequences:
             body["stop"] = self.stop_sequences
-        for name in ("temperature", "top_p", "top_k", "seed", "cache_salt", "ignore_eos"):
+        for name in ("temperature", "top_p"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
         if self.tools:

@@ -14,7 +14,7 @@ from pydantic import Field
 
 from app.chat_view import ChatView, ChunkEvents, sse_event
 from app.reasoning import END
-from app.schemas import _OFF, MAX_CACHE_SALT_CHARS, MAX_TOOLS, content_text
+from app.schemas import _OFF, MAX_TOOLS, content_text
 from engine.sequence import MAX_TOP_LOGPROBS
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -26,9 +26,6 @@ REFUSED = {
     "prompt": ("stored prompt templates", _OFF),
     "max_tool_calls": ("max_tool_calls", _OFF),
 }
-PASSED_ON = ("seed", "cache_salt", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop",  # extensions
-             "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-             "chat_template_kwargs")
 
 
 def _new_id(prefix: str) -> str:
@@ -110,21 +107,7 @@ class ResponsesRequest(ChatView):
     store: bool | None = None  # nothing is stored either way
     metadata: dict[str, str] | None = None
     user: str | None = None
-    # extensions, as the chat route's (vLLM's): checked there
-    seed: int | None = None
-    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
-    priority: int = 0
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    stop: str | list[str] | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    stop: str | list[str] | None = None  # (an extension too)
 
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or ())  # (top_logprobs only says how many alternatives)
@@ -138,12 +121,12 @@ class ResponsesRequest(ChatView):
             msgs.insert(0, {"role": "system", "content": self.instructions})
         if not msgs:
             raise ValueError("input holds no message")
-        body: dict[str, Any] = {"messages": msgs, "stream": self.stream, "priority": self.priority}
+        body: dict[str, Any] = {"messages": msgs, "stream": self.stream, **self.extensions()}
         if self.stream:
             body["stream_options"] = {"include_usage": True}  # for the final response's usage
         if self.max_output_tokens is not None:
             body["max_tokens"] = self.max_output_tokens
-        for name in ("temperature", "top_p", "parallel_tool_calls") + PASSED_ON:
+        for name in ("temperature", "top_p", "parallel_tool_calls", "stop"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
         if self.wants_logprobs():
@@ -342,7 +325,7 @@ class ResponseEvents(ChunkEvents):
     def _call(self, call: dict[str, Any]) -> list[str]:
         out = []
         k = call.get("index", 0)
-        if k not in self.calls:  # (calls come whole, but for a named function's, which streams alone)
+        if k not in self.calls:  # (a call's first delta names it; its arguments may come in later ones)
             out += self._open(_call_item({**call, "function": {**(call.get("function") or {}), "arguments": ""}},
                                          "in_progress"))
             self.calls[k] = self.open_at

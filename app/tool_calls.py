@@ -14,7 +14,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+HERMES_OPEN, HERMES_CLOSE, MISTRAL_TAG, PYTHON_TAG = "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>"
+_HERMES = re.compile(rf"{HERMES_OPEN}\s*(.*?)\s*(?:{HERMES_CLOSE}|$)", re.DOTALL)
 ANY_OBJECT = {"type": "object"}
 
 
@@ -87,7 +88,14 @@ def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]
     if not calls:
         return text, []
     kept.append(text[at:])
-    return "".join(kept).strip() or None, calls
+    return _around_calls(kept), calls
+
+
+def _around_calls(kept: list[str]) -> str | None:
+    """An answer's content, of the text it holds around its calls: the whitespace at its ends is the
+    calls' (the text's own leading whitespace stays, as a stream sends it before a call may come)."""
+    content = "".join(kept).rstrip()
+    return (content if kept[0].strip() else content.lstrip()) or None
 
 
 def _hermes_call(body: str, names: set[str]) -> ToolCall | None:
@@ -130,7 +138,7 @@ def _json_values(text: str, sep: str = "") -> list[Any] | None:
 def parse_llama3_json(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
     """Llama 3.x's calls: the whole answer is one JSON call or several separated by ``;`` (after an
     optional ``<|python_tag|>``); anything else is text."""
-    body = text.strip().removeprefix("<|python_tag|>").strip()
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
     values = _json_values(body, ";") if body.startswith("{") else None
     calls = [_call(v, names) for v in values or ()]
     if not calls or None in calls:
@@ -138,18 +146,17 @@ def parse_llama3_json(text: str, names: set[str]) -> tuple[str | None, list[Tool
     return None, calls
 
 
-_MISTRAL_TAG = "[TOOL_CALLS]"
 _MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.-]{1,64})\[ARGS\]")
 
 
 def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
     """Mistral's calls: the text before ``[TOOL_CALLS]`` is content; after it a JSON list of calls, or
     (newer tokenizers) ``name[ARGS]{...}`` per call, each after its own tag."""
-    if _MISTRAL_TAG not in text:
+    if MISTRAL_TAG not in text:
         return text, []
-    content, _, rest = text.partition(_MISTRAL_TAG)
+    content, _, rest = text.partition(MISTRAL_TAG)
     calls: list[ToolCall | None] = []
-    for part in rest.split(_MISTRAL_TAG):
+    for part in rest.split(MISTRAL_TAG):
         named = _MISTRAL_NAMED.match(part)
         if named:
             values = _json_values(part[named.end():])
@@ -161,31 +168,10 @@ def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall
                 values[0], list) else [None]
     if not calls or None in calls:
         return text, []
-    return content.strip() or None, calls
+    return _around_calls([content]), calls
 
 
 PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
-_CALL_TAGS = {"hermes": "<tool_call>", "mistral": _MISTRAL_TAG}
-_PYTHON_TAG = "<|python_tag|>"
-
-
-def streamable(text: str, parser: str) -> int:
-    """How much of an answer so far may be streamed as content while the rest is unknown: up to where a
-    call may begin (the parser's tag, or the part of one its end could be). Llama 3's calls are whole
-    answers: one that may be a call (it starts with ``{`` or ``<|python_tag|>``) waits for its end."""
-    if parser == "llama3_json":
-        head = text.lstrip()
-        may_call = not head or head.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(head)
-        return 0 if may_call else len(text)
-    tag = _CALL_TAGS.get(parser)
-    if tag is None:
-        return len(text)
-    at = text.find(tag)
-    if at >= 0:
-        return at
-    return len(text) - next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
-
-
 def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A history's tool calls as chat templates read them: arguments as an object where they are JSON
     (templates write them with ``tojson``; a string would come out quoted)."""

@@ -60,7 +60,8 @@ from app.schemas import (
     TokenizeRequest,
     WarmupRequest,
 )
-from app.tool_calls import PARSERS, ToolCall, new_call_id, parse_required, streamable
+from app.tool_calls import PARSERS, ToolCall, new_call_id, parse_required
+from app.tool_stream import ToolCallStream
 from cache.hashing import block_hashes
 from deployments.cors import Cors
 from deployments.logs import show_our_info_logs
@@ -1330,13 +1331,14 @@ class Ingress:
 
     async def _tool_stream(self, req: ChatRequest, jobs, rid: str, created: int, top: int,
                            thinking_mode: str | None = None) -> StreamingResponse:
-        """A chat stream of a request that may call tools. Its text streams up to where a call may begin
-        (``app.tool_calls.streamable``); a named function's arguments stream as they come, in OpenAI's
-        ``tool_calls`` deltas; the calls read out of the rest (auto), or of the whole answer (required),
-        come when the choice ends."""
+        """A chat stream of a request that may call tools, in OpenAI's ``tool_calls`` deltas: a named
+        function's arguments stream as they come; with tool_choice auto (under a tool call parser) or
+        required, each call's name as soon as it is read and its arguments as they are written, and the
+        answer's other text as content (``app.tool_stream``)."""
         started = await self._choices(jobs, req.n, stream=True)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         mode, parser = req.tool_mode(), self.settings.tool_call_parser
+        names = {t.function.name for t in req.tools}
 
         def chunk(index: int, delta: dict, finish: str | None = None, events: list[dict] | None = None,
                   **extra: Any) -> str:
@@ -1345,12 +1347,17 @@ class Ingress:
                          "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs,
                                       **extra}]})
 
+        def reader() -> ToolCallStream | None:
+            if mode == "required":
+                return ToolCallStream("required", names)
+            return ToolCallStream(parser, names) if mode == "auto" and parser != "none" else None
+
         async def body():
-            runs: list[list[dict]] = [[] for _ in started]
-            texts = [""] * len(started)
-            sent = [0] * len(started)  # characters of each choice's text streamed (as content or arguments)
+            finals: list[dict] = [{} for _ in started]  # each choice's last event
+            named_sent = [False] * len(started)  # whether a named call's first delta (its id and name) is out
             unsent: list[list[dict]] = [[] for _ in started]  # token events whose log-probs are not out yet
             thinking = [ReasoningStream(thinking_mode) if thinking_mode else None for _ in started]
+            calls = [reader() for _ in started]
             for i in range(len(started)):
                 yield chunk(i, {"role": "assistant", "content": ""})
             async with contextlib.aclosing(_merged([_chain(first, rest) for first, rest in started])) as events:
@@ -1358,43 +1365,32 @@ class Ingress:
                     if ev.get("error"):
                         yield _oai_stream_error(ev["error"])
                         return
-                    runs[i].append(ev)
+                    finals[i] = ev
                     if ev.get("token_id") is not None:
                         unsent[i].append(ev)
                     thought, piece = _split_piece(thinking[i], ev)
                     if thought:
                         yield chunk(i, {"reasoning_content": thought}, events=unsent[i])
                         unsent[i] = []
-                    texts[i] = text = texts[i] + piece  # (the answer's content: the calls are read in it)
-                    if mode == "named" and (ev["text"] or (ev["finished"] and not sent[i])):
-                        head = {} if sent[i] else {"id": new_call_id(), "type": "function"}
-                        fn = {"arguments": ev["text"]} if sent[i] else {"name": req.named_tool().name, "arguments": ev["text"]}
-                        yield chunk(i, {"tool_calls": [{"index": 0, **head, "function": fn}]}, events=unsent[i])
-                        sent[i], unsent[i] = max(len(text), 1), []
-                    elif mode == "auto" and (upto := streamable(text, parser) if parser != "none" else len(text)) > sent[i]:
-                        yield chunk(i, {"content": text[sent[i]:upto]}, events=unsent[i])
-                        sent[i], unsent[i] = upto, []
-                    if not ev["finished"]:
-                        continue
-                    message, finish = self._assistant_message(req, runs[i], thinking_mode)
-                    if mode == "named":
-                        pass  # (its arguments are out)
-                    elif message.get("tool_calls"):
-                        calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
-                        yield chunk(i, {"tool_calls": calls}, events=unsent[i])
+                    if mode == "named":  # (the answer is the arguments)
+                        head = {} if named_sent[i] else {"id": new_call_id(), "type": "function"}
+                        fn = {} if named_sent[i] else {"name": req.named_tool().name}
+                        deltas = [{"tool_calls": [{"index": 0, **head, "function": {**fn, "arguments": piece}}]}] \
+                            if piece or (ev["finished"] and not named_sent[i]) else []
+                        named_sent[i] = named_sent[i] or bool(deltas)
+                    elif calls[i] is not None:
+                        deltas = calls[i].feed(piece) + (calls[i].finish() if ev["finished"] else [])
+                    else:
+                        deltas = [{"content": piece}] if piece else []
+                    for delta in deltas:
+                        yield chunk(i, delta, events=unsent[i])
                         unsent[i] = []
-                        # the text around the calls that was held back (what follows the first one)
-                        streamed, content = text[:sent[i]].strip(), message["content"] or ""
-                        rest = content[len(streamed):] if content.startswith(streamed) else ""
-                        if rest.strip():
-                            yield chunk(i, {"content": rest})
-                    elif len(text) > sent[i]:  # no call after all: the text held back
-                        yield chunk(i, {"content": text[sent[i]:]}, events=unsent[i])
-                        unsent[i] = []
-                    yield chunk(i, {}, finish or _oai_finish(ev["finish_reason"]), events=unsent[i],
-                                stop_reason=ev.get("stop_reason"))
+                    if ev["finished"]:
+                        finish = _oai_finish(ev["finish_reason"])
+                        yield chunk(i, {}, calls[i].finish_reason(finish) if calls[i] else finish, events=unsent[i],
+                                    stop_reason=ev.get("stop_reason"))
             if include_usage:
-                yield self._usage_event(rid, "chat.completion.chunk", created, [run[-1] for run in runs], req.n)
+                yield self._usage_event(rid, "chat.completion.chunk", created, finals, req.n)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=_stream_headers(started[0][0]))

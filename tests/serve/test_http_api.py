@@ -439,8 +439,21 @@ def test_tool_calling_named_required_and_auto(client):
         deltas = [e["choices"][0] for e in sse_events(s) if e != "[DONE]" and e["choices"]]
     texts = [d["delta"]["content"] for d in deltas if d["delta"].get("content")]
     assert "".join(texts) == "Checking. Done." and len(texts) > 3  # (the text after the call too)
-    (calls,) = [d["delta"]["tool_calls"] for d in deltas if "tool_calls" in d["delta"]]
-    assert calls[0]["function"]["name"] == "add" and deltas[-1]["finish_reason"] == "tool_calls"
+    # the call: its name as soon as it is read, then its arguments as the model writes them
+    (head, *more) = [c for d in deltas for c in d["delta"].get("tool_calls", ())]
+    assert head["function"]["name"] == "add" and head["id"].startswith("call_") and more
+    assert all(c["index"] == 0 and set(c) == {"index", "function"} for c in more)
+    assert json.loads("".join(c["function"]["arguments"] for c in [head, *more])) == {"a": True}
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    # required, streamed: each call as it is written, out of the guided list
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "tools": [WEATHER, ADD], "stream": True,
+                                                             "tool_choice": "required", "parallel_tool_calls": False,
+                                                             "temperature": 1.0, "seed": 5}) as s:
+        deltas = [e["choices"][0] for e in sse_events(s) if e != "[DONE]" and e["choices"]]
+    (head, *more) = [c for d in deltas for c in d["delta"].get("tool_calls", ())]
+    assert head["function"]["name"] in ("get_weather", "add") and more and not any(d["delta"].get("content") for d in deltas)
+    assert isinstance(json.loads("".join(c["function"]["arguments"] for c in [head, *more])), dict)
+    assert deltas[-1]["finish_reason"] == "tool_calls"
     # streamed: the same call, its arguments whole in one delta
     with client.stream("POST", "/v1/chat/completions", json={**chat, "tools": [WEATHER], "tool_choice": named,
                                                              "stream": True}) as s:

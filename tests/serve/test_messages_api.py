@@ -68,6 +68,16 @@ def test_anthropic_tools_whole_and_streamed_and_their_results(ac, client):
     with ac.messages.stream(**kw) as s:
         final = s.get_final_message()  # (the client parses the input_json_delta pieces)
     assert final.content[0].input == use.input and final.stop_reason == "tool_use"
+    # tool_choice auto, a model that writes a Hermes call (held to one by a regex): its input streams as
+    # the model writes it, after the text before it
+    hermes = r'Checking\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "Oslo", "days": 2\}\}</tool_call>'
+    auto = {**kw, "tool_choice": {"type": "auto"}, "extra_body": {"guided_regex": hermes}, "max_tokens": 100}
+    with ac.messages.stream(**auto) as s:
+        events = list(s)
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[0].text == "Checking."
+    assert final.content[1].input == {"city": "Oslo", "days": 2} and final.stop_reason == "tool_use"
+    assert sum(e.type == "content_block_delta" and e.delta.type == "input_json_delta" for e in events) > 2
     # the call and its result go back as the next turns: the template renders them as the chat route does
     history = [{"role": "user", "content": "Weather?"},
                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",

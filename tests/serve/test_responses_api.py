@@ -102,6 +102,15 @@ def test_responses_function_calls_and_their_outputs(client):
     r = client.post("/v1/responses", json={**base, "guided_regex": hermes, "max_output_tokens": 100}).json()
     assert [o["type"] for o in r["output"]] == ["message", "function_call"]
     assert r["output"][0]["content"][0]["text"] == "Checking." and json.loads(r["output"][1]["arguments"]) == {"a": True}
+    # streamed: the message is done before the call is added, whose arguments stream as they are written
+    with client.stream("POST", "/v1/responses", json={**base, "guided_regex": hermes, "max_output_tokens": 100,
+                                                      "stream": True}) as s:
+        events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.output_text.done") < kinds.index("response.output_item.added", 3)
+    args = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(args) > 2 and json.loads("".join(args)) == {"a": True}
+    assert json.loads(events[-1]["response"]["output"][1]["arguments"]) == {"a": True}
 
 
 def test_responses_structured_output_logprobs_and_extensions(client):

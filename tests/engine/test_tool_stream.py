@@ -1,0 +1,166 @@
+"""Tool calls read out of an answer while it streams (app.tool_stream): for well-formed calls, in any
+chunking, the stream says what the whole answer's parse says, and a call's arguments go out as they come."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.tool_calls import PARSERS, parse_required
+from app.tool_stream import JsonEnd, ToolCallStream
+
+NAMES = {"get_weather", "add", "write_file"}
+
+
+def streamed(parser: str, pieces: list[str], names: set[str] = NAMES) -> tuple[str | None, list[tuple[str, str]], list]:
+    """(content, [(name, arguments)], every delta) of an answer fed in ``pieces``."""
+    s = ToolCallStream(parser, names)
+    deltas = [d for p in pieces for d in s.feed(p)] + s.finish()
+    content, calls = "", []
+    for d in deltas:
+        content += d.get("content", "")
+        for c in d.get("tool_calls", ()):
+            if "id" in c:  # a call's first delta: its id, type and name
+                assert c["index"] == len(calls) and c["type"] == "function" and c["id"].startswith("call_")
+                calls.append([c["function"]["name"], ""])
+            assert c["index"] == len(calls) - 1, "arguments go to the call being read"
+            calls[-1][1] += c["function"]["arguments"]
+    return content or None, [tuple(c) for c in calls], deltas
+
+
+def whole(parser: str, text: str) -> tuple[str | None, list[tuple[str, object]]]:
+    if parser == "required":
+        calls = parse_required(text) or []
+        content = None if calls else text
+    else:
+        content, calls = PARSERS[parser](text, NAMES)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def same_as_whole(parser: str, text: str, pieces: list[str]) -> list:
+    content, calls, deltas = streamed(parser, pieces)
+    assert (content, [(n, json.loads(a)) for n, a in calls]) == whole(parser, text)
+    return deltas
+
+
+def chunked(text: str, cuts: list[int]) -> list[str]:
+    at = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    return [text[a:b] for a, b in zip(at, at[1:], strict=False)]
+
+
+json_scalars = st.none() | st.booleans() | st.integers() | st.text(max_size=8)
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=8)
+arguments = st.dictionaries(st.text(max_size=6), json_values, max_size=4)
+names = st.sampled_from(sorted(NAMES))
+words = st.text(st.sampled_from(list("ab {}[]\"\\<>;,\n")), max_size=12)
+spaces = st.sampled_from(["", " ", "\n", "\n\n"])
+
+
+def call_object(name: str, args: dict, key: str, sp: str) -> str:
+    return f'{{"name": "{name}",{sp}"{key}":{sp}{json.dumps(args, indent=1 if sp else None)}{sp}}}'
+
+
+@st.composite
+def answers(draw, parser: str) -> str:
+    calls = draw(st.lists(st.tuples(names, arguments, spaces), min_size=1, max_size=3))
+    if parser == "hermes":
+        out = draw(words.filter(lambda w: "<" not in w))
+        for name, args, sp in calls:
+            out += f"<tool_call>{sp}{call_object(name, args, 'arguments', sp)}{sp}</tool_call>"
+            out += draw(words.filter(lambda w: "<" not in w))
+        return out
+    if parser == "mistral_named":
+        head = draw(words.filter(lambda w: "[" not in w))
+        return head + "".join(f"[TOOL_CALLS]{n}[ARGS]{sp}{json.dumps(a)}{sp}" for n, a, sp in calls)
+    objects = [call_object(n, a, "parameters" if parser != "mistral" else "arguments", sp) for n, a, sp in calls]
+    if parser == "llama3_json":
+        return draw(st.sampled_from(["", "<|python_tag|>"])) + " ; ".join(objects)
+    if parser == "mistral":
+        return draw(words.filter(lambda w: "[" not in w)) + "[TOOL_CALLS][" + ", ".join(objects) + "]"
+    return "[" + ", ".join(objects) + "]"  # required
+
+
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "mistral_named", "llama3_json", "required"])
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_a_streamed_answer_says_what_its_whole_parse_says(parser, data):
+    text = data.draw(answers(parser))
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=20))
+    parser = "mistral" if parser == "mistral_named" else parser
+    same_as_whole(parser, text, chunked(text, cuts))
+    deltas = same_as_whole(parser, text, list(text))  # one character at a time
+    assert all("tool_calls" not in d or len(d["tool_calls"]) == 1 for d in deltas)
+
+
+def test_a_calls_arguments_stream_as_the_model_writes_them():
+    text = ('I will write it. <tool_call>\n{"name": "write_file", "arguments": {"path": "a.py", "text": '
+            '"print(\\"}\\")\\n"}}\n</tool_call>')
+    content, calls, deltas = streamed("hermes", list(text))
+    assert content == "I will write it."
+    assert calls == [("write_file", '{"path": "a.py", "text": "print(\\"}\\")\\n"}')]
+    pieces = [d["tool_calls"][0]["function"]["arguments"] for d in deltas if "tool_calls" in d]
+    assert pieces[0] == "{" and len(pieces) == len(calls[0][1])  # the name with the first character, then each
+    # the name goes out before the arguments are whole
+    s = ToolCallStream("hermes", NAMES)
+    (first,) = s.feed('<tool_call>{"name": "add", "arguments": {"a')
+    assert first["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a'}
+    assert s.feed('": 1}}</tool_call>') == [{"tool_calls": [{"index": 0, "function": {"arguments": '": 1}'}}]}]
+    assert s.finish() == [] and s.finish_reason("stop") == "tool_calls"
+
+
+def test_whitespace_around_calls_goes_as_the_whole_parse_strips_it():
+    for text in ("Hi <tool_call>{\"name\": \"add\", \"arguments\": {}}</tool_call> there\n",
+                 "\n<tool_call>{\"name\": \"add\", \"arguments\": {}}</tool_call>\n\nDone.",
+                 "<tool_call>{\"name\": \"add\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"add\", "
+                 "\"arguments\": {}}</tool_call>\n", "  no calls at all  \n"):
+        same_as_whole("hermes", text, list(text))
+        same_as_whole("hermes", text, [text])
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", '<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call> after'),  # arguments first
+    ("hermes", 'x <tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'),  # arguments as a string
+    ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call> text'),  # no such tool
+    ("hermes", "<tool_call>{oops</tool_call> and <tool_call>"),  # not JSON, and a tag at the end
+    ("hermes", 'a <tool_call>{"name": "add", "arguments": {"a": 1}}'),  # never closed
+    ("mistral", '[TOOL_CALLS][{"arguments": {}, "name": "add"}]'),
+    ("mistral", "Sure [TOOL_CALLS]nope"),
+    ("llama3_json", '{"parameters": {"a": 1}, "name": "add"}'),
+    ("llama3_json", "Hello, {not a call}"),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; {"parameters": {}, "name": "add"}'),
+    ("required", '[{"name": "add", "parameters": {}}, {"parameters": {"a": 2}, "name": "get_weather"}]'),
+])
+def test_calls_in_shapes_without_a_head_are_held_and_read_whole(parser, text):
+    same_as_whole(parser, text, list(text))
+    same_as_whole(parser, text, [text])
+
+
+def test_a_call_cut_short_stays_unfinished_and_the_finish_reason_says_so():
+    s = ToolCallStream("hermes", NAMES)
+    deltas = s.feed('<tool_call>{"name": "add", "arguments": {"a": [1, ') + s.finish()
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": [1, '}
+    assert s.finish_reason("length") == "length"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["<tool_call>", "</tool_call>", '{"name": "add", "arguments": ', "{", "}", '"',
+                                 "\\", "[TOOL_CALLS]", "add[ARGS]", "[", "]", ",", ";", " ", "x", "<|python_tag|>",
+                                 '{"name": "add", "parameters": ']), max_size=12),
+       st.sampled_from(["hermes", "mistral", "llama3_json", "required"]))
+def test_whatever_a_model_writes_the_stream_never_raises_and_its_deltas_are_well_formed(pieces, parser):
+    streamed(parser, pieces)
+    text = "".join(pieces)
+    if parser in ("hermes", "mistral") and ("<tool_call>" if parser == "hermes" else "[TOOL_CALLS]") not in text:
+        assert streamed(parser, pieces)[0] == (text or None)  # no tag: all of it is content
+
+
+def test_where_json_values_end():
+    for text, end in [('{"a": "}"}tail', 10), ('[1, [2], {"b": "\\""}] x', 21), ('{"a": "\\\\"}', 11)]:
+        assert JsonEnd(0).feed(text) == end
+        scan = JsonEnd(0)  # the same, read a character at a time
+        assert next(k for k in range(1, len(text) + 1) if scan.feed(text[:k]) is not None) == end
+    assert JsonEnd(0).feed('{"a": "b\\') is None
