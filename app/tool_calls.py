@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 HERMES_OPEN, HERMES_CLOSE, MISTRAL_TAG, PYTHON_TAG = "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>"
-_HERMES = re.compile(rf"{HERMES_OPEN}\s*(.*?)\s*(?:{HERMES_CLOSE}|$)", re.DOTALL)
 ANY_OBJECT = {"type": "object"}
+_DECODER = json.JSONDecoder()
 
 
 @dataclass
@@ -74,16 +74,20 @@ def parse_required(text: str) -> list[ToolCall] | None:
 
 def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
     """(the text around them, or None when nothing but calls; the calls) of an answer in which a model
-    may have written Hermes-style tool calls. A block that is not a JSON call of a known tool stays text."""
+    may have written Hermes-style tool calls: a tag, a JSON call, the closing tag (or the answer's end).
+    A block that is not a JSON call of a known tool stays text. The call is read as JSON, so a closing
+    tag inside one of its strings (an agent writing this very format) is its text, not its end."""
     calls: list[ToolCall] = []
     kept: list[str] = []
-    at = 0
-    for m in _HERMES.finditer(text):
-        call = _hermes_call(m.group(1), names)
-        if call is None:
+    at = search = 0
+    while (start := text.find(HERMES_OPEN, search)) >= 0:
+        search = start + len(HERMES_OPEN)
+        found = _hermes_block(text, search, names)
+        if found is None:
             continue
-        kept.append(text[at:m.start()])
-        at = m.end()
+        call, end = found
+        kept.append(text[at:start])
+        at = search = end
         calls.append(call)
     if not calls:
         return text, []
@@ -91,19 +95,30 @@ def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]
     return _around_calls(kept), calls
 
 
+def _hermes_block(text: str, at: int, names: set[str]) -> tuple[ToolCall, int] | None:
+    """The call in a Hermes block whose body starts at ``at``, and where the block ends; None: no call."""
+    at = _skip_space(text, at)
+    try:
+        obj, at = _DECODER.raw_decode(text, at)
+    except (ValueError, RecursionError):
+        return None
+    call, at = _call(obj, names), _skip_space(text, at)
+    if call is None or not (at == len(text) or text.startswith(HERMES_CLOSE, at)):
+        return None
+    return call, min(at + len(HERMES_CLOSE), len(text))
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
 def _around_calls(kept: list[str]) -> str | None:
     """An answer's content, of the text it holds around its calls: the whitespace at its ends is the
     calls' (the text's own leading whitespace stays, as a stream sends it before a call may come)."""
     content = "".join(kept).rstrip()
     return (content if kept[0].strip() else content.lstrip()) or None
-
-
-def _hermes_call(body: str, names: set[str]) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    return _call(obj, names)
 
 
 def _call(obj: Any, names: set[str], name: str | None = None) -> ToolCall | None:
@@ -116,7 +131,6 @@ def _call(obj: Any, names: set[str], name: str | None = None) -> ToolCall | None
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
-_DECODER = json.JSONDecoder()
 
 
 def _json_values(text: str, sep: str = "") -> list[Any] | None:

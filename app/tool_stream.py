@@ -31,14 +31,14 @@ from app.tool_calls import (
 _OBJECT = r'\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)'
 _HEADS = {  # (a region's first call, a later call in the same region)
     "hermes": (re.compile(r"\s*" + _OBJECT), None),
-    "llama3_json": (re.compile(rf"\s*(?:{re.escape(PYTHON_TAG)})?\s*" + _OBJECT), re.compile(r"\s*;\s*" + _OBJECT)),
+    # (Llama's parse takes any run of ';' and whitespace between calls, none at all too)
+    "llama3_json": (re.compile(rf"\s*(?:{re.escape(PYTHON_TAG)})?\s*" + _OBJECT), re.compile(r"[\s;]*" + _OBJECT)),
     "required": (re.compile(r"\s*\[\s*" + _OBJECT), re.compile(r"\s*,\s*" + _OBJECT)),
     # Mistral's newer tokenizers write name[ARGS]{...} after each tag; older ones a list after one tag
     "mistral": (re.compile(r"\s*(?:(?P<named>[A-Za-z0-9_.-]{1,64})\[ARGS\]\s*(?=\S)|\[\s*" + _OBJECT + ")"),
                 re.compile(r"\s*,\s*" + _OBJECT)),
 }
 _OPENERS = {"hermes": HERMES_OPEN, "mistral": MISTRAL_TAG}  # (the others' answers are their calls)
-_OBJECT_END = re.compile(r"\s*\}")
 _LIST_END = re.compile(r"\s*\]")
 
 
@@ -48,8 +48,8 @@ class JsonEnd:
     _OUTSIDE = re.compile(r'[\[\]{}"]')
     _INSIDE = re.compile(r'["\\]')
 
-    def __init__(self, start: int):
-        self.at, self.depth, self.in_string = start, 0, False
+    def __init__(self, start: int, depth: int = 0):
+        self.at, self.depth, self.in_string = start, depth, False
 
     def feed(self, text: str) -> int | None:
         """Where in ``text`` the value ends (just past it), or None while it is open."""
@@ -95,7 +95,7 @@ class ToolCallStream:
         self.calls = 0
         self.cut = False  # the last call's arguments never ended
         self.head_room = 96 + 2 * max((len(n) for n in names), default=0)  # (past it, no head is coming)
-        self.pending = ""  # whitespace not sent yet: it goes out before more text, if any comes
+        self.pending: list[str] = []  # whitespace not sent yet: it goes out before more text, if any comes
         self.said = False  # whether any content went out
         self.out: list[dict[str, Any]] = []
 
@@ -162,6 +162,10 @@ class ToolCallStream:
         if self.parser == "llama3_json" and self.first and _plain_answer(rest):
             self.opener = None  # an answer that is no call: all of it is content
             return self._to("text")
+        if final and not self.first and self.parser == "llama3_json" and not rest.strip(" \t\n\r;"):
+            return self._to("done")  # (separators after the last call)
+        if final and self.in_list:
+            self.cut = True  # a list of calls the answer never closed: cut short
         if final or len(rest) > self.head_room or (self.opener == HERMES_OPEN and HERMES_CLOSE in rest) \
                 or (not self.first and rest.strip() and not _could_be_later_head(rest, self.parser)):
             return self._to("held")
@@ -176,6 +180,7 @@ class ToolCallStream:
         if end is None:
             self.cut = final
             return False
+        self.args = JsonEnd(end, depth=1)  # the rest of the call's object (keys after its arguments too)
         self.state = "tail"
         return True
 
@@ -185,18 +190,18 @@ class ToolCallStream:
         if self.parser == "hermes":
             at = self.text.find(HERMES_CLOSE, self.at)
             if at < 0:
+                self.at = max(self.at, len(self.text) - len(HERMES_CLOSE) + 1)
                 return False
             self.sent = self.at = at + len(HERMES_CLOSE)
             return self._to("text")
         if self.parser == "mistral" and not self.in_list:
             self.sent = self.at
             return self._to("text")
-        m = _OBJECT_END.match(self.text, self.at)
-        if m is None:
-            if self.text[self.at:].strip():  # (keys after the arguments: the rest is not read)
-                return self._to("done")
+        end = self.args.feed(self.text)
+        if end is None:
+            self.cut = final  # (the answer ended inside the call's object)
             return False
-        self.at = self.block = m.end()
+        self.at = self.block = end
         self.first = False
         return self._to("head")
 
@@ -212,7 +217,9 @@ class ToolCallStream:
                 return False
         elif not final:
             return False
-        calls = _reread(self.text[self.block:end], self.parser, self.names, continued=not self.first)
+        content, calls = _reread(self.text[self.block:end], self.parser, self.names, continued=not self.first)
+        if calls and content:  # (a tag before a call in one block: the tag is text)
+            self._emit_content(content)
         for call in calls:
             self._call_start(call.name, call.arguments)
         self.at = end
@@ -230,12 +237,18 @@ class ToolCallStream:
     def _content(self, upto: int, final: bool) -> None:
         """Text up to ``upto`` as content. Whitespace waits for text after it: an answer with calls drops
         it at its ends, where the whole parse strips its content."""
-        piece = self.pending + self.text[self.sent:upto]
+        new = self.text[self.sent:upto]
         self.sent = max(self.sent, upto)
-        body = piece if final and not self.calls else piece.rstrip()
+        whole = final and not self.calls  # (an answer without calls is its text, as it is)
+        body = new if whole else new.rstrip()
+        if not body:  # (pieces kept, not joined per piece: a long run of whitespace stays linear)
+            self.pending.append(new)
+            if not whole:
+                return
+        body = "".join(self.pending) + body
+        self.pending = [] if whole else [new[len(new.rstrip()):]]
         if self.calls and not self.said:
             body = body.lstrip()
-        self.pending = piece[len(piece.rstrip()):] if body else piece
         if body:
             self._emit_content(body)
             self.said = True
@@ -283,14 +296,16 @@ def _plain_answer(rest: str) -> bool:
 def _could_be_later_head(rest: str, parser: str) -> bool:
     """Whether what follows a call may still be a separator and another call (or a list's end)."""
     head = rest.lstrip()
-    return head[0] in {"llama3_json": ";", "required": ",]", "mistral": ",]"}.get(parser, "")
+    return head[0] in {"llama3_json": ";{", "required": ",]", "mistral": ",]"}.get(parser, "")
 
 
-def _reread(text: str, parser: str, names: set[str], continued: bool) -> list[ToolCall]:
-    """The calls of a held call's text, read whole by the answer's own parser (none: it is text).
-    ``continued``: it follows calls of the same list (or Llama's ``;``), whose opening it lacks."""
+def _reread(text: str, parser: str, names: set[str], continued: bool) -> tuple[str | None, list[ToolCall]]:
+    """A held call's text read whole by the answer's own parser: (the text around its calls; the calls,
+    none when it is text). ``continued``: it follows calls of the same list (or Llama's ``;``), whose
+    opening it lacks."""
     if continued:  # the separator it starts with stands for the list's opening
-        text = {"required": "[", "mistral": "[TOOL_CALLS]["}.get(parser, "") + text.lstrip()[1:]
+        text = {"required": "[", "mistral": "[TOOL_CALLS]["}.get(parser, "") + (
+            text.lstrip(" \t\n\r;") if parser == "llama3_json" else text.lstrip()[1:])
     if parser == "required":
-        return parse_required(text) or []
-    return PARSERS[parser](text, names)[1]
+        return None, parse_required(text) or []
+    return PARSERS[parser](text, names)

@@ -51,34 +51,41 @@ def chunked(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip(at, at[1:], strict=False)]
 
 
-json_scalars = st.none() | st.booleans() | st.integers() | st.text(max_size=8)
+# (a Hermes call's strings may hold its closing tag: an agent writing this very format)
+json_scalars = st.none() | st.booleans() | st.integers() | st.text(max_size=8) | st.just("</tool_call>")
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
                            | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=8)
 arguments = st.dictionaries(st.text(max_size=6), json_values, max_size=4)
 names = st.sampled_from(sorted(NAMES))
 words = st.text(st.sampled_from(list("ab {}[]\"\\<>;,\n")), max_size=12)
 spaces = st.sampled_from(["", " ", "\n", "\n\n"])
+# keys after the arguments (Mistral Nemo's template writes an "id" there)
+extras = st.sampled_from(["", ', "id": "abc123xyz"', ', "id": {"n": [1, "}"]}'])
 
 
-def call_object(name: str, args: dict, key: str, sp: str) -> str:
-    return f'{{"name": "{name}",{sp}"{key}":{sp}{json.dumps(args, indent=1 if sp else None)}{sp}}}'
+def call_object(name: str, args: dict, key: str, sp: str, extra: str = "") -> str:
+    return f'{{"name": "{name}",{sp}"{key}":{sp}{json.dumps(args, indent=1 if sp else None)}{extra}{sp}}}'
 
 
 @st.composite
 def answers(draw, parser: str) -> str:
-    calls = draw(st.lists(st.tuples(names, arguments, spaces), min_size=1, max_size=3))
+    calls = draw(st.lists(st.tuples(names, arguments, spaces, extras), min_size=1, max_size=3))
     if parser == "hermes":
         out = draw(words.filter(lambda w: "<" not in w))
-        for name, args, sp in calls:
-            out += f"<tool_call>{sp}{call_object(name, args, 'arguments', sp)}{sp}</tool_call>"
+        for name, args, sp, extra in calls:
+            out += f"<tool_call>{sp}{call_object(name, args, 'arguments', sp, extra)}{sp}</tool_call>"
             out += draw(words.filter(lambda w: "<" not in w))
         return out
     if parser == "mistral_named":
         head = draw(words.filter(lambda w: "[" not in w))
-        return head + "".join(f"[TOOL_CALLS]{n}[ARGS]{sp}{json.dumps(a)}{sp}" for n, a, sp in calls)
-    objects = [call_object(n, a, "parameters" if parser != "mistral" else "arguments", sp) for n, a, sp in calls]
-    if parser == "llama3_json":
-        return draw(st.sampled_from(["", "<|python_tag|>"])) + " ; ".join(objects)
+        return head + "".join(f"[TOOL_CALLS]{n}[ARGS]{sp}{json.dumps(a)}{sp}" for n, a, sp, _ in calls)
+    key = "parameters" if parser != "mistral" else "arguments"
+    objects = [call_object(n, a, key, sp, x if parser != "required" else "") for n, a, sp, x in calls]
+    if parser == "llama3_json":  # (any run of ';' and whitespace between calls, or none; one after them too)
+        seps = draw(st.lists(st.sampled_from([" ; ", ";", "\n", ";;", "", "; "]), min_size=len(objects),
+                             max_size=len(objects)))
+        return draw(st.sampled_from(["", "<|python_tag|>"])) + "".join(o + sep for o, sep in zip(
+            objects, seps, strict=True)).rstrip(" ;\n") + draw(st.sampled_from(["", ";", " ;\n"]))
     if parser == "mistral":
         return draw(words.filter(lambda w: "[" not in w)) + "[TOOL_CALLS][" + ", ".join(objects) + "]"
     return "[" + ", ".join(objects) + "]"  # required
@@ -144,6 +151,17 @@ def test_a_call_cut_short_stays_unfinished_and_the_finish_reason_says_so():
     deltas = s.feed('<tool_call>{"name": "add", "arguments": {"a": [1, ') + s.finish()
     assert deltas[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": [1, '}
     assert s.finish_reason("length") == "length"
+    # a list of calls cut after a whole call: more may have followed
+    for parser, text in [("required", '[{"name": "add", "parameters": {"a": 1}}'),
+                         ("required", '[{"name": "add", "parameters": {"a": 1}}, {"na'),
+                         ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}')]:
+        s = ToolCallStream(parser, NAMES)
+        deltas = s.feed(text) + s.finish()
+        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", ()) if "id" in c] == ["add"]
+        assert s.finish_reason("length") == "length"
+    s = ToolCallStream("required", NAMES)
+    s.feed('[{"name": "add", "parameters": {"a": 1}}]')
+    assert s.finish() == [] and s.finish_reason("stop") == "tool_calls"
 
 
 @settings(max_examples=300, deadline=None)
