@@ -12,8 +12,9 @@ Otherwise the parser says:
   all thinking.
 
 An opening tag the model writes where the prompt opened the block is dropped. An answer held to a guide
-(a schema, a regex) thinks only where it opens with ``<think>``: the guide shaped it from its first token,
-so it holds a block only if the guide asked for one. Thinking that is only whitespace (an empty block)
+(a schema, a regex) thinks first where it can: its guide waits for ``</think>`` (the ingress sets the
+engine's ``guide_after``), else it holds the answer from its first token, which then thinks only if the
+guide asks for a block (``start_mode(guided=True)``). Thinking that is only whitespace (an empty block)
 is none. The tags are read in the text, so they must be ordinary tokens (as in Qwen3 and DeepSeek-R1),
 not special ones that the detokenizer leaves out. ``ReasoningStream`` splits an answer as it streams,
 with the same result as ``split`` of the whole answer.

@@ -45,7 +45,7 @@ from app.messages_api import (
     error_body,
     message_from_chat,
 )
-from app.reasoning import ReasoningStream, split, start_mode
+from app.reasoning import CONTENT, END, START, TAGGED, ReasoningStream, split, start_mode
 from app.responses_api import ResponseEvents, ResponsesRequest, response_from_chat
 from app.sampling_defaults import read_sampling_defaults
 from app.schemas import (
@@ -529,6 +529,17 @@ def _validated_chat(body: dict[str, Any]) -> ChatRequest:
         raise RequestValidationError(e.errors()) from None
 
 
+def _think_tokens(tokenizer) -> dict[str, int | None]:
+    """The thinking tags that are text in an answer (ordinary tokens, or text the model spells out), each
+    with its token id where it is one token: a guide can wait only for what it can read."""
+    out: dict[str, int | None] = {}
+    for tag in (START, END):
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        if tokenizer.decode(ids, skip_special_tokens=True) == tag:
+            out[tag] = ids[0] if len(ids) == 1 else None
+    return out
+
+
 def _split_piece(thinking: ReasoningStream | None, ev: dict) -> tuple[str, str]:
     """(thinking, content) text of a token event to send now (all content without a reasoning parser)."""
     if thinking is None:
@@ -608,6 +619,7 @@ class Ingress:
         self.llm = llm_handle
         self.model_name = self.settings.model_name()
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.resolved_model_id(), local_files_only=True)
+        self._think_tokens = _think_tokens(self.tokenizer)
         # the OpenAI routes' defaults for what a request leaves unset (app.sampling_defaults)
         self.sampling_defaults = (read_sampling_defaults(self.settings.resolved_model_id())
                                   if self.settings.sampling_defaults == "model" else {})
@@ -1297,11 +1309,23 @@ class Ingress:
 
     def _thinking_mode(self, ids: list[int], params: dict[str, Any]) -> str | None:
         """How a chat answer starts (app.reasoning.start_mode) under the reasoning parser, from the end of
-        its prompt: a template may open (or close) the thinking block there. None: no parser."""
+        its prompt: a template may open (or close) the thinking block there. None: no parser. A guided
+        answer (a schema, a tool call) thinks first, as vLLM has it: its guide waits for the end tag (one
+        that may or may not open the block waits only if its first token is the start tag, a token of its
+        own), else it is guided from its first token and thinks only if the guide asks for it."""
         parser = self.settings.reasoning_parser
         if parser == "none":
             return None
-        return start_mode(parser, self.tokenizer.decode(ids[-32:]), guided=params.get("guide") is not None)
+        mode = start_mode(parser, self.tokenizer.decode(ids[-32:]))
+        if params.get("guide") is None or mode == CONTENT:
+            return mode
+        opener = self._think_tokens.get(START)
+        if END not in self._think_tokens or (mode == TAGGED and opener is None):
+            return start_mode(parser, self.tokenizer.decode(ids[-32:]), guided=True)
+        params["guide_after"] = END
+        if mode == TAGGED:
+            params["guide_opener"] = opener
+        return mode
 
     def _assistant_message(self, req: ChatRequest, events: list[dict], thinking_mode: str | None = None
                            ) -> tuple[dict[str, Any], str | None]:

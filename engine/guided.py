@@ -101,6 +101,11 @@ class Guides:
         self._checked[(kind, text)] = grammar
         return grammar
 
+    def allows_text(self, matcher, text: str) -> bool:
+        """Whether a fresh guide's parser state may begin with ``text`` (spelt out: no added tokens)."""
+        ids = self._ll_tokenizer.greedy_tokenize(text)
+        return bool(ids) and matcher.validate_tokens(ids) == len(ids)
+
     def matcher(self, kind: str, text: str):
         """A fresh parser state for one request's guide."""
         m = _llguidance().LLMatcher(self._ll_tokenizer, self.check(kind, text))

@@ -195,6 +195,8 @@ class LLMEngine:
                 self.guides.check(*params.guide)  # (a bad one is refused before it is queued)
             except GuideError as e:
                 raise RequestError(str(e)) from None
+        if params.guide_opener is not None and params.guide_opener >= self.vocab_size:
+            raise RequestError(f"guide_opener {params.guide_opener} is outside the vocabulary")
         bad_bias = next((t for t in params.logit_bias if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad_bias is not None:
             raise RequestError(f"logit_bias token id {bad_bias!r} is outside the vocabulary (0..{self.vocab_size - 1})")
@@ -238,6 +240,13 @@ class LLMEngine:
                 seq.matcher = self.guides.matcher(*params.guide)
             except GuideError as e:
                 raise RequestError(str(e)) from None
+            if params.guide_opener is not None:
+                # a guide that writes the opening tag itself holds the thinking block too (and the opener
+                # token it never allows: a guide spells tags out)
+                writes = self.guides.allows_text(seq.matcher, self.tokenizer.decode([params.guide_opener]))
+                seq.guide_wait = None if writes else "opener"
+            elif params.guide_after:
+                seq.guide_wait = "marker"
         if arrival is not None:
             seq.arrival = arrival
         if not params.greedy:
@@ -349,7 +358,9 @@ class LLMEngine:
         self.stats.generated_tokens += 1
         p = seq.params
         # a guided request ends where its guide is complete (the token that completes it is text)
-        guide_done = seq.matcher is not None and _guide_step(seq.matcher, tok)
+        if seq.guide_wait == "opener":  # the first token: the opener starts the thinking, any other the guide
+            seq.guide_wait = "marker" if tok == p.guide_opener else None
+        guide_done = seq.matcher is not None and seq.guide_wait is None and _guide_step(seq.matcher, tok)
         reason = None
         stop_reason: str | int | None = None  # which stop string or stop token ended it (vLLM's field)
         if tok in self.eos_ids and not p.ignore_eos:
@@ -361,6 +372,8 @@ class LLMEngine:
         if reason is None:  # the token that ends a request (EOS, a stop token) is not text
             own = update_text(self.tokenizer, seq)
             start = start if own is None else own
+            if seq.guide_wait == "marker" and p.guide_after in seq.text[max(0, before - len(p.guide_after)):]:
+                seq.guide_wait = None  # the thinking is over: the guide holds the rest
             # stop strings count from min_tokens on (as in vLLM), and only ones this token completes
             if len(seq.output_ids) >= p.min_tokens and (stop_reason := find_stop(seq, before)):
                 reason, by_string = "stop", True

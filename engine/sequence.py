@@ -75,6 +75,13 @@ class SamplingParams:
     # banned where the generated tokens end with the rest of it
     bad_words_ids: list[list[int]] = field(default_factory=list)
     guide: tuple[str, str] | None = None  # structured output: (kind, text), see engine.guided
+    # a reasoning model's structured output (vLLM's): the guide holds the answer after its thinking, from
+    # the token after the one whose text completes ``guide_after`` (the end tag). With ``guide_opener``
+    # (the start tag's token), only an answer whose first token is that one thinks; any other is guided
+    # from its first token, where the opener is allowed besides what the guide allows (a guide that
+    # writes the start tag itself holds the thinking block too: guided from the first token)
+    guide_after: str | None = None
+    guide_opener: int | None = None
     cache_salt: str | None = None
     # vLLM's: lower runs first under the "priority" scheduling policy (ties: first come); 0 under "fcfs"
     priority: int = 0
@@ -112,6 +119,12 @@ class SamplingParams:
         if self.guide is not None and (not isinstance(self.guide, (tuple, list)) or len(self.guide) != 2
                                        or not all(isinstance(x, str) for x in self.guide)):
             raise SamplingError("guide must be a (kind, text) pair")
+        if self.guide_after is not None and (self.guide is None or not isinstance(self.guide_after, str)
+                                             or not self.guide_after):
+            raise SamplingError("guide_after must be a non-empty string, with a guide")
+        if self.guide_opener is not None and (self.guide_after is None or not _is_int(self.guide_opener)
+                                              or self.guide_opener < 0):
+            raise SamplingError("guide_opener must be a token id, with guide_after")
         if not isinstance(self.allowed_token_ids, list) or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
             raise SamplingError("allowed_token_ids must be a list of token ids")
         if not isinstance(self.bad_words_ids, list) or any(
@@ -231,6 +244,9 @@ class Sequence:
     prefill_only: bool = False  # warm-up: compute the prompt's KV, generate nothing
     prompt_logprobs: list[PromptLogprob | None] | None = None  # as far as computed (params.prompt_logprobs)
     matcher: object | None = None  # its guide's parser state (engine.guided), for a guided request
+    # while the guide waits (SamplingParams.guide_after): "opener" before the first token, "marker" while
+    # the answer thinks; None once it holds the answer
+    guide_wait: str | None = None
     # incremental detokenization: offsets into output_ids; a negative prefix_offset reaches back into the
     # prompt's last tokens (see engine.detokenizer)
     prefix_offset: int = 0

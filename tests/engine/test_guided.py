@@ -98,3 +98,39 @@ def test_a_guided_request_preempted_mid_answer_keeps_to_its_guide(make_engine):
                                              SamplingParams(max_new_tokens=40, guide=guide, temperature=1.0, seed=2)])
     assert seqs[1].preemptions > 0
     assert re.fullmatch("[ab]{30}-[0-9]{5}", eng.tokenizer.decode(seqs[1].output_ids, skip_special_tokens=True))
+
+
+def test_a_reasoning_models_guide_waits_for_the_end_of_its_thinking(make_engine):
+    eng = make_engine("tiny")
+    # stand-ins for a reasoning model's tags, one token each (as Qwen3's <think> and </think> are)
+    start, end = ord("^"), ord("~")
+    guide = ("json", json.dumps(SCHEMA))
+
+    def answer(**kw):
+        seq = eng.generate([PROMPT], SamplingParams(**{"max_new_tokens": 60, "guide": guide, **kw}))[0]
+        return eng.tokenizer.decode(seq.output_ids), seq
+
+    # the prompt opened the thinking: the guide waits for its end tag (forced first here), then holds the rest
+    text, seq = answer(guide_after="~", logit_bias={end: 100.0})
+    assert text.startswith("~") and set(json.loads(text[1:])) == {"n", "kind"}
+    assert seq.finish_reason in ("stop", "eos")
+    # (without waiting, the guide rules the end tag out from the first token)
+    text, _ = answer(logit_bias={end: 100.0})
+    assert text.startswith("{") and set(json.loads(text)) == {"n", "kind"}
+    # what it thinks before the end tag is free: not JSON
+    text, seq = answer(guide_after="~", logit_bias={end: -100.0}, max_new_tokens=12)
+    assert seq.finish_reason == "length" and not text.startswith("{")
+    # it may open the thinking or not (guide_opener): opened, it thinks; not opened, it is guided at once
+    text, _ = answer(guide_after="~", guide_opener=start, logit_bias={start: 100.0, end: 50.0},
+                     bad_words_ids=[[start, start]])
+    assert text.startswith("^~") and set(json.loads(text[2:])) == {"n", "kind"}
+    text, seq = answer(guide_after="~", guide_opener=start, logit_bias={start: -100.0, end: 100.0})
+    assert text.startswith("{") and set(json.loads(text)) == {"n", "kind"} and seq.guide_wait is None
+    # a guide that writes the start tag itself holds the thinking block too
+    block = r"\^Plan: [a-z]{3}\.~ok"
+    text, _ = answer(guide=("regex", block), guide_after="~", guide_opener=start, logit_bias={start: 100.0})
+    assert re.fullmatch(block, text)
+    with pytest.raises(RequestError, match="guide_after"):
+        eng.add_request(PROMPT, SamplingParams(guide_after="~"))
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        eng.add_request(PROMPT, SamplingParams(guide=guide, guide_after="~", guide_opener=10**6))

@@ -189,3 +189,22 @@ def test_batch_sends_the_key_and_says_at_once_when_it_has_none(keyed, tmp_path, 
     assert "choices" not in by_id[0] and [len(by_id[i]["choices"]) for i in (1, 2)] == [2, 3]  # n > 1: all of them
     assert [c["index"] for c in by_id[2]["choices"]] == [0, 1, 2] and "index" not in by_id[2]
     assert by_id[2]["choices"][0]["output"] == by_id[2]["output"] and by_id[2]["usage"]["completion_tokens"] == 6
+
+
+def test_a_guided_answer_thinks_before_its_guide_holds_it(keyed):
+    """As vLLM has it: a schema (or a tool call) holds the answer after the thinking, not the thinking."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    body = {"messages": [{"role": "user", "content": "Is it?"}], "max_tokens": 12,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    with httpx.Client(base_url=keyed, timeout=60, headers=AUTH) as c:
+        # the template opened the thinking (an assistant prefill here): the guide waits for its end, which
+        # this model does not write (it ends first), so all of its answer is thought
+        prefill = {"messages": [*body["messages"], {"role": "assistant", "content": "<think>"}],
+                   "add_generation_prompt": False, "continue_final_message": True}
+        choice = c.post("/v1/chat/completions", json={**body, **prefill}).json()["choices"][0]
+        assert choice["message"]["content"] is None and choice["message"]["reasoning_content"], choice
+        # the model may open it or not (Qwen3's template): with tags of several tokens, as this model's,
+        # the guide cannot wait on the first one, so it holds the answer from its first token
+        choice = c.post("/v1/chat/completions", json={**body, "max_tokens": 40}).json()["choices"][0]
+        assert "ok" in json.loads(choice["message"]["content"]) and "reasoning_content" not in choice["message"]
