@@ -65,16 +65,12 @@ class Line:
     # line's {"custom_id": ...}
     ref: dict
     body: dict  # the request without ``id``
-    chat: bool
-    url: str | None = None  # an OpenAI-format line's route (its result is written in that format too)
+    path: str  # its route: an OpenAI-format line's ``url``, else chat for ``messages``, completions for ``prompt``
+    openai: bool = False  # an OpenAI-format line (its result is written in that format too)
 
     @property
-    def openai(self) -> bool:
-        return self.url is not None
-
-    @property
-    def path(self) -> str:
-        return self.url or (CHAT if self.chat else COMPLETIONS)
+    def chat(self) -> bool:
+        return self.path == CHAT
 
     def prefix_key(self) -> tuple:
         """Sort key that puts prompts sharing a prefix next to each other: texts and chats by their text,
@@ -172,7 +168,8 @@ def read_lines(path: Path, done: set[str]) -> Plan:
             if key in done:
                 plan.skipped += 1
             else:  # a null field means the default, as in OpenAI's API
-                plan.todo.append(Line(ref, {k: v for k, v in obj.items() if v is not None}, obj.get("messages") is not None))
+                plan.todo.append(Line(ref, {k: v for k, v in obj.items() if v is not None},
+                                      COMPLETIONS if obj.get("messages") is None else CHAT))
     return plan
 
 
@@ -202,7 +199,7 @@ def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: set[str]) 
         plan.skipped += 1
         return None
     body = {k: v for k, v in obj["body"].items() if v is not None}
-    return Line(ref, body, obj["url"] == CHAT, obj["url"])
+    return Line(ref, body, obj["url"], openai=True)
 
 
 def _openai_record(ref: dict, r: httpx.Response | None, body: Any, error: dict | None) -> dict:

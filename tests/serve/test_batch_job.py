@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from app.batch import Line, NotOurs, prefix_order, read_lines, ref_key, resume
+from app.batch import CHAT, COMPLETIONS, Line, NotOurs, prefix_order, read_lines, ref_key, resume
 from app.cli import main as cli
 from app.local_redis import free_port
 
@@ -17,14 +17,14 @@ SYS_B = "You translate the user's words into formal English, keeping every name 
 
 
 def test_prefix_order_puts_shared_prefixes_together():
-    lines = [Line({"id": 1}, {"prompt": SYS_A + "q1"}, False), Line({"id": 2}, {"prompt": SYS_B + "q1"}, False),
-             Line({"id": 3}, {"prompt": SYS_A + "q2"}, False), Line({"id": 4}, {"prompt": [5, 6, 7]}, False),
-             Line({"id": 5}, {"messages": [{"role": "system", "content": SYS_B}]}, True),
-             Line({"id": 6}, {"prompt": [SYS_B + "q2"]}, False), Line({"id": 7}, {"prompt": [5, 6]}, False),
-             Line({"id": 8}, {"prompt": None}, False), Line({"id": 9}, {"messages": None}, True),
-             Line({"id": 10}, {"prompt": ["two", "prompts"]}, False), Line({"id": 11}, {"prompt": SYS_A + "q3"}, False),
+    lines = [Line({"id": 1}, {"prompt": SYS_A + "q1"}, COMPLETIONS), Line({"id": 2}, {"prompt": SYS_B + "q1"}, COMPLETIONS),
+             Line({"id": 3}, {"prompt": SYS_A + "q2"}, COMPLETIONS), Line({"id": 4}, {"prompt": [5, 6, 7]}, COMPLETIONS),
+             Line({"id": 5}, {"messages": [{"role": "system", "content": SYS_B}]}, CHAT),
+             Line({"id": 6}, {"prompt": [SYS_B + "q2"]}, COMPLETIONS), Line({"id": 7}, {"prompt": [5, 6]}, COMPLETIONS),
+             Line({"id": 8}, {"prompt": None}, COMPLETIONS), Line({"id": 9}, {"messages": None}, CHAT),
+             Line({"id": 10}, {"prompt": ["two", "prompts"]}, COMPLETIONS), Line({"id": 11}, {"prompt": SYS_A + "q3"}, COMPLETIONS),
              Line({"id": 12}, {"messages": [{"role": "system", "content": [{"type": "text", "text": SYS_B}]},
-                                    {"role": "user", "content": "x"}]}, True)]
+                                    {"role": "user", "content": "x"}]}, CHAT)]
     order = [x.ref["id"] for x in prefix_order(lines)]
     # malformed prompts (refused by the service) do not stop the rest from being sorted
     assert order[:3] == [1, 3, 11] and order.index(6) == order.index(2) + 1
