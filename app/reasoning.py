@@ -13,8 +13,8 @@ Otherwise the parser says:
 
 An opening tag the model writes where the prompt opened the block is dropped. An answer held to a guide
 (a schema, a regex) thinks first where it can: its guide waits for ``</think>`` (the ingress sets the
-engine's ``guide_after``), else it holds the answer from its first token, which then thinks only if the
-guide asks for a block (``start_mode(guided=True)``). Thinking that is only whitespace (an empty block)
+engine's ``guide_after``), else it holds the answer from its first token (``TAGGED``: it then thinks only
+if the guide writes a block). Thinking that is only whitespace (an empty block)
 is none. The tags are read in the text, so they must be ordinary tokens (as in Qwen3 and DeepSeek-R1),
 not special ones that the detokenizer leaves out. ``ReasoningStream`` splits an answer as it streams,
 with the same result as ``split`` of the whole answer.
@@ -27,13 +27,11 @@ START, END = "<think>", "</think>"
 THINKING, TAGGED, CONTENT = "thinking", "tagged", "content"
 
 
-def start_mode(parser: str, prompt_tail: str, guided: bool = False) -> str:
+def start_mode(parser: str, prompt_tail: str) -> str:
     """How an answer to a prompt ending in ``prompt_tail`` (its last tokens' text) starts."""
     tail = prompt_tail.rstrip()
     if tail.endswith(END):
         return CONTENT
-    if guided:
-        return TAGGED
     if tail.endswith(START) or parser == "deepseek_r1":
         return THINKING
     return TAGGED

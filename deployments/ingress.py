@@ -1321,7 +1321,7 @@ class Ingress:
             return mode
         opener = self._think_tokens.get(START)
         if END not in self._think_tokens or (mode == TAGGED and opener is None):
-            return start_mode(parser, self.tokenizer.decode(ids[-32:]), guided=True)
+            return TAGGED  # (start_mode's for a guided answer: the guide holds it from its first token)
         params["guide_after"] = END
         if mode == TAGGED:
             params["guide_opener"] = opener
@@ -1338,8 +1338,8 @@ class Ingress:
         mode = req.tool_mode()
         content: str | None = text
         calls: list[ToolCall] = []
-        if mode == "named":  # the answer is the arguments (cut short only by max_tokens)
-            content, calls = None, [ToolCall(req.named_tool().name, text)]
+        if mode == "named":  # the answer is the arguments (cut short only by max_tokens; none: it never
+            content, calls = None, [ToolCall(req.named_tool().name, text)] if text else []  # ended thinking)
         elif mode == "required":
             calls = parse_required(text) or []
             content = None if calls else text
@@ -1400,7 +1400,7 @@ class Ingress:
                         head = {} if named_sent[i] else {"id": new_call_id(), "type": "function"}
                         fn = {} if named_sent[i] else {"name": req.named_tool().name}
                         deltas = [{"tool_calls": [{"index": 0, **head, "function": {**fn, "arguments": piece}}]}] \
-                            if piece or (ev["finished"] and not named_sent[i]) else []
+                            if piece else []  # (none at all where the answer never ended its thinking)
                         named_sent[i] = named_sent[i] or bool(deltas)
                     elif calls[i] is not None:
                         deltas = calls[i].feed(piece) + (calls[i].finish() if ev["finished"] else [])

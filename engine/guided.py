@@ -76,6 +76,7 @@ class Guides:
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
         self._ll_tokenizer, self._problem = None, None
+        self._tokenizer = tokenizer
         # guides checked lately -> their grammar: a request's is checked as it arrives and again as its
         # matcher is made, and clients send the same schema request after request
         self._checked: dict[tuple[str, str], str] = {}
@@ -102,9 +103,26 @@ class Guides:
         return grammar
 
     def allows_text(self, matcher, text: str) -> bool:
-        """Whether a fresh guide's parser state may begin with ``text`` (spelt out: no added tokens)."""
+        """Whether a guide's parser state may go on with ``text`` (spelt out: no added tokens)."""
         ids = self._ll_tokenizer.greedy_tokenize(text)
         return bool(ids) and matcher.validate_tokens(ids) == len(ids)
+
+    def consume_text(self, matcher, text: str) -> bool:
+        """Advance a guide past ``text`` (spelt out); False where it does not allow it (nothing consumed)."""
+        if not self.allows_text(matcher, text):
+            return False
+        matcher.consume_tokens(self._ll_tokenizer.greedy_tokenize(text))
+        return True
+
+    def step(self, matcher, token: int) -> bool:
+        """Advance a request's guide past ``token``; True once the guide is complete (or broken: a token it
+        did not allow, which only a row with no allowed token at all can give). An added token (Qwen's
+        ``<think>``, ``<tool_call>``) is read by its text: where a guide's text is such a token's,
+        llguidance's mask allows that token, but its parser takes only the spelling."""
+        if not (self._ll_tokenizer.is_special_token(token) and not matcher.validate_tokens([token])
+                and self.consume_text(matcher, self._tokenizer.decode([token]))):
+            matcher.consume_token(token)
+        return matcher.is_stopped() or matcher.is_error()
 
     def matcher(self, kind: str, text: str):
         """A fresh parser state for one request's guide."""

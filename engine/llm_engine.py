@@ -195,8 +195,10 @@ class LLMEngine:
                 self.guides.check(*params.guide)  # (a bad one is refused before it is queued)
             except GuideError as e:
                 raise RequestError(str(e)) from None
-        if params.guide_opener is not None and params.guide_opener >= self.vocab_size:
-            raise RequestError(f"guide_opener {params.guide_opener} is outside the vocabulary")
+        if params.guide_opener is not None and (params.guide_opener >= self.vocab_size
+                                                or not self.tokenizer.decode([params.guide_opener],
+                                                                             skip_special_tokens=True)):
+            raise RequestError(f"guide_opener {params.guide_opener} is not a token with text")
         bad_bias = next((t for t in params.logit_bias if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad_bias is not None:
             raise RequestError(f"logit_bias token id {bad_bias!r} is outside the vocabulary (0..{self.vocab_size - 1})")
@@ -240,13 +242,12 @@ class LLMEngine:
                 seq.matcher = self.guides.matcher(*params.guide)
             except GuideError as e:
                 raise RequestError(str(e)) from None
-            if params.guide_opener is not None:
-                # a guide that writes the opening tag itself holds the thinking block too (and the opener
-                # token it never allows: a guide spells tags out)
-                writes = self.guides.allows_text(seq.matcher, self.tokenizer.decode([params.guide_opener]))
-                seq.guide_wait = None if writes else "opener"
-            elif params.guide_after:
-                seq.guide_wait = "marker"
+            if params.guide_after:
+                # a guide that writes a tag itself holds the thinking block too, from the first token
+                tags = [params.guide_after] + ([] if params.guide_opener is None
+                                               else [self.tokenizer.decode([params.guide_opener])])
+                if not any(self.guides.allows_text(seq.matcher, t) for t in tags):
+                    seq.guide_wait = "marker" if params.guide_opener is None else "opener"
         if arrival is not None:
             seq.arrival = arrival
         if not params.greedy:
@@ -360,7 +361,7 @@ class LLMEngine:
         # a guided request ends where its guide is complete (the token that completes it is text)
         if seq.guide_wait == "opener":  # the first token: the opener starts the thinking, any other the guide
             seq.guide_wait = "marker" if tok == p.guide_opener else None
-        guide_done = seq.matcher is not None and seq.guide_wait is None and _guide_step(seq.matcher, tok)
+        guide_done = seq.matcher is not None and seq.guide_wait is None and self.guides.step(seq.matcher, tok)
         reason = None
         stop_reason: str | int | None = None  # which stop string or stop token ended it (vLLM's field)
         if tok in self.eos_ids and not p.ignore_eos:
@@ -372,8 +373,12 @@ class LLMEngine:
         if reason is None:  # the token that ends a request (EOS, a stop token) is not text
             own = update_text(self.tokenizer, seq)
             start = start if own is None else own
-            if seq.guide_wait == "marker" and p.guide_after in seq.text[max(0, before - len(p.guide_after)):]:
-                seq.guide_wait = None  # the thinking is over: the guide holds the rest
+            if seq.guide_wait == "marker" and (at := seq.text.find(p.guide_after, max(0, before - len(p.guide_after)))) >= 0:
+                seq.guide_wait = None  # the thinking is over: the guide holds the rest, and any text this
+                tail = seq.text[at + len(p.guide_after):].lstrip()  # token wrote after the tag already
+                if tail:  # (one the guide does not allow breaks it: the answer ends there)
+                    ok = self.guides.consume_text(seq.matcher, tail)
+                    guide_done = not ok or seq.matcher.is_stopped() or seq.matcher.is_error()
             # stop strings count from min_tokens on (as in vLLM), and only ones this token completes
             if len(seq.output_ids) >= p.min_tokens and (stop_reason := find_stop(seq, before)):
                 reason, by_string = "stop", True
@@ -472,10 +477,3 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
         }
-
-
-def _guide_step(matcher, token: int) -> bool:
-    """Advance a request's guide past ``token``; True once the guide is complete (or broken: a token it
-    did not allow, which only a row with no allowed token at all can give)."""
-    matcher.consume_token(token)
-    return matcher.is_stopped() or matcher.is_error()

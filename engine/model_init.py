@@ -15,6 +15,9 @@ import torch
 from engine.presets import PRESETS
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# a reasoning model's tags, one ordinary (not special) added token each, as in Qwen3's and DeepSeek-R1's
+# tokenizers: their text stays in the answer, where the reasoning parser reads it
+THINK_TOKENS = ["<think>", "</think>"]
 # tools and tool calls as Hermes-style templates (Qwen's) write them, so tool calling is tested end to end
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -31,8 +34,9 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(vocab_size: int):
-    """A byte-level BPE with no merges: every byte is one token, ids 0..255; specials follow."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level BPE with no merges: every byte is one token, ids 0..255; specials follow, then the
+    thinking tags."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -43,6 +47,7 @@ def build_tokenizer(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the byte tokenizer ({tok.get_vocab_size()})")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",

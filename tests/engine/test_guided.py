@@ -102,8 +102,8 @@ def test_a_guided_request_preempted_mid_answer_keeps_to_its_guide(make_engine):
 
 def test_a_reasoning_models_guide_waits_for_the_end_of_its_thinking(make_engine):
     eng = make_engine("tiny")
-    # stand-ins for a reasoning model's tags, one token each (as Qwen3's <think> and </think> are)
-    start, end = ord("^"), ord("~")
+    # the tiny tokenizer's tags are one ordinary added token each, as Qwen3's <think> and </think> are
+    start, end = (eng.tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>"))
     guide = ("json", json.dumps(SCHEMA))
 
     def answer(**kw):
@@ -111,26 +111,40 @@ def test_a_reasoning_models_guide_waits_for_the_end_of_its_thinking(make_engine)
         return eng.tokenizer.decode(seq.output_ids), seq
 
     # the prompt opened the thinking: the guide waits for its end tag (forced first here), then holds the rest
-    text, seq = answer(guide_after="~", logit_bias={end: 100.0})
-    assert text.startswith("~") and set(json.loads(text[1:])) == {"n", "kind"}
+    text, seq = answer(guide_after="</think>", logit_bias={end: 100.0})
+    assert text.startswith("</think>") and set(json.loads(text.removeprefix("</think>"))) == {"n", "kind"}
     assert seq.finish_reason in ("stop", "eos")
     # (without waiting, the guide rules the end tag out from the first token)
     text, _ = answer(logit_bias={end: 100.0})
     assert text.startswith("{") and set(json.loads(text)) == {"n", "kind"}
     # what it thinks before the end tag is free: not JSON
-    text, seq = answer(guide_after="~", logit_bias={end: -100.0}, max_new_tokens=12)
+    text, seq = answer(guide_after="</think>", logit_bias={end: -100.0}, max_new_tokens=12)
     assert seq.finish_reason == "length" and not text.startswith("{")
     # it may open the thinking or not (guide_opener): opened, it thinks; not opened, it is guided at once
-    text, _ = answer(guide_after="~", guide_opener=start, logit_bias={start: 100.0, end: 50.0},
+    text, _ = answer(guide_after="</think>", guide_opener=start, logit_bias={start: 100.0, end: 50.0},
                      bad_words_ids=[[start, start]])
-    assert text.startswith("^~") and set(json.loads(text[2:])) == {"n", "kind"}
-    text, seq = answer(guide_after="~", guide_opener=start, logit_bias={start: -100.0, end: 100.0})
+    assert text.startswith("<think></think>") and set(json.loads(text[15:])) == {"n", "kind"}
+    text, seq = answer(guide_after="</think>", guide_opener=start, logit_bias={start: -100.0, end: 100.0})
     assert text.startswith("{") and set(json.loads(text)) == {"n", "kind"} and seq.guide_wait is None
-    # a guide that writes the start tag itself holds the thinking block too
-    block = r"\^Plan: [a-z]{3}\.~ok"
-    text, _ = answer(guide=("regex", block), guide_after="~", guide_opener=start, logit_bias={start: 100.0})
-    assert re.fullmatch(block, text)
+    # a guide that writes a tag itself holds the thinking block too, from its first token (the tag's
+    # token read by its text, as the guide spells it)
+    block = r"<think>\nPlan: [a-z]{3}\.\n</think>\n\nok"
+    text, seq = answer(guide=("regex", block), guide_after="</think>", guide_opener=start, logit_bias={start: 100.0})
+    assert re.fullmatch(block, text) and seq.output_ids[0] == start and seq.finish_reason == "stop"
+    text, seq = answer(guide=("regex", "</think>ok"), guide_after="</think>", logit_bias={end: -100.0})
+    assert text == "</think>ok" and seq.output_ids[0] == end  # (the prompt opened it; the guide closes it)
+    # the token that completes the end tag may carry text after it: the guide reads that too
+    text, _ = answer(guide=("regex", ">ok"), guide_after="</think", logit_bias={end: 100.0})
+    assert text == "</think>ok"
     with pytest.raises(RequestError, match="guide_after"):
-        eng.add_request(PROMPT, SamplingParams(guide_after="~"))
-    with pytest.raises(RequestError, match="outside the vocabulary"):
-        eng.add_request(PROMPT, SamplingParams(guide=guide, guide_after="~", guide_opener=10**6))
+        eng.add_request(PROMPT, SamplingParams(guide_after="</think>"))
+    for bad in (10**6, eng.tokenizer.eos_token_id):  # (a token without text opens nothing)
+        with pytest.raises(RequestError, match="not a token with text"):
+            eng.add_request(PROMPT, SamplingParams(guide=guide, guide_after="</think>", guide_opener=bad))
+
+
+def test_a_guide_reads_an_added_token_by_its_text(make_engine):
+    eng = make_engine("tiny")  # (llguidance's mask allows <think> where the guide's text is its, its parser only the spelling)
+    seq = eng.generate([PROMPT], SamplingParams(max_new_tokens=30, guide=("regex", r"<think>[a-z]{2}</think>!")))[0]
+    assert re.fullmatch(r"<think>[a-z]{2}</think>!", eng.tokenizer.decode(seq.output_ids)), seq.output_ids
+    assert eng.tokenizer.convert_tokens_to_ids("<think>") in seq.output_ids and seq.finish_reason == "stop"

@@ -11,16 +11,16 @@ from hypothesis import strategies as st
 from app.reasoning import CONTENT, TAGGED, THINKING, ReasoningStream, split, start_mode
 
 
-@pytest.mark.parametrize("parser, tail, guided, expected", [
-    ("qwen3", "<|im_start|>assistant\n", False, TAGGED),  # Qwen3: the model writes <think> if it thinks
-    ("qwen3", "<|im_start|>assistant\n<think>\n", False, THINKING),  # QwQ, Qwen3 thinking-only: the prompt opened it
-    ("qwen3", "assistant\n<think>\n\n</think>\n\n", False, CONTENT),  # enable_thinking: false
-    ("deepseek_r1", "<｜Assistant｜>", False, THINKING),
-    ("deepseek_r1", "<｜Assistant｜><think>\n", True, TAGGED),  # a guide shapes the answer from its first token
-    ("deepseek_r1", "</think>", True, CONTENT),
+@pytest.mark.parametrize("parser, tail, expected", [
+    ("qwen3", "<|im_start|>assistant\n", TAGGED),  # Qwen3: the model writes <think> if it thinks
+    ("qwen3", "<|im_start|>assistant\n<think>\n", THINKING),  # QwQ, Qwen3 thinking-only: the prompt opened it
+    ("qwen3", "assistant\n<think>\n\n</think>\n\n", CONTENT),  # enable_thinking: false
+    ("deepseek_r1", "<｜Assistant｜>", THINKING),
+    ("deepseek_r1", "<｜Assistant｜><think>\n", THINKING),
+    ("deepseek_r1", "</think>", CONTENT),
 ])
-def test_where_an_answer_starts(parser, tail, guided, expected):
-    assert start_mode(parser, tail, guided) == expected
+def test_where_an_answer_starts(parser, tail, expected):
+    assert start_mode(parser, tail) == expected
 
 
 @pytest.mark.parametrize("mode, text, expected", [

@@ -142,8 +142,10 @@ def test_thinking_is_split_from_the_answer_whole_and_streamed(keyed):
         closed = c.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"enable_thinking": False}})
         assert "reasoning_content" not in closed.json()["choices"][0]["message"]
         assert closed.json()["choices"][0]["message"]["content"].startswith("<think>")
-        # an answer that opens no thinking block is all content (a JSON one, say)
-        plain = c.post("/v1/chat/completions", json={**chat, "guided_regex": "Hi[a-z]{2}"}).json()["choices"][0]
+        # an answer that opens no thinking block is all content (a JSON one, say; the guide could wait for
+        # a block the model opens, as the next test shows: here it may not)
+        plain = c.post("/v1/chat/completions", json={**chat, "guided_regex": "Hi[a-z]{2}",
+                                                      "bad_words": ["<think>"]}).json()["choices"][0]
         assert "reasoning_content" not in plain["message"] and plain["message"]["content"].startswith("Hi")
         # a tool call after the thinking is read from the answer, not from the thought
         call = r'<think>\nUse add\.\n</think>\n\n<tool_call>\{"name": "add", "arguments": \{"a": true\}\}</tool_call>'
@@ -195,16 +197,33 @@ def test_a_guided_answer_thinks_before_its_guide_holds_it(keyed):
     """As vLLM has it: a schema (or a tool call) holds the answer after the thinking, not the thinking."""
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
-    body = {"messages": [{"role": "user", "content": "Is it?"}], "max_tokens": 12,
+    body = {"messages": [{"role": "user", "content": "Is it?"}], "max_tokens": 40, "logprobs": True,
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
     with httpx.Client(base_url=keyed, timeout=60, headers=AUTH) as c:
-        # the template opened the thinking (an assistant prefill here): the guide waits for its end, which
-        # this model does not write (it ends first), so all of its answer is thought
+        start, end = c.post("/tokenize", json={"prompt": "<think></think>"}).json()["tokens"][-2:]
+
+        def ask(**kw) -> tuple[dict, list[str]]:
+            r = c.post("/v1/chat/completions", json={**body, **kw})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            return choice["message"], [t["token"] for t in choice["logprobs"]["content"]]
+
+        # the model may open the thinking (Qwen3's template leaves it to it; its tags are one token each,
+        # as this model's are): here it does, and the schema holds what follows the block
+        msg, tokens = ask(logit_bias={str(start): 100, str(end): 50}, bad_words=["<think><think>"])
+        assert tokens[:2] == ["<think>", "</think>"] and json.loads(msg["content"]) in ({"ok": True}, {"ok": False})
+        # not opened: guided from the first token
+        msg, tokens = ask(logit_bias={str(start): -100})
+        assert tokens[0] == "{" and "ok" in json.loads(msg["content"]) and "reasoning_content" not in msg
+        # the template opened it (an assistant prefill here): the guide waits for its end
         prefill = {"messages": [*body["messages"], {"role": "assistant", "content": "<think>"}],
                    "add_generation_prompt": False, "continue_final_message": True}
-        choice = c.post("/v1/chat/completions", json={**body, **prefill}).json()["choices"][0]
-        assert choice["message"]["content"] is None and choice["message"]["reasoning_content"], choice
-        # the model may open it or not (Qwen3's template): with tags of several tokens, as this model's,
-        # the guide cannot wait on the first one, so it holds the answer from its first token
-        choice = c.post("/v1/chat/completions", json={**body, "max_tokens": 40}).json()["choices"][0]
-        assert "ok" in json.loads(choice["message"]["content"]) and "reasoning_content" not in choice["message"]
+        msg, tokens = ask(**prefill, logit_bias={str(end): 100})
+        assert tokens[0] == "</think>" and "ok" in json.loads(msg["content"])
+        # a named tool's arguments too; an answer that never ends its thinking makes no call
+        tools = {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                 "tool_choice": {"type": "function", "function": {"name": "f"}}}
+        msg, _ = ask(**prefill, **tools, logit_bias={str(end): 100}, response_format=None)
+        assert "ok" in json.loads(msg["tool_calls"][0]["function"]["arguments"])
+        msg, _ = ask(**prefill, **tools, logit_bias={str(end): -100}, response_format=None, max_tokens=4)
+        assert "tool_calls" not in msg and msg["reasoning_content"]
