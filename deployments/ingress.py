@@ -1321,7 +1321,7 @@ class Ingress:
             return mode
         opener = self._think_tokens.get(START)
         if END not in self._think_tokens or (mode == TAGGED and opener is None):
-            return TAGGED  # (start_mode's for a guided answer: the guide holds it from its first token)
+            return TAGGED  # (guided from its first token: it thinks only if its guide writes a block)
         params["guide_after"] = END
         if mode == TAGGED:
             params["guide_opener"] = opener

@@ -498,7 +498,8 @@ def test_chat_template_kwargs_reach_the_template(client):
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens"]
     plain = prompt_tokens()
-    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == plain + len("<think>\n\n</think>\n\n")
+    block = client.post("/tokenize", json={"prompt": "<think>\n\n</think>\n\n"}).json()["tokens"]
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == plain + len(block)
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
     tok = client.post("/tokenize", json={**chat, "chat_template_kwargs": {"enable_thinking": False}}).json()
     assert tok["count"] == plain + 19

@@ -62,8 +62,8 @@ class Client:
 
     def run(self) -> None:
         calls = [self.generate, self.generate_stream, self.completion_stream, self.chat, self.responses_stream,
-                 self.leave_mid_stream, self.bad_request]
-        weights = [3, 2, 3, 2, 2, 1, 1]
+                 self.tool_stream, self.leave_mid_stream, self.bad_request]
+        weights = [3, 2, 3, 2, 2, 1, 1, 1]
         while time.monotonic() < self.deadline:
             call = self.rng.choices(calls, weights)[0]
             try:
@@ -117,6 +117,24 @@ class Client:
             self.expect(r)
             events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
         assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1:]
+        self.seen["ok"] += 1
+
+    def tool_stream(self) -> None:
+        """A chat stream whose answer calls a tool (held to it by a regex), cut short by max_tokens at times:
+        the call streams as it is written, and a whole one's arguments are JSON."""
+        call = r'Sure\.<tool_call>\{"name": "save", "arguments": \{"text": "[a-z ]{10,60}"\}\}</tool_call>'
+        body = {"messages": [{"role": "system", "content": self.rng.choice(GROUPS)},
+                             {"role": "user", "content": self.question()}], "stream": True, "guided_regex": call,
+                "max_tokens": self.rng.choice([20, 200]),
+                "tools": [{"type": "function", "function": {"name": "save", "parameters": {"type": "object"}}}]}
+        with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
+            self.expect(r)
+            data = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+        assert data[-1] == "[DONE]", data[-2:]
+        chunks = [json.loads(d) for d in data[:-1]]
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+        args = "".join(c["function"]["arguments"] for ch in chunks for c in ch["choices"][0]["delta"].get("tool_calls", ()))
+        assert finish == "length" or (finish == "tool_calls" and json.loads(args)["text"]), (finish, args)
         self.seen["ok"] += 1
 
     def leave_mid_stream(self) -> None:
