@@ -37,12 +37,12 @@ def start_mode(parser: str, prompt_tail: str) -> str:
     return TAGGED
 
 
-def _partial_tail(text: str, tag: str) -> int:
+def partial_tail(text: str, tag: str) -> int:
     """How many of ``text``'s last characters could begin ``tag`` (held back until the next ones tell)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+    at = text.find(tag[0], max(0, len(text) - len(tag) + 1))
+    while at >= 0 and not tag.startswith(text[at:]):
+        at = text.find(tag[0], at + 1)
+    return 0 if at < 0 else len(text) - at
 
 
 def split(text: str, mode: str, final: bool = True) -> tuple[str, str]:
@@ -61,7 +61,7 @@ def split(text: str, mode: str, final: bool = True) -> tuple[str, str]:
     else:
         return "", text
     end = body.find(END)
-    thinking = body if end >= 0 or final else body[:len(body) - _partial_tail(body, END)]
+    thinking = body if end >= 0 or final else body[:len(body) - partial_tail(body, END)]
     if end >= 0:
         thinking = body[:end]
     thinking = thinking if thinking.strip() else ""  # (an empty block, or its start: none yet)
@@ -106,7 +106,7 @@ class ReasoningStream:
         if end >= 0:
             self.state, self.held = "content", ""
             return self._thought(text[:end]), self._answer(text[end + len(END):])
-        keep = _partial_tail(text, END)
+        keep = partial_tail(text, END)
         send, self.held = text[:len(text) - keep], text[len(text) - keep:]
         if not self.thought and not send.strip():  # whitespace only so far: none yet
             self.held = send + self.held

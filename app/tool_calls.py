@@ -108,8 +108,9 @@ def _hermes_block(text: str, at: int, names: set[str]) -> tuple[ToolCall, int] |
     return call, min(at + len(HERMES_CLOSE), len(text))
 
 
-def _skip_space(text: str, at: int) -> int:
-    while at < len(text) and text[at].isspace():
+def _skip_space(text: str, at: int, sep: str = "") -> int:
+    """Where the first character from ``at`` on that is neither whitespace nor ``sep`` is."""
+    while at < len(text) and (text[at].isspace() or (sep and text[at] == sep)):
         at += 1
     return at
 
@@ -131,15 +132,12 @@ def _call(obj: Any, names: set[str], name: str | None = None) -> ToolCall | None
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
-
-
 def _json_values(text: str, sep: str = "") -> list[Any] | None:
     """The JSON values ``text`` holds one after another (whitespace and ``sep`` between them), or None
     when any of it is not JSON."""
     values, at = [], 0
     while True:
-        while at < len(text) and (text[at].isspace() or (sep and text[at] == sep)):
-            at += 1
+        at = _skip_space(text, at, sep)
         if at == len(text):
             return values
         try:
@@ -186,6 +184,8 @@ def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall
 
 
 PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
+
+
 def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A history's tool calls as chat templates read them: arguments as an object where they are JSON
     (templates write them with ``tojson``; a string would come out quoted)."""

@@ -16,6 +16,7 @@ import json
 import re
 from typing import Any
 
+from app.reasoning import partial_tail
 from app.tool_calls import (
     HERMES_CLOSE,
     HERMES_OPEN,
@@ -132,7 +133,7 @@ class ToolCallStream:
             return False
         at = self.text.find(self.opener, self.at)
         if at < 0:  # up to where the tag may begin: the part of it that the text ends with waits
-            upto = len(self.text) - _tag_prefix_at_end(self.text, self.opener)
+            upto = len(self.text) - partial_tail(self.text, self.opener)
             self.at = max(self.at, upto)
             self._content(upto, final)
             return False
@@ -270,14 +271,6 @@ class ToolCallStream:
             last["function"]["arguments"] += text
         else:
             self.out.append({"tool_calls": [{"index": self.calls - 1, "function": {"arguments": text}}]})
-
-
-def _tag_prefix_at_end(text: str, tag: str) -> int:
-    """How long a start of ``tag`` ``text`` ends with (0: none)."""
-    at = text.find(tag[0], max(0, len(text) - len(tag) + 1))
-    while at >= 0 and not tag.startswith(text[at:]):
-        at = text.find(tag[0], at + 1)
-    return 0 if at < 0 else len(text) - at
 
 
 def _json_string(raw: str) -> str | None:

@@ -102,17 +102,21 @@ class Guides:
         self._checked[(kind, text)] = grammar
         return grammar
 
+    def _spelt(self, matcher, text: str) -> list[int] | None:
+        """``text`` spelt out in tokens (no added tokens), where a guide's parser state may go on with it."""
+        ids = self._ll_tokenizer.greedy_tokenize(text)
+        return ids if ids and matcher.validate_tokens(ids) == len(ids) else None
+
     def allows_text(self, matcher, text: str) -> bool:
         """Whether a guide's parser state may go on with ``text`` (spelt out: no added tokens)."""
-        ids = self._ll_tokenizer.greedy_tokenize(text)
-        return bool(ids) and matcher.validate_tokens(ids) == len(ids)
+        return self._spelt(matcher, text) is not None
 
     def consume_text(self, matcher, text: str) -> bool:
         """Advance a guide past ``text`` (spelt out); False where it does not allow it (nothing consumed)."""
-        if not self.allows_text(matcher, text):
-            return False
-        matcher.consume_tokens(self._ll_tokenizer.greedy_tokenize(text))
-        return True
+        ids = self._spelt(matcher, text)
+        if ids is not None:
+            matcher.consume_tokens(ids)
+        return ids is not None
 
     def step(self, matcher, token: int) -> bool:
         """Advance a request's guide past ``token``; True once the guide is complete (or broken: a token it
