@@ -163,21 +163,29 @@ _MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.-]{1,64})\[ARGS\]")
 
 def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
     """Mistral's calls: the text before ``[TOOL_CALLS]`` is content; after it a JSON list of calls, or
-    (newer tokenizers) ``name[ARGS]{...}`` per call, each after its own tag."""
+    (newer tokenizers) ``name[ARGS]{...}`` per call, each after its own tag. Read JSON-aware: a tag
+    inside an argument's string is text."""
     if MISTRAL_TAG not in text:
         return text, []
     content, _, rest = text.partition(MISTRAL_TAG)
     calls: list[ToolCall | None] = []
-    for part in rest.split(MISTRAL_TAG):
-        named = _MISTRAL_NAMED.match(part)
+    at = 0
+    while True:
+        named = _MISTRAL_NAMED.match(rest, at)
+        try:
+            value, at = _DECODER.raw_decode(rest, _skip_space(rest, named.end() if named else at))
+        except (ValueError, RecursionError):
+            return text, []
         if named:
-            values = _json_values(part[named.end():])
-            calls += [_call(json.dumps(values[0], ensure_ascii=False), names, named.group(1))] \
-                if values and len(values) == 1 else [None]
+            calls.append(_call(json.dumps(value, ensure_ascii=False), names, named.group(1)))
         else:
-            values = _json_values(part)
-            calls += [_call(v, names) for v in values[0]] if values and len(values) == 1 and isinstance(
-                values[0], list) else [None]
+            calls += [_call(v, names) for v in value] if isinstance(value, list) else [None]
+        at = _skip_space(rest, at)
+        if at == len(rest):
+            break
+        if not rest.startswith(MISTRAL_TAG, at):
+            return text, []
+        at += len(MISTRAL_TAG)
     if not calls or None in calls:
         return text, []
     return _around_calls([content]), calls

@@ -101,7 +101,12 @@ def test_mistral_calls_old_and_new_format():
     content, calls = parse_mistral('[TOOL_CALLS]add[ARGS]{"a": 3}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', NAMES)
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("add", {"a": 3}), ("get_weather", {"city": "Oslo"})]
-    for text in ("no calls", '[TOOL_CALLS][{"name": "rm", "arguments": {}}]', "[TOOL_CALLS]add[ARGS]{oops"):
+    # a tag inside an argument's string is text, in either format
+    content, calls = parse_mistral('[TOOL_CALLS]add[ARGS]{"note": "[TOOL_CALLS]x[ARGS]"} [TOOL_CALLS][{"name": '
+                                   '"add", "arguments": {"s": "]"}}]', NAMES)
+    assert [json.loads(c.arguments) for c in calls] == [{"note": "[TOOL_CALLS]x[ARGS]"}, {"s": "]"}]
+    for text in ("no calls", '[TOOL_CALLS][{"name": "rm", "arguments": {}}]', "[TOOL_CALLS]add[ARGS]{oops",
+                 '[TOOL_CALLS]add[ARGS]{"a": 1} trailing', "[TOOL_CALLS]add[ARGS]{}[TOOL_CALLS]", "[TOOL_CALLS][]"):
         assert parse_mistral(text, NAMES) == (text, [])
 
 

@@ -51,8 +51,9 @@ def chunked(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip(at, at[1:], strict=False)]
 
 
-# (a Hermes call's strings may hold its closing tag: an agent writing this very format)
-json_scalars = st.none() | st.booleans() | st.integers() | st.text(max_size=8) | st.just("</tool_call>")
+# (a call's strings may hold its format's tags: an agent writing this very format)
+json_scalars = st.none() | st.booleans() | st.integers() | st.text(max_size=8) | st.sampled_from(
+    ["</tool_call>", "[TOOL_CALLS]", "x[ARGS]"])
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
                            | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=8)
 arguments = st.dictionaries(st.text(max_size=6), json_values, max_size=4)
