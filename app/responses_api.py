@@ -258,6 +258,8 @@ class ResponseEvents(ChunkEvents):
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.open_at: int | None = None  # output index of the item being written
+        self.pieces: list[str] = []  # its text or arguments since the last flush (a dict's string grown by
+        # += is copied whole each time: quadratic in a long answer, on the event loop)
         self.calls: dict[int, int] = {}  # the chat delta's tool call index -> output index
         self.finish: str | None = None
         self.thought: _AfterThinking | None = None  # once the answer thinks: its content's log-probs
@@ -266,7 +268,18 @@ class ResponseEvents(ChunkEvents):
         self.seq += 1
         return sse_event(kind, {"type": kind, "sequence_number": self.seq - 1, **fields})
 
+    def _flush(self) -> None:
+        """Join the open item's pieces into it."""
+        if self.open_at is None or not self.pieces:
+            return
+        item, joined, self.pieces = self.output[self.open_at], "".join(self.pieces), []
+        if item["type"] == "function_call":
+            item["arguments"] += joined
+        else:
+            item["content"][0]["text"] += joined
+
     def _response(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
+        self._flush()
         return response_object(self.req, self.rid, self.created, self.model, status, self.output, self.usage, error)
 
     def start(self) -> list[str]:
@@ -312,7 +325,7 @@ class ResponseEvents(ChunkEvents):
                               else _reasoning_item("", "in_progress"))
         item = self.output[self.open_at]
         part = item["content"][0]
-        part["text"] += text
+        self.pieces.append(text)
         if kind == "reasoning":
             out.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=self.open_at,
                                    content_index=0, delta=text))
@@ -333,7 +346,10 @@ class ResponseEvents(ChunkEvents):
         item = self.output[at]
         args = (call.get("function") or {}).get("arguments") or ""
         if args:
-            item["arguments"] += args
+            if at == self.open_at:
+                self.pieces.append(args)
+            else:  # (a call already closed: rare, not a stream's shape)
+                item["arguments"] += args
             out.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
                                    delta=args))
         return out
@@ -341,6 +357,7 @@ class ResponseEvents(ChunkEvents):
     def _close(self, status: str = "completed") -> list[str]:
         if self.open_at is None:
             return []
+        self._flush()
         at, self.open_at = self.open_at, None
         item = self.output[at]
         item["status"] = status

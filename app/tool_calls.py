@@ -61,6 +61,17 @@ def required_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bo
     return json.dumps(root)
 
 
+def json_text(value: Any) -> str:
+    """A value's JSON, its characters as they are; escaped where the model wrote a lone surrogate
+    (``"\\ud83d"``), which is no Unicode text and would fail the response's encoding."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
+
+
 def parse_required(text: str) -> list[ToolCall] | None:
     """The calls of a ``required`` answer (None: not a complete list of calls, e.g. cut by max_tokens)."""
     try:
@@ -69,7 +80,7 @@ def parse_required(text: str) -> list[ToolCall] | None:
         return None
     if not isinstance(items, list) or not all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items):
         return None
-    return [ToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False)) for i in items]
+    return [ToolCall(i["name"], json_text(i.get("parameters", {}))) for i in items]
 
 
 def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
@@ -129,7 +140,7 @@ def _call(obj: Any, names: set[str], name: str | None = None) -> ToolCall | None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    return ToolCall(obj["name"], args if isinstance(args, str) else json_text(args))
 
 
 def _json_values(text: str, sep: str = "") -> list[Any] | None:
@@ -177,7 +188,7 @@ def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall
         except (ValueError, RecursionError):
             return text, []
         if named:
-            calls.append(_call(json.dumps(value, ensure_ascii=False), names, named.group(1)))
+            calls.append(_call(json_text(value), names, named.group(1)))
         else:
             calls += [_call(v, names) for v in value] if isinstance(value, list) else [None]
         at = _skip_space(rest, at)

@@ -41,16 +41,19 @@ _HEADS = {  # (a region's first call, a later call in the same region)
 }
 _OPENERS = {"hermes": HERMES_OPEN, "mistral": MISTRAL_TAG}  # (the others' answers are their calls)
 _LIST_END = re.compile(r"\s*\]")
+_SPACE = re.compile(r"\s*")
 
 
 class JsonEnd:
-    """Where a JSON object or array ends, read as its text grows (strings and nesting followed)."""
+    """Where a JSON object or array ends, read as its text grows (strings and nesting followed). A closer
+    of the wrong kind (``{"a": 1]``) ends it too, and marks it ``broken``."""
 
     _OUTSIDE = re.compile(r'[\[\]{}"]')
     _INSIDE = re.compile(r'["\\]')
 
     def __init__(self, start: int, depth: int = 0):
-        self.at, self.depth, self.in_string = start, depth, False
+        self.at, self.in_string, self.broken = start, False, False
+        self.closers = ["}"] * depth  # (what is already open when it starts: the rest of a call's object)
 
     def feed(self, text: str) -> int | None:
         """Where in ``text`` the value ends (just past it), or None while it is open."""
@@ -69,10 +72,11 @@ class JsonEnd:
             elif c == '"':
                 self.in_string = not self.in_string
             elif c in "{[":
-                self.depth += 1
+                self.closers.append("}" if c == "{" else "]")
             else:
-                self.depth -= 1
-                if self.depth == 0:
+                self.broken = self.broken or c != self.closers[-1]
+                self.closers.pop()
+                if not self.closers:
                     self.at = at
                     return at
 
@@ -95,6 +99,7 @@ class ToolCallStream:
         self.args: JsonEnd | None = None
         self.calls = 0
         self.cut = False  # the last call's arguments never ended
+        self.broken = False  # some call's arguments closed with the wrong bracket: not JSON
         self.head_room = 96 + 2 * max((len(n) for n in names), default=0)  # (past it, no head is coming)
         self.pending: list[str] = []  # whitespace not sent yet: it goes out before more text, if any comes
         self.said = False  # whether any content went out
@@ -113,7 +118,7 @@ class ToolCallStream:
 
     def finish_reason(self, engine: str) -> str:
         """The choice's finish reason: "tool_calls" when it made calls, but for one cut short."""
-        return "tool_calls" if self.calls and not self.cut else engine
+        return "tool_calls" if self.calls and not (self.cut or self.broken) else engine
 
     def _take(self) -> list[dict[str, Any]]:
         out, self.out = self.out, []
@@ -143,6 +148,8 @@ class ToolCallStream:
         return True
 
     def _head(self, final: bool) -> bool:
+        if self.parser == "hermes" and self.text[self.at:].lstrip()[:1] not in ("", "{"):
+            return self._to("text")  # (no JSON object after the tag: no call, the tag is text; sent stays before it)
         first, later = _HEADS[self.parser]
         m = (first if self.first else later).match(self.text, self.at) if (self.first or later) else None
         if m is not None:
@@ -181,6 +188,7 @@ class ToolCallStream:
         if end is None:
             self.cut = final
             return False
+        self.broken = self.broken or self.args.broken
         self.args = JsonEnd(end, depth=1)  # the rest of the call's object (keys after its arguments too)
         self.state = "tail"
         return True
@@ -189,6 +197,12 @@ class ToolCallStream:
         """What closes a call after its arguments: Hermes's closing tag; in a list or Llama's calls, the
         object's brace (the next head reads what separates them); Mistral's named calls, nothing."""
         if self.parser == "hermes":
+            if self.args is not None:  # (the rest of the object first: a tag in its strings is text)
+                end = self.args.feed(self.text)
+                if end is None:
+                    self.cut = final
+                    return False
+                self.at, self.args = end, None
             at = self.text.find(HERMES_CLOSE, self.at)
             if at < 0:
                 self.at = max(self.at, len(self.text) - len(HERMES_CLOSE) + 1)
@@ -220,7 +234,13 @@ class ToolCallStream:
             return False
         content, calls = _reread(self.text[self.block:end], self.parser, self.names, continued=not self.first)
         if calls and content:  # (a tag before a call in one block: the tag is text)
-            self._emit_content(content)
+            if self.text.startswith(content, self.block):
+                self.sent = self.block
+                self._content(self.block + len(content), final=False)
+                self.pending.append(_SPACE.match(self.text, self.block + len(content)).group())
+            else:
+                self._emit_content(content)
+                self.said = True
         for call in calls:
             self._call_start(call.name, call.arguments)
         self.at = end

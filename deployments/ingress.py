@@ -339,6 +339,17 @@ def _is_openai(request: Request) -> bool:
     return _route_path(request.scope).startswith("/v1/")
 
 
+class _EscapedJSON(JSONResponse):
+    """A JSON answer whose values a model's JSON made (a tool call's input, read back from its arguments):
+    a lone surrogate it wrote (``"\\ud83d"``) is no Unicode text, so such an answer goes out ASCII-escaped."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
+
+
 def _error_response(request: Request, err: ApiError) -> JSONResponse:
     message = err.message.replace("max_new_tokens", "max_tokens")  # (the engine's name for it)
     if _route_path(request.scope) in ANTHROPIC_PATHS:  # Anthropic's format, on its routes
@@ -1271,7 +1282,7 @@ class Ingress:
         answer = await self._chat(_validated_chat(body), default)  # (refusals raise here, before any byte)
         replica = {k: v for k, v in answer.headers.items() if k == "x-radixserve-replica"}
         if not stream:
-            return JSONResponse(whole(json.loads(answer.body)), headers=replica)
+            return _EscapedJSON(whole(json.loads(answer.body)), headers=replica)
 
         events.prompt_tokens(int(answer.headers.get("x-radixserve-prompt-tokens", 0)),
                              int(answer.headers.get("x-radixserve-cached-tokens", 0)))

@@ -107,6 +107,10 @@ def test_an_empty_answer_still_has_its_message_and_a_failure_ends_the_stream():
     events = _events(ev.start() + ev.chunk(_chunk({"content": "a"})) + ev.fail("boom"))
     assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
     assert events[-1]["response"]["error"] == {"code": "server_error", "message": "boom"}  # (the API's code)
+    # what was written before the failure is in it (an open item's pieces are joined when it is shown)
+    ev = ResponseEvents(req, "resp_3", 0, "m")
+    events = _events(ev.start() + ev.chunk(_chunk({"content": "a"})) + ev.chunk(_chunk({"content": "b"})) + ev.fail("x"))
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "ab"
 
 
 def test_thinking_streams_as_a_reasoning_item_before_the_message():

@@ -135,3 +135,18 @@ def test_what_a_model_or_client_could_send_never_raises():
     # Mistral's newer format with arguments that are not an object: still JSON text
     _, calls = parse_mistral('[TOOL_CALLS]add[ARGS]"x"', NAMES)
     assert json.loads(calls[0].arguments) == "x"
+
+
+def test_a_lone_surrogate_a_model_escapes_in_its_arguments_stays_escaped():
+    from app.tool_calls import parse_mistral
+
+    for text in ('<tool_call>{"name": "add", "arguments": {"s": "\\ud83d"}}</tool_call>',
+                 '[TOOL_CALLS]add[ARGS]{"s": "\\ud83d"}'):
+        parse = parse_hermes if text.startswith("<") else parse_mistral
+        arguments = parse(text, NAMES)[1][0].arguments
+        arguments.encode()  # (a response's encoding would fail on the character itself)
+        assert json.loads(arguments) == {"s": "\ud83d"}
+    # other characters go as they are
+    assert parse_hermes('<tool_call>{"name": "add", "arguments": {"s": "é"}}</tool_call>', NAMES)[1][0].arguments \
+        == '{"s": "é"}'
+    assert parse_required('[{"name": "add", "parameters": {"s": "\\udc00"}}]')[0].arguments == '{"s": "\\udc00"}'

@@ -61,7 +61,9 @@ names = st.sampled_from(sorted(NAMES))
 words = st.text(st.sampled_from(list("ab {}[]\"\\<>;,\n")), max_size=12)
 spaces = st.sampled_from(["", " ", "\n", "\n\n"])
 # keys after the arguments (Mistral Nemo's template writes an "id" there)
-extras = st.sampled_from(["", ', "id": "abc123xyz"', ', "id": {"n": [1, "}"]}'])
+extras = st.sampled_from(["", ', "id": "abc123xyz"', ', "id": {"n": [1, "}"]}', ', "id": "</tool_call>"'])
+# text a Hermes answer may hold: words, or the tag named in prose (a block that is no call)
+prose = words.filter(lambda w: "<" not in w) | st.sampled_from(["the <tool_call> tag ", "<tool_call>", " <tool_call>\n"])
 
 
 def call_object(name: str, args: dict, key: str, sp: str, extra: str = "") -> str:
@@ -72,10 +74,10 @@ def call_object(name: str, args: dict, key: str, sp: str, extra: str = "") -> st
 def answers(draw, parser: str) -> str:
     calls = draw(st.lists(st.tuples(names, arguments, spaces, extras), min_size=1, max_size=3))
     if parser == "hermes":
-        out = draw(words.filter(lambda w: "<" not in w))
+        out = draw(prose)
         for name, args, sp, extra in calls:
             out += f"<tool_call>{sp}{call_object(name, args, 'arguments', sp, extra)}{sp}</tool_call>"
-            out += draw(words.filter(lambda w: "<" not in w))
+            out += draw(prose)
         return out
     if parser == "mistral_named":
         head = draw(words.filter(lambda w: "[" not in w))
@@ -163,6 +165,24 @@ def test_a_call_cut_short_stays_unfinished_and_the_finish_reason_says_so():
     s = ToolCallStream("required", NAMES)
     s.feed('[{"name": "add", "parameters": {"a": 1}}]')
     assert s.finish() == [] and s.finish_reason("stop") == "tool_calls"
+    # a Hermes call cut after its arguments, inside its object; one whose arguments close with the wrong bracket
+    for text, engine in [('<tool_call>{"name": "add", "arguments": {"a": 1}', "length"),
+                         ('<tool_call>{"name": "add", "arguments": {"a": 1]}</tool_call>', "stop")]:
+        s = ToolCallStream("hermes", NAMES)
+        s.feed(text)
+        s.finish()
+        assert s.finish_reason(engine) == engine
+
+
+def test_a_tag_named_in_prose_is_text_at_once():
+    s = ToolCallStream("hermes", NAMES)
+    sent = s.feed("Qwen marks calls with a <tool_call> tag. " + "More words. " * 20)
+    assert "".join(d["content"] for d in sent).startswith("Qwen marks calls with a <tool_call> tag. More words.")
+    for text in ('<tool_call> x <tool_call>{"name": "add", "arguments": {}}</tool_call> Done',
+                 'Use the <tool_call> tag. <tool_call>{"name": "add", "arguments": {}}</tool_call> Done',
+                 '<tool_call>{"name": "nope", "arguments": {}} <tool_call>{"name": "add", "arguments": {}}</tool_call> x'):
+        same_as_whole("hermes", text, list(text))
+        same_as_whole("hermes", text, [text])
 
 
 @settings(max_examples=300, deadline=None)
@@ -183,3 +203,5 @@ def test_where_json_values_end():
         scan = JsonEnd(0)  # the same, read a character at a time
         assert next(k for k in range(1, len(text) + 1) if scan.feed(text[:k]) is not None) == end
     assert JsonEnd(0).feed('{"a": "b\\') is None
+    mismatched = JsonEnd(0)
+    assert mismatched.feed('{"a": 1]') == 8 and mismatched.broken and not JsonEnd(0).broken

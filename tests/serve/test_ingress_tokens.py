@@ -105,3 +105,11 @@ def test_choices_that_started_end_at_once_when_a_later_one_is_refused():
         pass
     assert calls[0] == 10 and sorted(calls) == [10, 11, 12, 13]  # the first alone, then the rest
     assert sorted(aborted) == [10, 11, 13]  # every choice that had started
+
+
+def test_an_answer_holding_a_lone_surrogate_goes_out_escaped_not_as_a_server_error():
+    # (the Messages API reads a call's arguments back into its input: a model's "\ud83d" becomes the character)
+    from deployments.ingress import _EscapedJSON
+
+    assert json.loads(_EscapedJSON({"input": {"s": "\ud83d"}}).body) == {"input": {"s": "\ud83d"}}
+    assert _EscapedJSON({"s": "é"}).body == '{"s":"é"}'.encode()
