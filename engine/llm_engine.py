@@ -252,7 +252,7 @@ class LLMEngine:
             seq.arrival = arrival
         if not params.greedy:
             seq.generator = make_generator(params.seed)
-        if params.min_tokens:
+        if params.min_tokens or seq.guide_wait is not None:  # (a guided answer cannot end before its thinking does)
             seq.ends = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)))
         self.requests[rid] = seq
         self.stats.prompt_tokens += len(ids)
@@ -379,6 +379,9 @@ class LLMEngine:
                 if tail:  # (one the guide does not allow breaks it: the answer ends there)
                     ok = self.guides.consume_text(seq.matcher, tail)
                     guide_done = not ok or seq.matcher.is_stopped() or seq.matcher.is_error()
+                    if not ok:  # (a tag of several tokens, whose last one wrote more: its answer is not guided)
+                        log.warning("request %s: the text after %r is not what its guide allows: %r",
+                                    seq.request_id, p.guide_after, tail[:40])
             # stop strings count from min_tokens on (as in vLLM), and only ones this token completes
             if len(seq.output_ids) >= p.min_tokens and (stop_reason := find_stop(seq, before)):
                 reason, by_string = "stop", True

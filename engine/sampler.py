@@ -59,15 +59,20 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     if p.allowed_token_ids:  # everything else becomes impossible
         keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
         row = torch.full_like(row, float("-inf")).index_copy_(0, keep, row[keep])
-    if banned := _bad_word_ends(seq):
-        row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
     if seq.matcher is not None and seq.guide_wait != "marker":  # only what its guide allows next (not in thought)
         opener = p.guide_opener if seq.guide_wait == "opener" else None
         kept = row[opener].clone() if opener is not None else None
         row = mask_disallowed(row, seq.matcher)
         if kept is not None:  # (the first token may open the thinking instead)
             row[opener] = kept
-    if len(seq.output_ids) < p.min_tokens and seq.ends:  # too early to end: the ending tokens cannot win
+    if banned := _bad_word_ends(seq):
+        ids = torch.tensor(banned, dtype=torch.long, device=row.device)
+        before = row[ids].clone()
+        row[ids] = float("-inf")
+        if seq.matcher is not None and not torch.isfinite(row).any():  # the guide allows nothing else:
+            row[ids] = before  # the structure wins (with no token left, the draw would be token 0)
+    # too early to end (min_tokens), or still thinking before a guided answer: the ending tokens cannot win
+    if seq.ends and (len(seq.output_ids) < p.min_tokens or seq.guide_wait == "marker"):
         row[torch.tensor(seq.ends, dtype=torch.long, device=row.device)] = float("-inf")
     return row
 

@@ -240,7 +240,8 @@ class Sequence:
     # (weak: a finished one is not kept alive by the requests behind it)
     waits_on: tuple[object, int] | None = None
     queue_order: int = 0  # when the scheduler first took it: ties between equal priorities go to the earlier
-    ends: tuple[int, ...] = ()  # token ids that would end it (EOS, stop tokens): banned before min_tokens
+    ends: tuple[int, ...] = ()  # token ids that would end it (EOS, stop tokens): banned before min_tokens,
+    # and while a guided answer still thinks (its guide waits for the end tag)
     prefill_only: bool = False  # warm-up: compute the prompt's KV, generate nothing
     prompt_logprobs: list[PromptLogprob | None] | None = None  # as far as computed (params.prompt_logprobs)
     matcher: object | None = None  # its guide's parser state (engine.guided), for a guided request

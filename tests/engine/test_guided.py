@@ -87,6 +87,10 @@ def test_a_guide_ends_at_any_of_the_engines_end_tokens_and_cannot_be_contradicte
     for kw, needle in ((dict(min_tokens=2), "min_tokens"), (dict(allowed_token_ids=[97]), "allowed_token_ids")):
         with pytest.raises(RequestError, match=needle):
             eng.add_request(PROMPT, SamplingParams(guide=("regex", "a+"), **kw))
+    # a bad word the guide needs yields to it (with no token left, the draw would be token 0)
+    brace = eng.tokenizer.convert_tokens_to_ids("{")
+    texts, _ = _texts(eng, ("json", json.dumps(SCHEMA)), n=2, bad_words_ids=[[brace]])
+    assert all(set(json.loads(t)) == {"n", "kind"} for t in texts)
 
 
 def test_a_guided_request_preempted_mid_answer_keeps_to_its_guide(make_engine):
@@ -136,6 +140,12 @@ def test_a_reasoning_models_guide_waits_for_the_end_of_its_thinking(make_engine)
     # the token that completes the end tag may carry text after it: the guide reads that too
     text, _ = answer(guide=("regex", ">ok"), guide_after="</think", logit_bias={end: 100.0})
     assert text == "</think>ok"
+    # it cannot end while it thinks (an end token, however likely): its answer comes, or max_tokens cuts it
+    eos = next(iter(eng.eos_ids))
+    text, seq = answer(guide_after="</think>", logit_bias={eos: 100.0, end: -100.0}, max_new_tokens=8)
+    assert seq.finish_reason == "length" and eos not in seq.output_ids and seq.guide_wait == "marker"
+    text, seq = answer(guide_after="</think>", logit_bias={eos: 100.0, end: 20.0})
+    assert set(json.loads(text.split("</think>", 1)[1])) == {"n", "kind"} and seq.finish_reason in ("stop", "eos")
     with pytest.raises(RequestError, match="guide_after"):
         eng.add_request(PROMPT, SamplingParams(guide_after="</think>"))
     for bad in (10**6, eng.tokenizer.eos_token_id):  # (a token without text opens nothing)
