@@ -78,7 +78,10 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
                         "content": _part_text(item.get("output"), where)})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            thought = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text", ""), str)
+                                                      for p in parts):
+                raise ValueError(f"{where}: a reasoning item's content and summary must be lists of text parts")
+            thought = "".join(p.get("text", "") for p in parts) or None
         else:
             raise ValueError(f"{where}: items of type {kind!r} are not supported by this server (messages, "
                              "function_call and function_call_output are)")

@@ -8,6 +8,7 @@ that the ingress maps onto the same API's error format.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -21,21 +22,31 @@ from engine.sequence import GREEDY_BELOW, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, en
 MAX_CACHE_SALT_CHARS = 1024
 
 
-def _check_text(value: Any, path: str = "") -> None:
+MAX_NESTING = 100  # (deeper, the checks and templates that walk a body recursively would overflow Python's stack)
+
+
+def _check_text(value: Any, path: str = "", depth: int = 0) -> None:
     """Strings must be valid Unicode: JSON can carry a lone surrogate (``"\\ud800"``), which no
-    tokenizer can encode."""
+    tokenizer can encode. Numbers must be finite (Python's JSON reads ``NaN``, which no answer that
+    echoes a field, a tool's schema say, could write back). Nesting is bounded."""
     if isinstance(value, str):
         if not encodable(value):
             raise ValueError(f"{path or 'text'} is not valid Unicode (it holds a lone surrogate)")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            if isinstance(v, (str, list, dict)):  # not per token id: a 2 MB prompt of ids is 400k of them
-                _check_text(v, f"{path}[{i}]")
-    elif isinstance(value, dict):
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path or 'a number'} must be a finite number, got {value}")
+    elif isinstance(value, (list, dict)):
+        if depth >= MAX_NESTING:
+            raise ValueError(f"the body is nested more than {MAX_NESTING} levels deep")
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                if isinstance(v, (str, list, dict, float)):  # not per token id: a 2 MB prompt of ids is 400k
+                    _check_text(v, f"{path}[{i}]", depth + 1)
+            return
         for k, v in value.items():
             if isinstance(k, str) and not encodable(k):
                 raise ValueError("a field name is not valid Unicode (it holds a lone surrogate)")
-            _check_text(v, f"{path}.{k}" if path else str(k))
+            _check_text(v, f"{path}.{k}" if path else str(k), depth + 1)
 
 
 class _Strict(BaseModel):
@@ -409,6 +420,9 @@ class CompletionRequest(_OpenAICommon):
             raise ValueError("prompt must not be empty" + (" (nor any prompt in its list)" if many else ""))
         if many and len(v) > MAX_CHOICES:
             raise ValueError(f"at most {MAX_CHOICES} prompts in one request, got {len(v)}")
+        for ids in (v if many else [v]):  # (the vocabulary's bound is the engine's to check; a tokenizer
+            if isinstance(ids, list) and not 0 <= min(ids) <= max(ids) < 2**31:  # overflows past these)
+                raise ValueError("prompt token ids must be 0 or more (and under 2**31)")
         return v
 
     def prompts(self) -> list[str | list[int]]:
@@ -555,6 +569,9 @@ class ChatRequest(_OpenAICommon, ChatPrompt):
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):  # (which one would a call, or a named tool_choice, mean?)
+            raise ValueError(f"tool names must be unique: {sorted({n for n in names if names.count(n) > 1})}")
         return self
 
     @model_validator(mode="before")

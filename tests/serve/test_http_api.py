@@ -197,6 +197,10 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
      "stream_options"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": [999999]}, 400, "stop token id"),
+    ("/v1/completions", {"model": "tiny", "prompt": [-100, 5], "echo": True}, 400, "prompt token ids"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]}, 400,
+     "tool names must be unique"),
     ("/v1/chat/completions", {"model": "tiny", "continue_final_message": True, "add_generation_prompt": False,
                               "messages": [{"role": "user", "content": "x"}]}, 400, "assistant"),
 ])
@@ -225,6 +229,16 @@ def test_malformed_json_is_a_4xx(client):
                       (b'{"inputs": "\xff"}', "not UTF-8")):
         r = client.post("/generate", content=body, headers=json_hdr)
         assert r.status_code == 422 and why in r.json()["error"], r.text
+    # numbers JSON cannot carry (Python's parser reads NaN: an answer echoing it could not be written),
+    # nesting the checks could not walk, a reasoning item sent back malformed: 400s, not 500s
+    hi = b'"messages": [{"role": "user", "content": "hi"}]'
+    for path, body, why in (("/v1/responses", b'{"input": "hi", "reasoning": {"effort": NaN}}', "finite"),
+                            ("/v1/chat/completions", b'{"temperature": Infinity, ' + hi + b"}", "temperature"),
+                            ("/v1/messages", b'{"max_tokens": 5, ' + hi + b', "metadata": {"x": ' + b"[" * 900
+                             + b"]" * 900 + b"}}", "nested"),
+                            ("/v1/responses", b'{"input": [{"type": "reasoning", "summary": 5}, "hi"]}', "text parts")):
+        r = client.post(path, content=body, headers=json_hdr)
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
     # a body sent as a form (curl -d without a header) or as text: 415, saying what to send
     for ctype in ("application/x-www-form-urlencoded", "text/plain"):
         r = client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "hi"}', headers={"content-type": ctype})

@@ -113,6 +113,11 @@ def test_anthropic_tools_whole_and_streamed_and_their_results(ac, client):
      "other"),
     ({"max_tokens": 5, "temperature": 1.5, "messages": [{"role": "user", "content": "hi"}]}, 400,
      "invalid_request_error", "temperature"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, 400,
+     "invalid_request_error", "content[0].text must be a string"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"name": "f", "input_schema": {"type": "object"}}, {"name": "f", "input_schema": {"type": "object"}}]}, 400,
+     "invalid_request_error", "tool names must be unique"),
 ])
 def test_anthropic_errors_come_in_anthropics_format(client, body, status, kind, needle):
     r = client.post("/v1/messages", json=body)
