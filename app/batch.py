@@ -142,9 +142,13 @@ def read_lines(path: Path, done: set[str]) -> Plan:
                 continue
             try:
                 obj = json.loads(raw, parse_constant=_no_constant)
-                json.dumps(obj, ensure_ascii=False).encode()  # a lone surrogate (\ud800) is no Unicode text
+                # a lone surrogate (\ud800) is no Unicode text; 1e999 reads as inf, which no JSON can say
+                json.dumps(obj, ensure_ascii=False, allow_nan=False).encode()
             except json.JSONDecodeError as e:
                 plan.errors.append({"line": n, "error": f"not JSON ({e.msg})"})
+                continue
+            except ValueError:
+                plan.errors.append({"line": n, "error": "holds a number too large for JSON (such as 1e999)"})
                 continue
             except UnicodeEncodeError:
                 plan.errors.append({"line": n, "error": "holds an escaped lone surrogate (\\ud800-\\udfff): not Unicode text"})
@@ -178,8 +182,9 @@ def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: set[str]) 
     (recorded in ``plan``, in that format) or answered by an earlier run."""
     ref = {"custom_id": obj["custom_id"]}
     key = ref_key(ref)
-    if key in seen:  # (its record names the line, not the id: one id, one result)
-        plan.errors.append({"line": n, "error": f"custom_id {obj['custom_id']!r} is used by an earlier line"})
+    if key in seen:  # (its record names the line, not the id: one id, one result; OpenAI's shape otherwise)
+        plan.errors.append({"line": n, **_openai_record({"custom_id": None}, None, None, {
+            "code": "duplicate_custom_id", "message": f"line {n}: custom_id {obj['custom_id']!r} is used by an earlier line"})})
         return None
     problem = None
     if not isinstance(obj["custom_id"], str) or not obj["custom_id"]:
@@ -204,8 +209,9 @@ def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: set[str]) 
 
 def _openai_record(ref: dict, r: httpx.Response | None, body: Any, error: dict | None) -> dict:
     """A result in OpenAI's batch output format."""
-    response = None if r is None else {"status_code": r.status_code, "request_id": r.headers.get("x-request-id", ""),
-                                       "body": body}
+    request_id = None if r is None else r.headers.get("x-request-id") or (
+        body.get("id") if isinstance(body, dict) and isinstance(body.get("id"), str) else "")
+    response = None if r is None else {"status_code": r.status_code, "request_id": request_id, "body": body}
     return {"id": f"batch_req_{uuid.uuid4().hex}", **ref, "response": response, "error": error}
 
 
@@ -308,8 +314,12 @@ class ServiceGone(Exception):
 
 def _answer(choice: dict, chat: bool) -> dict:
     """One choice of an answer as the output records it."""
-    out = {"index": choice.get("index"), "output": choice["message"]["content"] if chat else choice["text"],
+    message = choice["message"] if chat else {}
+    out = {"index": choice.get("index"), "output": message["content"] if chat else choice["text"],
            "finish_reason": choice.get("finish_reason")}
+    for name in ("tool_calls", "reasoning_content"):  # (a chat answer's calls and thinking, when it has them)
+        if message.get(name):
+            out[name] = message[name]
     if choice.get("logprobs") is not None:
         out["logprobs"] = choice["logprobs"]
     return out
@@ -474,8 +484,8 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
             except Unauthorized as e:  # (a key rotated mid-run) not written either: every line would fail
                 totals.setdefault("_unauthorized", e)
                 continue
-            except Exception as e:  # noqa: BLE001 - one odd line must not end the job
-                rec, transient = _failure_record(line, f"{type(e).__name__}: {e}", None), True
+            except Exception as e:  # noqa: BLE001 - one odd line must not end the job (nor would a rerun help it)
+                rec, transient = _failure_record(line, f"{type(e).__name__}: {e}", None), False
             out.write(json.dumps(rec, ensure_ascii=False) + "\n")
             out.flush()
             bar.update(1)
@@ -660,3 +670,9 @@ def _only_writer(output: Path):
             yield
         finally:
             lock.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":  # ``python -m app.batch`` is ``radixserve batch``
+    from app.cli import main as cli_main
+
+    sys.exit(cli_main(["batch", *sys.argv[1:]]))

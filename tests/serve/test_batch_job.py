@@ -62,7 +62,7 @@ def test_input_lines_ids_and_encodings(tmp_path):
                    {"custom_id": "r1", "url": "/v1/nope", "body": {}},
                    {"custom_id": "r2", "method": "POST", "url": "/v1/responses", "body": {"input": "x", "seed": None}}])
     plan = read_lines(openai, set())
-    assert [e.get("custom_id", e.get("line")) for e in plan.errors] == ["r1", 2]
+    assert [e["custom_id"] or e["line"] for e in plan.errors] == ["r1", 2]
     assert [(x.ref, x.path, x.body) for x in plan.todo] == [({"custom_id": "r2"}, "/v1/responses", {"input": "x"})]
 
 
@@ -122,6 +122,10 @@ def test_batch_answers_every_line_and_a_rerun_retries_only_the_failures(serve_ap
     rows = [a[0], b[0], a[1], b[1], a[2], b[2], a[3]]  # the groups interleave, as in a real file
     rows += [{"id": "chat", "messages": [{"role": "system", "content": SYS_A}, {"role": "user", "content": "Hi"}]},
              {"id": "ids", "prompt": [72, 101, 108, 108, 111] * 10, "temperature": 0.7, "seed": 3},
+             {"id": "tool", "messages": [{"role": "user", "content": "Add."}], "max_tokens": 40,
+              "tool_choice": {"type": "function", "function": {"name": "add"}},
+              "tools": [{"type": "function", "function": {"name": "add", "parameters": {
+                  "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]},
              "",  # blank lines are skipped
              "{not json",
              {"id": "toolong", "prompt": "x" * 1500},  # over the service's max_input_tokens: a 400
@@ -135,13 +139,15 @@ def test_batch_answers_every_line_and_a_rerun_retries_only_the_failures(serve_ap
     captured = capsys.readouterr()
     totals = json.loads(captured.out.strip().splitlines()[-1])
     got, refused = read(out)
-    ok = {f"a{i}" for i in range(4)} | {f"b{i}" for i in range(3)} | {"chat", "ids"}
+    ok = {f"a{i}" for i in range(4)} | {f"b{i}" for i in range(3)} | {"chat", "ids", "tool"}
     assert {k for k, r in got.items() if "output" in r} == ok
-    assert totals["ok"] == 9 and totals["skipped"] == 0
+    assert totals["ok"] == 10 and totals["skipped"] == 0
+    # a chat answer's calls are in its record (its content is null)
+    assert got["tool"]["output"] is None and got["tool"]["tool_calls"][0]["function"]["name"] == "add"
     assert totals["refused"] == 3 and totals["failed"] == 1 and totals["retryable"] == 0  # 3 not sent, 1 a 400
     assert "fix them in the input" in captured.err and "retry" not in captured.err  # they would fail again
     assert "HTTP 400" in got["toolong"]["error"] and "max_input_tokens" in got["toolong"]["error"]
-    assert "not JSON" in refused[11] and "earlier line" in refused[13] and "`prompt` and `messages`" in refused[14]
+    assert "not JSON" in refused[12] and "earlier line" in refused[14] and "`prompt` and `messages`" in refused[15]
     assert all(got[f"b{i}"]["usage"]["completion_tokens"] <= 3 for i in range(3))
     assert all(got[f"a{i}"]["usage"]["completion_tokens"] <= 4 for i in range(4))
     # each group's system prompt is computed once: its later lines hit the cache (the order itself is
@@ -153,9 +159,9 @@ def test_batch_answers_every_line_and_a_rerun_retries_only_the_failures(serve_ap
     write(src, rows)
     assert cli(argv) == 1  # the malformed lines still fail
     totals = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert totals["skipped"] == 9 and totals["to_send"] == 1 and totals["ok"] == 1
+    assert totals["skipped"] == 10 and totals["to_send"] == 1 and totals["ok"] == 1
     got, refused = read(out)
-    assert sorted(refused) == [11, 13, 14]
+    assert sorted(refused) == [12, 14, 15]
     assert "output" in got["toolong"] and {k for k, r in got.items() if "output" in r} == ok | {"toolong"}
 
 
@@ -196,7 +202,10 @@ def test_openai_batch_format_in_and_out_and_a_rerun_sends_only_the_failures(serv
     assert "url must be one of" in bad_url["error"]["message"]
     # one result per custom_id: the line that repeats one is named by its number
     assert sum(r.get("custom_id") == "chat-1" for r in recs) == 1
-    assert any(r.get("line") == 6 and "used by an earlier line" in r["error"] for r in recs)
+    (dup,) = [r for r in recs if r.get("line") == 6]  # (in OpenAI's shape, its custom_id null)
+    assert dup["custom_id"] is None and dup["response"] is None and dup["error"]["code"] == "duplicate_custom_id"
+    assert "used by an earlier line" in dup["error"]["message"]
+    assert chat["request_id"]  # (Serve's x-request-id; without one, the answer's own id)
     assert any(r.get("id") == "own-format" and "output" in r for r in recs)
     assert totals["prompt_tokens"] > 0 and totals["cached_tokens"] > 0  # (the Responses API's usage counts too)
     # fixed and run again: only the failed line is sent
@@ -349,10 +358,11 @@ def test_a_line_that_failed_its_engine_is_its_own_failure_and_a_408_is_retried(t
 def test_batch_refuses_lines_it_could_not_send_and_says_what_it_cannot_open(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": "\\ud800", "prompt": "a"}\n{"prompt": "\\udfff"}\n{"prompt": "a", "temperature": NaN}\n'
-                   '{"prompt": "fine"}\n')
+                   '{"prompt": "fine"}\n{"id": 1e999, "prompt": "a"}\n')
     plan = read_lines(src, set())
     assert [x.ref for x in plan.todo] == [{"line": 4}]
-    assert [e["line"] for e in plan.errors] == [1, 2, 3] and "NaN" in plan.errors[2]["error"]
+    assert [e["line"] for e in plan.errors] == [1, 2, 3, 5] and "NaN" in plan.errors[2]["error"]
+    assert "1e999" in plan.errors[3]["error"]
     # a lock file it cannot create (here a folder in its way): one line, not a traceback
     (tmp_path / "o.jsonl.lock").mkdir()
     assert cli(["batch", "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2
@@ -399,6 +409,27 @@ def test_only_one_run_holds_the_output_even_when_the_last_one_removed_its_lock(t
         with pytest.raises(BlockingIOError), batch._only_writer(out):
             pass
     assert len(calls) == 2 and not lock.exists()
+
+
+def test_a_chat_answers_calls_and_thinking_are_in_its_record():
+    from app.batch import _answer
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    choice = {"index": 0, "finish_reason": "tool_calls",
+              "message": {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "hm"}}
+    assert _answer(choice, chat=True) == {"index": 0, "output": None, "finish_reason": "tool_calls",
+                                          "tool_calls": [call], "reasoning_content": "hm"}
+    assert _answer({"index": 0, "text": "x", "finish_reason": "stop"}, chat=False) == {
+        "index": 0, "output": "x", "finish_reason": "stop"}
+
+
+def test_python_m_app_batch_is_the_batch_command(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "app.batch", "--input", str(tmp_path / "none.jsonl"), "--output",
+                        str(tmp_path / "o.jsonl")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "none.jsonl" in r.stderr, (r.returncode, r.stderr[-500:])
 
 
 def test_an_error_page_that_is_not_an_api_answer_is_reported_in_one_line():
