@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine.llm_engine import LLMEngine, RequestError
-from engine.sequence import SamplingParams, TokenEvent
+from engine.sequence import SamplingParams, Status, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,8 @@ class AsyncEngine:
             loop, q = target
             try:
                 loop.call_soon_threadsafe(q.put_nowait, ev)
-            except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening (nor will free its id)
+                self._streams.pop(ev.request_id, None)
                 self._inbox.put(("abort", ev.request_id))
 
     def _emit_all(self, events: list[TokenEvent]) -> None:
@@ -139,8 +140,9 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the consumers' loop is closed: nobody is listening
+            except RuntimeError:  # the consumers' loop is closed: nobody is listening (nor will free its ids)
                 for _, ev in items:
+                    self._streams.pop(ev.request_id, None)
                     self._inbox.put(("abort", ev.request_id))
 
     def _drain_inbox(self) -> None:
@@ -191,8 +193,9 @@ class AsyncEngine:
             # requests still in the inbox; then every block goes back.
             self._closed = True
             # what the engine was running when it crashed may be what crashed it: not retried elsewhere;
-            # what it had not taken yet, or anything on a clean shutdown, may be
-            ran = set() if self._error is None else set(self.engine.requests)
+            # what it had not taken yet (waiting, or preempted), or anything on a clean shutdown, may be
+            ran = set() if self._error is None else {rid for rid, s in self.engine.requests.items()
+                                                     if s.status is Status.RUNNING}
             for rid in list(self.engine.requests):
                 try:
                     self.engine.abort(rid)

@@ -150,17 +150,22 @@ def test_shutdown_ends_open_streams(make_engine):
 
 
 def test_engine_crash_answers_every_waiter(make_engine):
-    """A step that raises fails the running request and the one still in the inbox (no hang), and
-    returns every block to the pool."""
-    eng = make_engine("tiny")
+    """A step that raises fails the running request, the one waiting for a place and the one still in the
+    inbox (no hang), and returns every block to the pool."""
+    eng = make_engine("tiny", max_num_seqs=1)
     gate, entered = threading.Event(), threading.Event()
 
-    def failing_step():
+    calls = []
+
+    def failing_forward(*args, **kwargs):  # (the third step: by then the second request waits in the engine)
+        calls.append(1)
+        if len(calls) < 3:
+            return real_forward(*args, **kwargs)
         entered.set()
         gate.wait(10)
         raise RuntimeError("device-side assert")
 
-    real_step, eng.step = eng.step, failing_step
+    real_forward, eng.runner.forward = eng.runner.forward, failing_forward
     ae = AsyncEngine(eng)
 
     async def consume(prompt):
@@ -170,20 +175,22 @@ def test_engine_crash_answers_every_waiter(make_engine):
 
     async def main():
         a = asyncio.create_task(consume(PROMPT))
+        c = asyncio.create_task(consume(PROMPT[:60]))  # (one running at a time: it waits)
         await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
         b = asyncio.create_task(consume(PROMPT[:50]))  # arrives while the failing step runs
         await asyncio.sleep(0.2)
         gate.set()
-        return await asyncio.wait_for(asyncio.gather(a, b), 10)
+        return await asyncio.wait_for(asyncio.gather(a, b, c), 10)
 
-    la, lb = asyncio.run(main())
-    for last in (la, lb):
+    la, lb, lc = asyncio.run(main())
+    for last in (la, lb, lc):
         assert last.finish_reason == "error" and "device-side assert" in last.error
-    # the one running may be what crashed the engine: not to be retried elsewhere; the queued one may be
-    assert (la.error_kind, lb.error_kind) == ("engine", "unavailable")
+    # the one running may be what crashed the engine: not to be retried elsewhere; the others may be
+    assert (la.error_kind, lb.error_kind, lc.error_kind) == ("engine", "unavailable", "unavailable")
+    assert la.token_id is None and len(calls) == 3  # (A had run two steps)
     assert not ae.alive
     assert eng.requests == {} and eng.kv.allocator.num_in_use == 0
-    eng.step = real_step
+    eng.runner.forward = real_forward
 
     async def late():
         async for _ in ae.generate(PROMPT, SamplingParams(max_new_tokens=4)):
@@ -221,3 +228,26 @@ def test_a_steps_events_reach_their_loop_in_one_hand_off(make_engine):
     finally:
         ae.shutdown()
     assert events >= 40 and len(calls) <= eng.stats.steps + 1 < events, (len(calls), eng.stats.steps, events)
+
+
+def test_a_stream_whose_loop_closed_frees_its_request_and_its_id(make_engine):
+    import time
+
+    eng = make_engine("tiny")
+    ae = AsyncEngine(eng)
+    loop = asyncio.new_event_loop()
+    stream = ae.generate(PROMPT, SamplingParams(max_new_tokens=200, ignore_eos=True), request_id="X")
+    loop.run_until_complete(stream.__anext__())  # one event, then its loop is gone without closing it
+    loop.close()
+    deadline = time.monotonic() + 10
+    while ("X" in ae._streams or eng.requests) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "X" not in ae._streams and eng.kv.allocator.num_in_use == 0
+
+    async def again():  # the id is free again
+        async for ev in ae.generate(PROMPT, SamplingParams(max_new_tokens=2), request_id="X"):
+            if ev.finished:
+                return ev
+
+    assert asyncio.run(again()).finish_reason == "length"
+    ae.shutdown()
