@@ -1380,7 +1380,7 @@ class Ingress:
             logprobs = self._oai_logprobs(events, True, top) if req.logprobs and events else None
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                          "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs,
-                                      **extra}]})
+                                      **extra}], **({"usage": None} if include_usage else {})})
 
         def reader() -> ToolCallStream | None:
             if mode == "required":
@@ -1554,10 +1554,10 @@ class Ingress:
             c = _chunk(st.index, text, finish, role)
             st.sent += len(text or "")
             if want_logprobs and st.unsent:  # the last chunk knows the text's length: a stop string left out
-                # a token's text_offset is final once the text sent reaches it (a stop string cuts at or
-                # after what was sent); later ones wait for their text, or they could point past the end
+                # a token goes with the chunk that sends the start of its text (a stop string cuts at or
+                # after what was sent, so its text_offset is final then); later ones wait for their text
                 ready = len(st.unsent) if chat or finish else next(
-                    (i for i, ev in enumerate(st.unsent) if len(st.prefix) + ev["text_offset"] > st.sent), len(st.unsent))
+                    (i for i, ev in enumerate(st.unsent) if len(st.prefix) + ev["text_offset"] >= st.sent), len(st.unsent))
                 if ready:
                     c["choices"][0]["logprobs"] = self._oai_logprobs(st.unsent[:ready], chat, top, len(st.prefix),
                                                                      st.sent if finish else None)
@@ -1566,13 +1566,15 @@ class Ingress:
 
         def _chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> dict:
             if chat:
-                delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}  # (as OpenAI's)
                 if text:
                     delta["content"] = text
                 c = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 c = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
-            return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
+            # (with include_usage, every chunk but the last says usage: null, as OpenAI's)
+            return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c],
+                    **({"usage": None} if include_usage else {})}
 
         async def body():
             states = [_StreamedChoice(i, prefixes[i // req.n], thinking=ReasoningStream(thinking) if thinking else None)

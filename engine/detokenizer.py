@@ -85,9 +85,10 @@ def find_stop(seq: Sequence, after: int) -> str | None:
 
 
 def take_delta(seq: Sequence, final: bool) -> str:
-    """The text not yet sent; while running, hold back what could start a stop string."""
+    """The text not yet sent; while running, hold back what could start a stop string (unless the stop
+    string stays in the output: a cut then always ends past the text checked so far, so none is needed)."""
     end = len(seq.text)
-    if not final and seq.params.stop:
+    if not final and seq.params.stop and not seq.params.include_stop_str_in_output:
         end -= max(map(len, seq.params.stop)) - 1
     if end <= seq.sent_text_len:
         return ""

@@ -295,7 +295,8 @@ class PrefixPolicy:
         return chain_matches(self.holders, hashes, candidates)
 
     def work_of(self, prompt_tokens: int, matched_tokens: int, max_new_tokens: int) -> float:
-        return (prompt_tokens - matched_tokens) + self.cfg.decode_token_cost * max_new_tokens
+        # (never negative: a caller's odd counts must not make a replica look busier or idler than idle)
+        return max(0.0, (prompt_tokens - matched_tokens) + self.cfg.decode_token_cost * max(0, max_new_tokens))
 
     def choose(self, hashes: Sequence[int], prompt_tokens: int, max_new_tokens: int = 0,
                candidates: Sequence[str] | None = None) -> str | None:

@@ -93,7 +93,7 @@ def request_tokens(pending: PendingRequest | None) -> tuple[list[int], int, str 
     params = args[1] if len(args) > 1 and isinstance(args[1], dict) else {}
     # bounded: a caller past the ingress's checks (a library, Ray) must not make one request's work
     # swamp a replica's real load in float arithmetic
-    return first, min(int(params.get("max_new_tokens", 0) or 0), MAX_COUNTED_NEW_TOKENS), params.get("cache_salt")
+    return first, max(0, min(int(params.get("max_new_tokens", 0) or 0), MAX_COUNTED_NEW_TOKENS)), params.get("cache_salt")
 
 
 class PrefixAwareRequestRouter(RequestRouter):

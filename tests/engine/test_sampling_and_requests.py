@@ -350,6 +350,20 @@ def test_stop_strings_count_only_once_min_tokens_is_reached(make_engine):
         "xyzAB", "stop")
 
 
+def test_text_is_held_back_for_a_stop_string_only_where_the_stop_string_would_be_cut():
+    from engine.detokenizer import take_delta
+    from engine.sequence import Sequence
+
+    for keep, deltas in ((False, ["", "", "", "H", "e", "l"]), (True, ["H", "e", "l", "l", "o", " "])):
+        seq = Sequence("r", PROMPT, SamplingParams(stop=["\n\nQ:"], include_stop_str_in_output=keep))
+        got = []
+        for ch in "Hello ":
+            seq.text += ch
+            got.append(take_delta(seq, final=False))
+        assert got == deltas  # (TGI's routes keep it: their tokens' text streams as it comes)
+        assert take_delta(seq, final=True) == ("" if keep else "lo ")
+
+
 def test_the_token_that_ends_a_request_is_not_text_unless_asked(make_engine):
     eng = make_engine("tiny")
     eos = eng.tokenizer.eos_token_id

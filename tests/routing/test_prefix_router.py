@@ -317,3 +317,9 @@ def test_an_absurd_max_new_tokens_does_not_erase_a_replicas_load():
     r.on_request_routed(pending, NS(unique_id="A"), None)
     r.on_request_completed(NS(unique_id="A"), "s2")
     assert r.policy.replicas["A"].outstanding == before and r.errors == 0
+    # nor does a negative one (a caller past the ingress's checks): it counts as none
+    pending = NS(args=[list(range(64)), {"max_new_tokens": -10**6}, "c3"], metadata=NS(internal_request_id="s3"))
+    r.on_request_routed(pending, NS(unique_id="A"), None)
+    assert r.policy.replicas["A"].outstanding >= before
+    r.on_request_completed(NS(unique_id="A"), "s3")
+    assert r.policy.replicas["A"].outstanding == before and r.errors == 0

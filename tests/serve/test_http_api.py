@@ -1097,6 +1097,7 @@ def test_n_choices_stream_side_by_side_with_one_usage_and_one_done(client, path)
     *chunks, usage = events[:-1]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 18
     assert usage["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+    assert all("usage" in ch and ch["usage"] is None for ch in chunks)  # (OpenAI's: null on the others)
     texts, finishes, logprobs = {}, {}, {}
     for ch in chunks:
         (c,) = ch["choices"]
@@ -1112,7 +1113,7 @@ def test_n_choices_stream_side_by_side_with_one_usage_and_one_done(client, path)
     assert finishes == {0: "length", 1: "length", 2: "length"}
     assert [len(logprobs[i]) for i in range(3)] == [6, 6, 6]  # each choice's own tokens
     if chat:
-        assert all(ch["choices"][0]["delta"] == {"role": "assistant"} for ch in chunks[:3])  # one role chunk each
+        assert all(ch["choices"][0]["delta"] == {"role": "assistant", "content": ""} for ch in chunks[:3])  # one role chunk each
 
 
 def test_a_list_of_prompts_gets_n_choices_each_numbered_prompt_by_prompt(client):

@@ -74,6 +74,12 @@ def test_streamed_text_offsets_never_pass_the_text_a_stop_string_cut():
     offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
     assert text == "hel" and len(offsets) == 7
     assert offsets == sorted(offsets) and max(offsets) <= len(text), offsets
+    # each chunk carries the tokens whose text starts in its own text (the last one, the rest)
+    sent = 0
+    for c in chunks[:-1]:
+        mine = c["logprobs"]["text_offset"] if c["logprobs"] else []
+        assert all(sent <= o < sent + len(c["text"]) for o in mine), (sent, c)
+        sent += len(c["text"])
 
 
 def test_choices_that_started_end_at_once_when_a_later_one_is_refused():
