@@ -45,7 +45,8 @@ from bench import plots
 from cache.allocator import BlockAllocator
 from cache.hashing import chain_hashes, pack_tokens, root_hash
 from cache.radix import RadixCache
-from routing.policy import PolicyConfig, PrefixPolicy, chain_matches
+from routing.holders import Holders
+from routing.policy import PolicyConfig, PrefixPolicy
 
 BS = 16
 
@@ -160,7 +161,7 @@ class HistoryTree:
     corrected by the replicas (an inverted index: block hash -> replicas it was routed to)."""
 
     def __init__(self) -> None:
-        self.holders: dict[int, set[str]] = {}
+        self.holders = Holders()
         self.size: dict[str, int] = {}  # tenant size: distinct blocks routed there
 
     def add(self, rid: str) -> None:
@@ -168,19 +169,16 @@ class HistoryTree:
 
     def remove(self, rid: str) -> None:
         self.size.pop(rid, None)
-        for s in self.holders.values():
-            s.discard(rid)
+        self.holders.remove_replica(rid)
 
     def insert(self, rid: str, hashes: list[int]) -> None:
         for h in hashes:
-            s = self.holders.setdefault(h, set())
-            if rid not in s:
-                s.add(rid)
+            if self.holders.add(h, rid):
                 self.size[rid] = self.size.get(rid, 0) + 1
 
     def match(self, hashes: list[int]) -> dict[str, int]:
         """Matched leading blocks per replica (replicas with at least one)."""
-        return chain_matches(self.holders, hashes)
+        return self.holders.matches(hashes)
 
 
 # ----------------------------------------------------------------------------- replicas

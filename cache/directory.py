@@ -27,6 +27,7 @@ import math
 import threading
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -110,6 +111,9 @@ class HotPrefixDirectory:
         self._warned = False
         self._increment_script = self._r.register_script(_INCREMENT_LUA)
         self._scripting = True
+        # prefixes whose tokens this client wrote lately -> until when it trusts they are there: a hot
+        # prefix's next record only renews their TTL instead of sending them again (up to 128 KiB each)
+        self._tokens_sent: OrderedDict[int, float] = OrderedDict()
 
     # ------------------------------------------------------------------ resilience
     @property
@@ -210,8 +214,13 @@ class HotPrefixDirectory:
             # the tokens go in before the ranking names the prefix: a reader drops a ranked prefix
             # without tokens as stale
             p = r.pipeline(transaction=False)
-            p.hset(self.ns + f"p:{h}", mapping={"tokens": pack_tokens(toks), "blocks": n // self.block_size})
-            p.expire(self.ns + f"p:{h}", int(self.ttl_s))
+            pkey, ttl = self.ns + f"p:{h}", int(self.ttl_s)
+            sent = self._tokens_sent.get(h, 0.0) > now
+            if sent:
+                p.expire(pkey, ttl)  # answers 0 when the entry is gone (dropped as cold, flushed)
+            else:
+                p.hset(pkey, mapping={"tokens": pack_tokens(toks), "blocks": n // self.block_size})
+                p.expire(pkey, ttl)
             p.zadd(self.ns + f"h:{h}", {replica: now + self.ttl_s})
             # holders whose own entry expired (gone without a goodbye): a prefix that stays hot keeps its
             # set alive, which would otherwise collect every replica that ever held it
@@ -219,7 +228,15 @@ class HotPrefixDirectory:
             p.expire(self.ns + f"h:{h}", int(self.ttl_s))
             p.sadd(self.ns + f"r:{replica}", str(h))
             p.expire(self.ns + f"r:{replica}", int(self.ttl_s))
-            p.execute()
+            if sent and not p.execute()[0]:  # gone since: sent again, still before the ranking names it
+                r.hset(pkey, mapping={"tokens": pack_tokens(toks), "blocks": n // self.block_size})
+                r.expire(pkey, ttl)
+            elif not sent:
+                p.execute()
+            self._tokens_sent[h] = now + self.ttl_s / 4
+            self._tokens_sent.move_to_end(h)
+            while len(self._tokens_sent) > self.max_hot:  # bounded like the ranking
+                self._tokens_sent.popitem(last=False)
             over = self._add_hits(r, now, str(h), hits) - self.max_hot
             if over > 0:  # bounded: the coldest leave the ranking, with their tokens (up to 128 KiB each)
                 dropped = [m.decode(errors="replace") for m, _ in r.zpopmin(self.ns + "hot", over)]

@@ -94,7 +94,9 @@ class LLMServer:
         # hashes' last cache event, True for stored: a record that reaches Redis after its prefix was
         # evicted (the eviction was seen first) is taken back at once instead of holding for good
         self._last_event: collections.OrderedDict[int, bool] = collections.OrderedDict()
-        self._pending_records: collections.deque = collections.deque()  # uint32 token arrays
+        # records waiting for the flush, by their packed tokens -> [uint32 token array, hits]: requests of
+        # one prefix between two flushes make one write (with their hits), not one each
+        self._pending_records: collections.OrderedDict[bytes, list] = collections.OrderedDict()
         self._records_lock = threading.Lock()
         self._pending_tokens = 0
         self._recorded: set[int] = set()  # prefix hashes this replica put in the directory
@@ -196,11 +198,17 @@ class LLMServer:
         """Queue a directory record: packed (4 bytes a token, as long as the directory keeps), and only the
         newest MAX_PENDING_RECORD_TOKENS while Redis cannot take them."""
         toks = array.array("I", tokens[: self.directory.max_prefix_tokens])
+        key = toks.tobytes()
         with self._records_lock:  # (not the events' lock: an engine-thread drain may hold that a while)
-            self._pending_records.append(toks)
+            queued = self._pending_records.get(key)
+            if queued is not None:
+                queued[1] += 1
+                self._pending_records.move_to_end(key)  # while Redis is down, the oldest go first
+                return
+            self._pending_records[key] = [toks, 1]
             self._pending_tokens += len(toks)
             while self._pending_tokens > MAX_PENDING_RECORD_TOKENS and len(self._pending_records) > 1:
-                self._pending_tokens -= len(self._pending_records.popleft())
+                self._pending_tokens -= len(self._pending_records.popitem(last=False)[1][0])
 
     async def warmup(self, prefixes: list[list[int]], cache_salt: str | None = None) -> dict[str, Any]:
         """Prefill ``prefixes`` into the radix cache without generating (and record them as hot), one at a
@@ -345,9 +353,9 @@ class LLMServer:
             with self._records_lock:
                 if not self._pending_records:
                     break
-                toks = self._pending_records.popleft()
+                toks, hits = self._pending_records.popitem(last=False)[1]
                 self._pending_tokens -= len(toks)
-            h = self.directory.record(self.replica_id, toks)
+            h = self.directory.record(self.replica_id, toks, hits=hits)
             if h is not None:
                 self._recorded.add(h)
         if not drained:  # the latest events are not in yet: judge what is gone at the next flush

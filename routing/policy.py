@@ -33,34 +33,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from routing.block_index import GHOST_POOLS, BlockIndex
-
-
-def chain_matches(holders: dict[int, set[str]], hashes: Sequence[int], candidates: Iterable[str] | None = None
-                  ) -> dict[str, int]:
-    """Leading blocks of ``hashes`` each replica holds, by an inverted index (block hash -> replicas);
-    only replicas with at least one. Walks the chain once: the set of holders only shrinks, so each
-    replica gets its depth when it drops out."""
-    out: dict[str, int] = {}
-    first = holders.get(hashes[0]) if hashes else None
-    if not first:
-        return out
-    alive = first if candidates is None else first & set(candidates)
-    depth = 0
-    for h in hashes:
-        held = holders.get(h)
-        if not held:
-            break
-        if not alive <= held:
-            kept = alive & held
-            for r in alive - kept:
-                out[r] = depth
-            alive = kept
-            if not alive:
-                break
-        depth += 1
-    for r in alive:
-        out[r] = depth
-    return {r: d for r, d in out.items() if d > 0}
+from routing.holders import Holders
 
 
 @dataclass
@@ -136,7 +109,7 @@ class PrefixPolicy:
     def __init__(self, config: PolicyConfig | None = None):
         self.cfg = config or PolicyConfig()
         self.replicas: dict[str, ReplicaView] = {}
-        self.holders: dict[int, set[str]] = {}  # block hash -> replicas whose index has it
+        self.holders = Holders()  # block hash -> replicas whose index has it
         self._counter = 0
         self._heap: list[tuple] = []  # (outstanding, index size, last cold, version, id), lazily refreshed
         self._ring: list[tuple[int, str]] = []  # (point, replica): consistent-hash order for cold routes
@@ -185,12 +158,7 @@ class PrefixPolicy:
         self._recent_total = (self._recent_total[0] - view.recent, self._counter)
         self._unfilled.discard(replica_id)
         self._ring = [x for x in self._ring if x[1] != replica_id]
-        for h in view.index:
-            s = self.holders.get(h)
-            if s is not None:
-                s.discard(replica_id)
-                if not s:
-                    del self.holders[h]
+        self.holders.remove_replica(replica_id, view.index)
 
     def _reanchor_rates(self) -> float:
         """Bring every replica's work rate (and the fleet's sum) up to now; returns the sum. Rates decay
@@ -213,11 +181,11 @@ class PrefixPolicy:
     # ------------------------------------------------------------------ index upkeep
     def _touch(self, view: ReplicaView, hashes: Sequence[int], use: bool = True) -> None:
         """Index ``hashes`` on the replica; ``use``: as used again (else known ones stay as they are)."""
-        idx = view.index
+        idx, rid, holders = view.index, view.replica_id, self.holders
         index = idx.touch if use else idx.add
         for h in hashes:
             if index(h):
-                self.holders.setdefault(h, set()).add(view.replica_id)
+                holders.add(h, rid)
         self._trim(view)
         self._update_fill(view)
 
@@ -236,11 +204,7 @@ class PrefixPolicy:
             self._drop_holder(h, view.replica_id)
 
     def _drop_holder(self, h: int, replica_id: str) -> None:
-        s = self.holders.get(h)
-        if s is not None:
-            s.discard(replica_id)
-            if not s:
-                del self.holders[h]
+        self.holders.discard(h, replica_id)
 
     def forget_hashes(self, replica_id: str, hashes: Iterable[int]) -> None:
         """A replica reported evictions: stop counting on those blocks there."""
@@ -292,7 +256,7 @@ class PrefixPolicy:
     # ------------------------------------------------------------------ routing
     def matches(self, hashes: Sequence[int], candidates: Iterable[str] | None = None) -> dict[str, int]:
         """Matched leading blocks per replica (only replicas with at least one)."""
-        return chain_matches(self.holders, hashes, candidates)
+        return self.holders.matches(hashes, candidates)
 
     def work_of(self, prompt_tokens: int, matched_tokens: int, max_new_tokens: int) -> float:
         # (never negative: a caller's odd counts must not make a replica look busier or idler than idle)
@@ -539,7 +503,7 @@ class PrefixPolicy:
         prefix's room on it. A prefix that moved shortly before needs two homes: it is copied.
         Prefixes are keyed by their first block: prompts that share it move together."""
         key = hashes[0]
-        holders = list(self.holders.get(key, ()))  # a copy: forget_hashes shrinks the set
+        holders = self.holders.of(key)
         if not holders:
             return
         pop = self._popularity_scale(key)

@@ -13,6 +13,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from cache.hashing import block_hashes
 from routing import in_process
 from routing.policy import PolicyConfig, PrefixPolicy, Routed
+from routing.report_backlog import ReportBacklog
 
 log = logging.getLogger("radixserve.router")
 
@@ -48,6 +50,12 @@ def _failed_last(order: list[str]) -> list[str]:
 # T minus this (time for a routed request to reach its engine, and clock skew between nodes).
 STALE_AFTER_IDLE_S = 10.0
 MAX_COUNTED_NEW_TOKENS = 1 << 20  # no context is longer: what the router counts of a max_new_tokens
+# Replica reports are folded into the index outside routing decisions, in slices of the router's event
+# loop this long with pauses between them (folding takes at most a fifth of the loop); a replica's
+# unfolded hashes past the limit (five full reports) are let go, and its cached count bounds its index
+FOLD_SLICE_S = 0.0005
+FOLD_PAUSE_S = 0.002
+BACKLOG_PER_REPLICA = 100_000
 ENDED_MEMORY = 4096  # completed requests whose caller has not said yet how many tokens they generated
 
 
@@ -123,6 +131,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop Serve runs this router on
         in_process.ROUTERS.add(self)
         self.errors = 0
+        self._backlog = ReportBacklog(BACKLOG_PER_REPLICA)
+        self._fold_pending: asyncio.AbstractEventLoop | None = None
         # Holders learned from the Redis directory (after a router restart, or for replicas this
         # router never sent a prefix to); fetched off the hot path, applied at the next decision. Only
         # the latest sync is kept: a router that routes nothing for hours holds one snapshot, not a backlog.
@@ -132,38 +142,53 @@ class PrefixAwareRequestRouter(RequestRouter):
         # replicas that left the fleet, for the directory thread to drop (list ops are atomic); None: no directory
         self._gone: list[str] | None = [] if directory else None
         if directory:
-            threading.Thread(target=self._sync_directory, args=(redis_url, deployment, directory_sync_s,
-                                                                directory_top_k),
+            threading.Thread(target=self._sync_directory, args=(weakref.ref(self), redis_url, deployment,
+                                                                directory_sync_s, directory_top_k),
                              name="router-directory", daemon=True).start()
 
-    def _sync_directory(self, url: str, deployment: str, period: float, top_k: int) -> None:
+    @staticmethod
+    def _sync_directory(ref: weakref.ref, url: str, deployment: str, period: float, top_k: int) -> None:
+        """The directory thread. It holds its router weakly: Serve drops a router with its handle, and a
+        strong reference here kept every one alive (its index with it) and syncing, for good."""
         from cache.directory import HotPrefixDirectory  # redis stays out of routing's import path
 
+        router = ref()
+        if router is None:
+            return
+        stop = router._stop
         try:
-            directory = HotPrefixDirectory(url, deployment, self.model_id, self.policy.cfg.block_size)
+            directory = HotPrefixDirectory(url, deployment, router.model_id, router.policy.cfg.block_size)
         except Exception:  # noqa: BLE001 - an unusable URL: route on without the directory
             log.warning("router: no hot-prefix directory at this URL", exc_info=True)
-            self._gone = None
+            router._gone = None
             return
-        while not self._stop.wait(period):
-            try:
-                # a crashed replica never says goodbye: its entries would stand for their TTL; while Redis
-                # is down (or backing off) the ids wait for a later sync
-                while self._gone and directory.available:
-                    gone, errors = self._gone.pop(), directory.errors
-                    directory.forget_replica(gone)
-                    if directory.errors > errors:
-                        self._gone.append(gone)
-                        break
-                learned = []
-                for hp in directory.top_k(top_k):
-                    holders = directory.holders(hp.hash)
-                    if holders:
-                        chain = block_hashes(hp.tokens, self.policy.cfg.block_size, self.model_id)
-                        learned += [(rid, chain) for rid in holders]
-                self._learned = learned  # one reference swap: the routing thread takes it whole
-            except Exception:  # noqa: BLE001 - the directory is a hint; never fail routing over it
-                log.debug("directory sync failed", exc_info=True)
+        del router
+        while not stop.wait(period):
+            router = ref()
+            if router is None:
+                return
+            router._sync_once(directory, top_k)
+            del router
+
+    def _sync_once(self, directory, top_k: int) -> None:
+        try:
+            # a crashed replica never says goodbye: its entries would stand for their TTL; while Redis
+            # is down (or backing off) the ids wait for a later sync
+            while self._gone and directory.available:
+                gone, errors = self._gone.pop(), directory.errors
+                directory.forget_replica(gone)
+                if directory.errors > errors:
+                    self._gone.append(gone)
+                    break
+            learned = []
+            for hp in directory.top_k(top_k):
+                holders = directory.holders(hp.hash)
+                if holders:
+                    chain = block_hashes(hp.tokens, self.policy.cfg.block_size, self.model_id)
+                    learned += [(rid, chain) for rid in holders]
+            self._learned = learned  # one reference swap: the routing thread takes it whole
+        except Exception:  # noqa: BLE001 - the directory is a hint; never fail routing over it
+            log.debug("directory sync failed", exc_info=True)
 
     def _apply_learned(self) -> None:
         learned, self._learned = self._learned, None
@@ -217,7 +242,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         return cached
 
     def _absorb_stats(self, replicas: list[RunningReplica]) -> None:
-        """Fold the replicas' latest reports into the index (stats arrive every stats period)."""
+        """Take in the replicas' latest reports (stats arrive every stats period): their hashes go to the
+        backlog, folded into the index between decisions; their counts apply at once."""
+        reports = []
         for r in replicas:
             stats = r.routing_stats or {}
             rid = r.replica_id.unique_id
@@ -232,17 +259,48 @@ class PrefixAwareRequestRouter(RequestRouter):
             # a stats period never saw that period's hashes (a gap in seq), as if they were truncated
             missed = view.stats_seq is not None and seq != view.stats_seq + 1
             view.stats_seq = seq
-            self.policy.forget_hashes(rid, stats.get("removed", ()))
-            self.policy.learn_hashes(rid, stats.get("stored", ()), from_root=False)
+            queued = self._backlog.push(rid, stats.get("removed") or (), stats.get("stored") or ())
             # The stored/removed hashes keep the index exact; only when some were dropped (truncated by
-            # the replica, or missed here) does its cached-block count bound the index instead.
+            # the replica, missed here, or let go from an overflowing backlog) does its cached-block count
+            # bound the index instead.
             # (a replica without a prefix cache reports no events: its count, 0, is all there is)
-            exact = not (stats.get("truncated") or missed) and stats.get("prefix_caching", True)
+            exact = queued and not (stats.get("truncated") or missed) and stats.get("prefix_caching", True)
+            reports.append((rid, stats, exact))
+        self._fold_soon()  # in the loop's idle time, not in this decision
+        for rid, stats, exact in reports:
             if stats.get("queue") == 0 and isinstance(stats.get("at"), (int, float)):
                 self._drop_stale(rid, stats["at"])
             self.policy.report(rid, capacity_blocks=stats.get("kv_total_blocks"),
                                cached_blocks=None if exact else stats.get("cached_blocks"),
                                in_flight=stats.get("queue"))
+
+    def _learn_stored(self, replica_id: str, hashes: list[int]) -> None:
+        self.policy.learn_hashes(replica_id, hashes, from_root=False)
+
+    def _fold_soon(self) -> None:
+        queued_on = self._fold_pending  # the loop a slice is queued on (a closed one never runs it)
+        if not self._backlog or (queued_on is not None and not queued_on.is_closed()):
+            return
+        self._fold_pending = None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on a loop (tests, tools): nothing to defer to
+            self._backlog.fold(self.policy.forget_hashes, self._learn_stored, float("inf"))
+            return
+        self._fold_pending = loop
+        # in slices with pauses between them: queued right after each other they took the loop from
+        # the routing as often as the routing had it, and requests that arrived meanwhile waited
+        loop.call_later(FOLD_PAUSE_S, self._fold_some)
+
+    def _fold_some(self) -> None:
+        """One slice of the report backlog; the next is queued after a pause."""
+        self._fold_pending = None
+        try:
+            if self._backlog.fold(self.policy.forget_hashes, self._learn_stored, FOLD_SLICE_S):
+                self._fold_soon()
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+            log.exception("folding replica reports failed")
 
     def _drop_stale(self, replica_id: str, idle_at: float) -> None:
         """The replica was idle at ``idle_at`` (its clock): whatever was routed there well before has
@@ -373,6 +431,7 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _forget_replica(self, replica_id: str) -> None:
         self.policy.remove_replica(replica_id)
+        self._backlog.drop(replica_id)
         self._left[replica_id] = None
         while len(self._left) > ENDED_MEMORY:  # bounded: a late report comes within seconds
             self._left.popitem(last=False)

@@ -343,3 +343,22 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_prefix_recorded_again_renews_its_tokens_without_sending_them(d):
+    """Each request of a hot prefix used to write its tokens (up to 128 KiB) to Redis again."""
+    r, t = d._r, toks(30, 256)
+    h = d.record("r1", t)
+    pkey = d.ns + f"p:{h}"
+    r.hdel(pkey, "blocks")  # a mark: a write of the entry would bring the field back
+    r.expire(pkey, 5)
+    assert d.record("r1", t) == h
+    assert r.hget(pkey, "blocks") is None  # not sent again
+    assert r.ttl(pkey) > 5  # but renewed
+    r.delete(pkey)  # gone meanwhile (dropped as cold by another writer, or flushed): sent again
+    assert d.record("r2", t) == h
+    assert [(p.hash, p.tokens) for p in d.top_k(1)] == [(h, t)]
+    other = HotPrefixDirectory(d._url, deployment=d.deployment, model="m", block_size=BS)
+    r.hdel(pkey, "blocks")
+    other.record("r3", t)  # another client has not sent them: it does
+    assert r.hget(pkey, "blocks") == b"16"

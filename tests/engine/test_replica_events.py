@@ -18,7 +18,7 @@ def _replica(engine) -> LLMServer:
     r._events_lock = threading.Lock()
     r._route_events, r._records_lock = collections.OrderedDict(), threading.Lock()
     r._overflow, r._recorded, r._stats_seq = False, set(), 0
-    r._pending_records, r._pending_tokens, r._last_event = collections.deque(), 0, collections.OrderedDict()
+    r._pending_records, r._pending_tokens, r._last_event = collections.OrderedDict(), 0, collections.OrderedDict()
     r._cut, r.directory, r.replica_id = False, None, "A"
     return r
 
@@ -48,12 +48,14 @@ class FakeDirectory:
     def __init__(self, model: str, block_size: int = 16):
         self.model, self.block_size, self.available = model, block_size, True
         self.held: set[int] = set()
+        self.writes: list[tuple[int, int]] = []  # (prefix hash, hits)
 
-    def record(self, replica, tokens):
+    def record(self, replica, tokens, hits=1):
         from cache.hashing import block_hashes
 
         h = block_hashes(list(tokens), self.block_size, self.model)[-1]
         self.held.add(h)
+        self.writes.append((h, hits))
         return h
 
     def drop_holder(self, replica, hashes):
@@ -104,10 +106,24 @@ def test_records_waiting_for_redis_keep_only_the_newest_tokens(make_engine, monk
     try:
         for i in range(10):
             r._queue_record([i] * 32)
-        assert [t[0] for t in r._pending_records] == [7, 8, 9] and r._pending_tokens == 96
+        assert [t[0][0] for t in r._pending_records.values()] == [7, 8, 9] and r._pending_tokens == 96
         r.directory.available = True
         r._flush_directory()
         assert len(r.directory.held) == 3 and r._pending_tokens == 0 and not r._pending_records
+    finally:
+        r.aengine.shutdown()
+
+
+def test_requests_of_one_prefix_between_two_flushes_make_one_write(make_engine):
+    r = _replica(make_engine("tiny"))
+    r.directory = FakeDirectory("m")
+    try:
+        for _ in range(5):
+            r._queue_record(list(range(32)))
+        r._queue_record(list(range(16)))  # a shorter prefix of it: its own entry
+        assert r._pending_tokens == 48
+        r._flush_directory()
+        assert [hits for _, hits in r.directory.writes] == [5, 1] and r._pending_tokens == 0
     finally:
         r.aengine.shutdown()
 
@@ -274,7 +290,7 @@ def test_start_up_warm_up_keeps_to_the_pool_and_the_hottest_prefixes_stay(make_e
         assert r.directory.budgets == [int(0.75 * eng.kv.capacity_tokens)]
         assert report["prefixes"] == 4 and not report.get("error")
         assert [_held(eng, p) for p in prefixes[:4]] == [6] * 4  # the hottest are cached, in full
-        assert [list(t) for t in r._pending_records] == prefixes[:4]  # recorded as held, queued hottest first
+        assert [list(t) for t, _ in r._pending_records.values()] == prefixes[:4]  # recorded as held, queued hottest first
     finally:
         r.aengine.shutdown()
 
@@ -307,7 +323,7 @@ def test_a_slow_redis_does_not_hold_the_background_thread(make_engine):
     r = _replica(make_engine("tiny"))
 
     class Slow(FakeDirectory):
-        def record(self, replica, tokens):
+        def record(self, replica, tokens, hits=1):
             time.sleep(0.1)
             return super().record(replica, tokens)
 

@@ -323,3 +323,72 @@ def test_an_absurd_max_new_tokens_does_not_erase_a_replicas_load():
     assert r.policy.replicas["A"].outstanding >= before
     r.on_request_completed(NS(unique_id="A"), "s3")
     assert r.policy.replicas["A"].outstanding == before and r.errors == 0
+
+
+def test_a_large_report_is_folded_between_decisions_not_in_one():
+    """Folding 20k hashes takes tens of milliseconds: the decision that first sees the report leaves it
+    to the loop, which folds it in slices between decisions."""
+    import asyncio
+
+    r = _router()
+    big = block_hashes(list(range(16 * 5000)), 16, "m")
+    report = _replica("A", kv_total_blocks=10_000, seq=1, stored=big, cached_blocks=len(big))
+    slices = []
+
+    async def decide_then_idle():
+        r._choose([report], None)
+        assert len(r.policy.replicas["A"].index) == 0 and len(r._backlog) == len(big)  # none in the decision
+        assert r._fold_pending
+        while r._fold_pending:
+            slices.append(len(r._backlog))
+            await asyncio.sleep(0.001)
+
+    asyncio.run(decide_then_idle())
+    assert len(r._backlog) == 0 and r.errors == 0
+    assert all(h in r.policy.replicas["A"].index for h in big)
+    assert len(set(slices)) > 2  # in several slices
+
+
+def test_a_replica_whose_backlog_overflows_is_bounded_by_its_cached_count(monkeypatch):
+    import asyncio
+
+    from routing import prefix_router
+
+    monkeypatch.setattr(prefix_router, "BACKLOG_PER_REPLICA", 1000)
+    r = _router()
+    flood = block_hashes(list(range(16 * 1200)), 16, "x")
+
+    async def two_reports():  # on a loop: nothing is folded until the loop is idle
+        r._absorb_stats([_replica("A", seq=1, stored=CHAIN, cached_blocks=4)])
+        r._absorb_stats([_replica("A", seq=2, stored=flood, cached_blocks=2)])  # past the limit: let go
+
+    asyncio.run(two_reports())
+    assert len(r._backlog) == 0 and r._backlog.dropped == len(CHAIN) + len(flood)
+    assert len(r.policy.replicas["A"].index) == 0
+    r._absorb_stats([_replica("A", seq=3, stored=CHAIN, cached_blocks=4)])  # off a loop: folded at once
+    assert _indexed(r, "A") == len(CHAIN)
+
+
+def test_the_routing_cost_bench_runs_with_reports_flowing():
+    from bench.router_cost import run_once
+
+    out = run_once(prompt_tokens=512, replicas=4, rounds=300, report_hashes=300, report_every=50, gap_s=0.0)
+    assert out["errors"] == 0 and out["backlog_dropped"] == 0 and out["p50_us"] > 0
+
+
+def test_a_router_that_serve_drops_is_freed_and_its_directory_thread_ends(redis_server):
+    """Serve drops a router with its handle; the directory thread held it (and its index) for good."""
+    import gc
+    import threading
+    import weakref
+
+    before = set(threading.enumerate())
+    r = _router(redis_url=redis_server.url, directory_sync_s=0.05)
+    (thread,) = set(threading.enumerate()) - before
+    time.sleep(0.2)  # a few syncs
+    ref = weakref.ref(r)
+    del r
+    gc.collect()
+    assert ref() is None
+    thread.join(timeout=2)
+    assert not thread.is_alive()
