@@ -40,7 +40,8 @@ _MAX_EXP = 60.0  # rescale scores before 2**exp loses precision
 # Reads the decay epoch (setting it on first use), rescales every score when the weights grow too large,
 # and adds the hits at the weight that epoch gives, in one atomic step: two replicas that both saw the
 # epoch as old must not rescale twice, and a rescale between weighing a hit and adding it would leave
-# that hit 2**exp times too heavy. KEYS: epoch, hot; ARGV: now, half-life, max exponent, member, hits.
+# that hit 2**exp times too heavy. Both keys live a TTL past the last hit (a deployment that is gone leaves
+# nothing behind). KEYS: epoch, hot; ARGV: now, half-life, max exponent, member, hits, TTL (whole seconds).
 # Returns the size of the ranking.
 _INCREMENT_LUA = """
 local epoch = tonumber(redis.call('GET', KEYS[1]))
@@ -55,6 +56,8 @@ if exp > tonumber(ARGV[3]) then
   exp = 0
 end
 redis.call('ZINCRBY', KEYS[2], string.format('%.17g', 2 ^ exp * tonumber(ARGV[5])), ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+redis.call('EXPIRE', KEYS[2], ARGV[6])
 return redis.call('ZCARD', KEYS[2])
 """
 
@@ -166,7 +169,8 @@ class HotPrefixDirectory:
             try:
                 return int(self._increment_script(
                     keys=[self.ns + "epoch", self.ns + "hot"],
-                    args=[repr(now), repr(self.half_life_s), repr(_MAX_EXP), member, repr(float(hits))], client=r))
+                    args=[repr(now), repr(self.half_life_s), repr(_MAX_EXP), member, repr(float(hits)),
+                          int(self.ttl_s)], client=r))
             except redis.exceptions.AskError:  # a cluster redirection (MOVED too): not a refusal
                 raise
             except redis.ResponseError as e:
@@ -192,6 +196,8 @@ class HotPrefixDirectory:
                         p.set(epoch_key, now)
                         exp = 0.0
                     p.zincrby(hot, 2.0 ** exp * hits, member)
+                    p.expire(epoch_key, int(self.ttl_s))
+                    p.expire(hot, int(self.ttl_s))
                     p.zcard(hot)
                     return int(p.execute()[-1])
                 except redis.WatchError:

@@ -362,3 +362,13 @@ def test_a_prefix_recorded_again_renews_its_tokens_without_sending_them(d):
     r.hdel(pkey, "blocks")
     other.record("r3", t)  # another client has not sent them: it does
     assert r.hget(pkey, "blocks") == b"16"
+
+
+@pytest.mark.parametrize("scripting", [True, False])
+def test_a_gone_deployment_leaves_no_key_without_a_ttl(d, scripting):
+    """The ranking and its decay epoch had no TTL: a deployment deleted long ago kept them for good."""
+    d._scripting = scripting
+    d.record("r1", toks(60))
+    keys = d._r.keys(d.ns.replace("{", "\\{").replace("}", "\\}") + "*")
+    assert {k.decode().rsplit(":", 2)[-1] for k in keys} >= {"hot", "epoch"}
+    assert all(0 < d._r.ttl(k) <= int(d.ttl_s) for k in keys), {k: d._r.ttl(k) for k in keys}
