@@ -304,8 +304,10 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _drop_stale(self, replica_id: str, idle_at: float) -> None:
         """The replica was idle at ``idle_at`` (its clock): whatever was routed there well before has
-        ended, whether or not its end reached this router (a backstop for any path that misses it)."""
-        cutoff = idle_at - STALE_AFTER_IDLE_S
+        ended, whether or not its end reached this router (a backstop for any path that misses it).
+        Never later than this router's own now: a replica whose clock runs ahead must not end requests
+        routed there a moment ago (one behind only makes the backstop later)."""
+        cutoff = min(idle_at, time.time()) - STALE_AFTER_IDLE_S
         for key, entries in [(k, list(v)) for k, v in self._routed.items() if k[1] == replica_id]:
             for entry in entries:
                 if entry.at < cutoff:

@@ -164,6 +164,9 @@ def test_an_idle_replica_ends_what_was_routed_there_long_before(monkeypatch):
     assert set(r._routed) == {("serve-new", "A")} and r.policy.replicas["A"].in_flight == 1
     r._absorb_stats([_replica("A", seq=3, queue=1, at=time.time() + 60)])  # busy: nothing is dropped
     assert set(r._routed) == {("serve-new", "A")}
+    # idle by a clock an hour ahead of this router's (another machine): what was just routed stands
+    r._absorb_stats([_replica("A", seq=4, queue=0, at=time.time() + 3600)])
+    assert set(r._routed) == {("serve-new", "A")}
 
 
 def test_calls_that_share_serves_request_id_end_one_by_one_and_only_on_their_replica():
