@@ -75,8 +75,10 @@ def build_app(settings: Settings):
     llm = llm_deployment(settings).bind({k: v for k, v in s.items() if k not in INGRESS_ONLY})
     return Ingress.options(name=f"{settings.deployment_name}-ingress", num_replicas=settings.ingress_replicas,
                            max_ongoing_requests=settings.ingress_max_ongoing_requests,
-                           # as the LLM replicas: a frozen ingress is every request's outage
-                           health_check_period_s=5, health_check_timeout_s=10).bind(
+                           # as the LLM replicas: a frozen ingress is every request's outage, and one
+                           # being replaced lets the streams it relays finish
+                           health_check_period_s=5, health_check_timeout_s=10,
+                           graceful_shutdown_timeout_s=settings.drain_timeout_s).bind(
         llm, s, scales_to_zero=settings.autoscaling is not None and settings.autoscaling.min_replicas == 0)
 
 

@@ -244,12 +244,28 @@ class HotPrefixDirectory:
             while len(self._tokens_sent) > self.max_hot:  # bounded like the ranking
                 self._tokens_sent.popitem(last=False)
             over = self._add_hits(r, now, str(h), hits) - self.max_hot
-            if over > 0:  # bounded: the coldest leave the ranking, with their tokens (up to 128 KiB each)
-                dropped = [m.decode(errors="replace") for m, _ in r.zpopmin(self.ns + "hot", over)]
-                r.delete(*(self.ns + f"{kind}:{m}" for m in dropped for kind in ("p", "h")))
+            if over > 0:
+                self._drop_coldest(r, over)
             return h
 
         return self._call(write, None)
+
+    def _drop_coldest(self, r, n: int) -> None:
+        """Bounded: the ``n`` coldest leave the ranking, with their tokens (up to 128 KiB each), their
+        holders, and their place in each holder's ``r:`` set (a replica that lives for weeks would
+        otherwise keep every prefix it ever held there)."""
+        dropped = [m.decode(errors="replace") for m, _ in r.zpopmin(self.ns + "hot", n)]
+        if not dropped:
+            return
+        p = r.pipeline(transaction=False)
+        for m in dropped:
+            p.zrange(self.ns + f"h:{m}", 0, -1)
+        held_by = p.execute()
+        for m, holders in zip(dropped, held_by, strict=True):
+            for holder in holders:
+                p.srem(self.ns + f"r:{holder.decode(errors='replace')}", m)
+            p.delete(self.ns + f"p:{m}", self.ns + f"h:{m}")
+        p.execute()
 
     def drop_holder(self, replica: str, hashes: Sequence[int]) -> bool:
         """``replica`` evicted these prefixes (by their last-block hash). True when Redis ran every removal

@@ -59,12 +59,11 @@ def desired_replicas(current: int, total_requests: float, signals: list[ReplicaS
     scale up, and nothing scales down). ``latest_share``: the recomputed share in the replicas' latest
     reports; a replica is added for recomputation only while it goes on (after a scale-up the router
     takes a while to split the prefixes between the caches, and the averages remember that). ``target``:
-    the replicas Serve is bringing up; while none runs yet, none is taken away."""
+    the replicas Serve runs or is bringing up; until the averages can be trusted, none of them is taken
+    away (replicas still starting included: an unsettled fleet is one that just grew)."""
     by_requests = total_requests / k.target_ongoing_requests
-    if current == 0:
-        return max(by_requests, float(target)), "requests"
-    if not signals or not settled:
-        return max(by_requests, float(current)), "requests"
+    if current == 0 or not signals or not settled:
+        return max(by_requests, float(current), float(target)), "requests"
     seen = len(signals)
     by_kv = current * sum(s.kv_usage for s in signals) / seen / k.target_kv_usage
     prompt = sum(s.prompt_tps for s in signals)

@@ -1052,7 +1052,8 @@ class Ingress:
         if InFlight.draining:
             raise _shutting_down()
         try:
-            live = await self._hub.acall("fresh", HEALTHY_WITHIN_S, timeout=HEALTH_TIMEOUT_S)
+            live = await self._hub.acall("fresh", HEALTHY_WITHIN_S, timeout=HEALTH_TIMEOUT_S,
+                                         create=not InFlight.draining)
             self._last_health = (time.monotonic(), live)
         except Exception as e:  # noqa: BLE001 - the hub is gone, restarting, or hung (it gets restarted)
             at, live = self._last_health
@@ -1645,8 +1646,9 @@ class Ingress:
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(self):
         try:
-            snaps, retired, incarnation, by_replica, merged = await self._hub.acall("export_state",
-                                                                                  timeout=HEALTH_TIMEOUT_S)
+            create = not InFlight.draining  # (a hub removed with the application stays removed)
+            snaps, retired, incarnation, by_replica, merged = await self._hub.acall(
+                "export_state", timeout=HEALTH_TIMEOUT_S, create=create)
             if self._hub_view is not None and incarnation != self._hub_view[0]:
                 # the hub restarted empty: give it back the last view, so "all" counters do not drop
                 if await self._hub.acall("restore", *self._hub_view[1:], timeout=HEALTH_TIMEOUT_S):

@@ -377,8 +377,9 @@ class HubClient:
                     raise
                 self.renew(create)
 
-    async def acall(self, method: str, *args, timeout: float = 5.0):
-        """The same from asyncio code (the ingress)."""
+    async def acall(self, method: str, *args, timeout: float = 5.0, create: bool = True):
+        """The same from asyncio code (the ingress; one that drains passes ``create`` False: the CLI
+        removes the hub as it deletes the application, and a late scrape must not bring it back)."""
         for attempt in range(2):
             try:
                 out = await asyncio.wait_for(getattr(self.handle, method).remote(*args), timeout=timeout)
@@ -390,4 +391,4 @@ class HubClient:
             except ray.exceptions.ActorDiedError:
                 if attempt:
                     raise
-                await asyncio.to_thread(self.renew)
+                await asyncio.to_thread(self.renew, create)

@@ -155,8 +155,12 @@ def test_the_ranking_keeps_only_the_hottest(redis_server):
     d = HotPrefixDirectory(redis_server.url, deployment=f"cap{uuid.uuid4().hex[:6]}", model="m", max_hot=3)
     try:
         now = time.time()
-        hashes = [d.record("r1", toks(20 + i), hits=i + 1, now=now) for i in range(5)]
+        hashes = [d.record(f"r{i % 2}", toks(20 + i), hits=i + 1, now=now) for i in range(5)]
+        d.record("r1", toks(20), hits=1, now=now)  # (dropped again at once: the coldest)
         assert d._r.zcard(d.ns + "hot") == 3
+        # nor does a holder's own set keep them (a long-lived replica's would grow with every prefix)
+        held = d._r.smembers(d.ns + "r:r0") | d._r.smembers(d.ns + "r:r1")
+        assert sorted(int(h) for h in held) == sorted(hashes[2:])
         assert [p.hash for p in d.top_k(5)] == hashes[:1:-1]  # the three hottest, hottest first
         # what leaves the ranking leaves Redis: its tokens would otherwise stay for their whole TTL
         assert sorted(k.decode().rsplit(":", 2)[-2] for k in d._r.scan_iter(match=d.ns + "*:*")

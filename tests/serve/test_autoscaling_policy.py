@@ -67,6 +67,11 @@ def test_unsettled_or_unmeasured_fleets_never_scale_down_but_requests_still_scal
     assert desired_replicas(0, 3.0, [], K) == (3 / 8, "requests")
     # Serve is starting the first replica (none runs yet): it is not idle, keep it coming
     assert desired_replicas(0, 0.0, [], K, target=1) == (1.0, "requests")
+    # nor are replicas Serve is still starting cancelled (the fleet just grew, or none has reported yet)
+    for signals, settled in ((fleet(3), False), ([], True)):
+        assert desired_replicas(3, 0.0, signals, K, settled, target=5) == (5.0, "requests")
+    # once the averages are the fleet's own, they decide, as for running replicas
+    assert desired_replicas(3, 0.0, fleet(3), K, target=5) == (2.0, "requests")
 
 
 def test_recomputation_adds_a_replica_only_while_it_goes_on():

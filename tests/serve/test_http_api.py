@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -894,6 +895,9 @@ def test_a_replicas_push_never_brings_back_a_removed_hub(ray_cluster):
     for _ in range(3):
         with pytest.raises((ValueError, ray.exceptions.ActorDiedError)):
             replica.call("push", "r1", {"running": 0}, create=False)
+    assert not hub_exists()
+    with pytest.raises((ValueError, ray.exceptions.ActorDiedError)):  # nor a draining ingress's scrape
+        asyncio.run(ingress.acall("fresh", 10.0, create=False))
     assert not hub_exists()
     assert ingress.call("fresh", 10.0) == 0  # the ingress's calls create it again
     replica.call("push", "r1", {"running": 0}, create=False)  # and the replica finds that one

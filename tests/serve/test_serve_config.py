@@ -40,13 +40,15 @@ def test_serve_config_args_are_valid_settings_and_build_the_app(model_dir, monke
     assert "--num-replica" not in str(e.value)
 
 
-def test_replicas_get_the_drain_timeout_and_the_autoscaling_window(model_dir):
-    from app.main import llm_deployment
+def test_replicas_and_the_ingress_get_the_drain_timeout_and_the_autoscaling_window(model_dir):
+    from app.main import build_app, llm_deployment
 
     s = Settings(model_id=model_dir("tiny"), drain_timeout_s=45,
                  autoscaling={"min_replicas": 1, "max_replicas": 3, "look_back_period_s": 12})
     cfg = llm_deployment(s)._deployment_config
     assert cfg.graceful_shutdown_timeout_s == 45  # a replica that autoscaling removes finishes its streams
+    # and so does an ingress being replaced (it relays those streams)
+    assert build_app(s)._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 45
     assert cfg.autoscaling_config.look_back_period_s == 12 and cfg.autoscaling_config.max_replicas == 3
 
 
