@@ -604,8 +604,13 @@ def main(args: argparse.Namespace) -> int:
     except (ConnectionError, NotOurs, Unauthorized, BlockingIOError) as e:
         print(f"radixserve batch: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # a folder it may not write in, an input it may not read
-        print(f"radixserve batch: {e.strerror or e}: {e.filename}", file=sys.stderr)
+    except OSError as e:  # a folder it may not write in, an input it may not read, a disk that filled up
+        if "_t0" in totals:  # mid-run: the answers written so far stay, as after an interruption
+            print(json.dumps(summary(totals)))
+            print(f"radixserve batch: cannot write {e.filename or dst}: {e.strerror or e}; the answers so far "
+                  f"are in {dst}: run the same command again to go on", file=sys.stderr)
+        else:
+            print(f"radixserve batch: {e.strerror or e}: {e.filename}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         print(json.dumps(summary(totals)))

@@ -501,8 +501,10 @@ def _usage(finals: list[dict], n: int = 1) -> dict:
 
 
 def _oai_stream_error(message: str) -> str:
-    """The event an OpenAI stream ends with when its engine failed mid-answer."""
-    return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": ENGINE_FAILURE}})
+    """How an OpenAI stream ends when its engine failed mid-answer: the error, then ``[DONE]`` as every
+    stream ends (as vLLM's do), so a client reading to ``[DONE]`` knows the stream is over."""
+    error = {"message": message, "type": "server_error", "param": None, "code": ENGINE_FAILURE}
+    return _sse({"error": error}) + "data: [DONE]\n\n"
 
 
 def _prompt_logprobs_of(events: list[dict]) -> list | None:

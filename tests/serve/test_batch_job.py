@@ -468,3 +468,31 @@ def test_sigterm_ends_a_run_with_its_summary_and_no_traceback(tmp_path):
         assert "interrupted; the answers so far are in" in stderr
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len({r["id"] for r in lines}) == len(lines)  # each answer once, across the three runs
+
+
+def test_an_output_that_cannot_grow_ends_the_run_with_its_summary_and_a_rerun_goes_on(tmp_path):
+    """A disk that fills up mid-run (here a file-size limit): the summary and what to do, not a bare
+    error; the answers written so far stay, a line cut short included, and the same command goes on."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past the limit fails instead of killing)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": i, "prompt": f"line {i}"} for i in range(200)])
+    command = [sys.executable, "-m", "app.cli", "batch", "--input", str(src), "--output", str(out), "--concurrency", "4"]
+    with _DownService(200) as url:
+        r = subprocess.run([*command, "--url", url], capture_output=True, text=True, timeout=60, preexec_fn=small_files)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert "cannot write" in r.stderr and "run the same command again" in r.stderr, r.stderr[-2000:]
+        totals = json.loads(r.stdout.strip().splitlines()[-1])
+        assert 0 < totals["ok"] < 200 and totals["not_done"] == 200 - totals["ok"], totals
+        assert 0 < out.stat().st_size <= 4000
+        r = subprocess.run([*command, "--url", url], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr[-2000:]
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    assert sorted(ids) == list(range(200))  # each answer once

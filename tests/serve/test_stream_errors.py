@@ -1,0 +1,62 @@
+"""How an OpenAI stream ends when its engine fails mid-answer, without Serve: the error event, then
+``[DONE]`` as every stream ends (a client reading to ``[DONE]`` was left waiting for a close)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from app.schemas import ChatRequest, CompletionRequest
+from deployments.ingress import Ingress
+
+Cls = Ingress.func_or_class
+TOKEN = {"token_id": 7, "text": "a", "finished": False, "replica": "A"}
+FAILED = {"token_id": None, "text": "", "finished": True, "error": "the engine thread has stopped",
+          "error_kind": "engine", "replica": "A"}
+
+
+async def _rest():
+    yield FAILED
+
+
+class FakeIngress:
+    """What the stream bodies touch: the started choices, the model's name, the tool parser setting."""
+
+    model_name = "m"
+
+    class settings:  # noqa: N801 - stands in for the Settings instance
+        tool_call_parser = "hermes"
+
+    async def _choices(self, jobs, n, stream):
+        return [(dict(TOKEN), _rest())]
+
+
+def _events(response) -> list:
+    async def read():
+        return "".join([piece async for piece in response.body_iterator])
+    text = asyncio.run(read())
+    return [d if d == "[DONE]" else json.loads(d) for d in
+            (line[6:] for line in text.split("\n") if line.startswith("data: "))]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat", "chat with tools"])
+def test_a_stream_whose_engine_fails_ends_with_the_error_then_done(kind):
+    fake, jobs = FakeIngress(), [([1, 2, 3], {"logprobs": False})]
+    if kind == "completion":
+        req = CompletionRequest(prompt="hi", stream=True)
+        response = asyncio.run(Cls._openai_stream(fake, jobs, "cmpl-1", 0, "text_completion", req, [""]))
+    else:
+        tools = [{"type": "function", "function": {"name": "save", "parameters": {"type": "object"}}}]
+        req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True,
+                          **({"tools": tools} if kind == "chat with tools" else {}))
+        if kind == "chat":
+            response = asyncio.run(Cls._openai_stream(fake, jobs, "chat-1", 0, "chat.completion.chunk", req, [""]))
+        else:
+            response = asyncio.run(Cls._tool_stream(fake, req, jobs, "chat-1", 0, 0))
+    events = _events(response)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, events
+    assert events[-2]["error"]["code"] == "engine_failure", events[-2:]
+    assert events[-2]["error"]["message"] == FAILED["error"]
+    assert any(e != "[DONE]" and "choices" in e for e in events[:-2]), events  # what came before it was sent
