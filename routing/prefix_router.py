@@ -9,6 +9,7 @@ ranking and are counted.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
@@ -125,6 +126,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         # Serve's report for it, when it comes, must not end another call's entry at the same key
         self._settled: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._ended: OrderedDict[str, _Routed] = OrderedDict()  # completed, awaiting the caller's count
+        # keys Serve reported ended before it said they were routed (it registers its completion callback
+        # before it awaits the replica's acceptance): the call routed next at that key ends with its result
+        self._early: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._reported: set[_Routed] = set()  # entries routed after such a report (none left to settle)
         # replicas that left the fleet (ids are never reused): Serve may still report a request routed to
         # one just before, and that report must not bring it back into the policy as a phantom
         self._left: OrderedDict[str, None] = OrderedDict()
@@ -265,6 +270,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             # bound the index instead.
             # (a replica without a prefix cache reports no events: its count, 0, is all there is)
             exact = queued and not (stats.get("truncated") or missed) and stats.get("prefix_caching", True)
+            if not exact:  # the count describes the cache after these hashes: fold them before it bounds the index
+                self._backlog.fold_replica(rid, self.policy.forget_hashes, self._learn_stored)
             reports.append((rid, stats, exact))
         self._fold_soon()  # in the loop's idle time, not in this decision
         for rid, stats, exact in reports:
@@ -313,9 +320,10 @@ class PrefixAwareRequestRouter(RequestRouter):
                 if entry.at < cutoff:
                     self._finish(key, entry)
 
-    def _finish(self, key: tuple[str, str], entry: _Routed | None = None) -> None:
+    def _finish(self, key: tuple[str, str], entry: _Routed | None = None, settle: bool = True) -> None:
         """A request at ``key`` ended: ``entry`` (the caller's word, or found stale), else (Serve's
-        report) the oldest routed there, unless that report is of one that ended already."""
+        report) the oldest routed there, unless that report is of one that ended already. ``settle``:
+        Serve's report for ``entry`` is still to come (not when it came before the entry did)."""
         settled = self._settled
         if entry is None and settled.get(key):
             settled[key] -= 1
@@ -324,16 +332,21 @@ class PrefixAwareRequestRouter(RequestRouter):
             return
         entries = self._routed.get(key)
         if not entries:
+            if entry is None:  # Serve's report came before on_request_routed (see on_request_routed)
+                self._early[key] = self._early.get(key, 0) + 1
+                while len(self._early) > ENDED_MEMORY:  # bounded: rejected calls are never routed
+                    self._early.popitem(last=False)
             return
         if entry is None:
             entry = entries[0]
         elif entry not in entries:
             return
-        else:
+        elif settle and entry not in self._reported:
             settled[key] = settled.get(key, 0) + 1
             while len(settled) > ENDED_MEMORY:  # bounded: a report that never comes
                 settled.popitem(last=False)
         entries.remove(entry)
+        self._reported.discard(entry)
         if not entries:
             del self._routed[key]
         if entry.caller_id is not None:
@@ -389,12 +402,40 @@ class PrefixAwareRequestRouter(RequestRouter):
                 in_process.ROUTED["router_affinity_hits"] += self.policy.affinity_hits - hits
                 in_process.ROUTED["router_cold_routes"] += self.policy.cold_routes - colds
             key, caller = (pending_request.metadata.internal_request_id, rid), caller_request_id(pending_request)
-            self._routed.setdefault(key, []).append(_Routed(rid, work, caller, time.time()))
+            entry = _Routed(rid, work, caller, time.time())
+            self._routed.setdefault(key, []).append(entry)
             if caller is not None:
                 self._by_caller[caller] = key
+            if self._early.get(key) and result is not None:
+                # Serve reported a call at this key ended before this one was routed: this one, if it
+                # finished that fast, or a rejected one. Its result says which: it ends this entry when
+                # it is done (at once if it is), and a later report from Serve finds nothing to end
+                self._early[key] -= 1
+                if not self._early[key]:
+                    del self._early[key]
+                self._reported.add(entry)
+                result.add_done_callback(functools.partial(self._result_done, key, entry))
         except Exception:  # noqa: BLE001
             self.errors += 1
             log.exception("on_request_routed failed")
+
+    def _result_done(self, key: tuple[str, str], entry: _Routed, _result=None) -> None:
+        """A result's done callback (from a Ray thread): its entry ends on this router's loop."""
+        loop = self._loop
+        if loop is None:  # (tests, tools: no loop)
+            self._finish_result(key, entry)
+            return
+        try:
+            loop.call_soon_threadsafe(self._finish_result, key, entry)
+        except RuntimeError:  # the loop closed: nothing left to count
+            pass
+
+    def _finish_result(self, key: tuple[str, str], entry: _Routed) -> None:
+        try:
+            self._finish(key, entry, settle=False)
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+            log.exception("ending a routed request failed")
 
     # Serve's own bookkeeping runs first and the policy's after, guarded: a policy bug must not stop
     # Serve from handling a finished request or a dead replica.

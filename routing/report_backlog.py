@@ -58,6 +58,17 @@ class ReportBacklog:
         if self._waiting.pop(replica_id, None) is not None:
             self._queue = deque(p for p in self._queue if p.replica_id != replica_id)
 
+    def fold_replica(self, replica_id: str, forget: Callable[[str, Sequence[int]], None],
+                     learn: Callable[[str, Sequence[int]], None]) -> None:
+        """Fold one replica's queued hashes now, in order (before its cached-block count bounds its index:
+        trimmed first, the index dropped prefixes the replica still holds and kept ones it had evicted)."""
+        if replica_id not in self._waiting:
+            return
+        mine = [p for p in self._queue if p.replica_id == replica_id]
+        self.drop(replica_id)
+        for p in mine:
+            (forget if p.forget else learn)(replica_id, p.hashes[p.done:])
+
     def fold(self, forget: Callable[[str, Sequence[int]], None], learn: Callable[[str, Sequence[int]], None],
              budget_s: float) -> bool:
         """Fold queued hashes (``forget``/``learn`` each get a slice) until ``budget_s`` is spent; at least

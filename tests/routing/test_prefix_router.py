@@ -111,6 +111,67 @@ def _route(r: PrefixAwareRequestRouter, rid: str, caller: str, internal: str) ->
     r.on_request_routed(pending, NS(unique_id=rid), None)
 
 
+class _Result:
+    """A replica result: its done callbacks run at once if it is done, else when it completes."""
+
+    def __init__(self, done: bool):
+        self.done, self.callbacks = done, []
+
+    def add_done_callback(self, cb):
+        cb(self) if self.done else self.callbacks.append(cb)
+
+    def complete(self):
+        self.done = True
+        for cb in self.callbacks:
+            cb(self)
+
+
+def test_a_call_serve_reports_ended_before_it_says_it_was_routed_still_ends():
+    """Serve registers its completion callback before it awaits the replica's acceptance, and says a call
+    was routed only after: a call that ends that fast (a warm-up, a refused request) was reported ended
+    first, found nothing to end, and then stayed counted on its replica (a warm-up, with no caller to
+    end it, for good on a replica never idle). A rejected call's report must not end its retry at once."""
+    import asyncio
+
+    from routing.prefix_router import request_ended
+
+    r = _router()
+    warm = NS(args=[[list(range(64))], None], metadata=NS(internal_request_id="w1"))
+
+    async def scenario():
+        view = None
+        # a warm-up that ended before Serve said it was routed: its result is done, its entry ends
+        r.on_request_completed(NS(unique_id="A"), "w1")
+        r.on_request_routed(warm, NS(unique_id="A"), _Result(done=True))
+        await asyncio.sleep(0)
+        view = r.policy.replicas["A"]
+        assert view.in_flight == 0 and view.outstanding == 0 and not r._routed
+        # a rejected attempt reported ended, then its retry on the same replica accepted: it runs on
+        r.on_request_completed(NS(unique_id="A"), "s1")
+        running = _Result(done=False)
+        pending = NS(args=[list(range(64)), {"max_new_tokens": 30}, "c1"], metadata=NS(internal_request_id="s1"))
+        r.on_request_routed(pending, NS(unique_id="A"), running)
+        await asyncio.sleep(0)
+        assert view.in_flight == 1
+        request_ended("c1", 5)  # the caller's end, then its result's, then Serve's report: one end
+        await asyncio.sleep(0)
+        assert view.in_flight == 0 and view.outstanding == 0
+        running.complete()
+        await asyncio.sleep(0)
+        r.on_request_completed(NS(unique_id="A"), "s1")  # (a report it cannot tell from an early one)
+        assert view.in_flight == 0 and view.outstanding == 0 and r.policy._recent(view) < 200
+        assert not r._routed and not r._by_caller and not r._ended and not r._settled and not r._reported
+        # the next call at that key still counts until its own result is done
+        again = _Result(done=False)
+        r.on_request_routed(pending, NS(unique_id="A"), again)
+        assert view.in_flight == 1
+        again.complete()
+        await asyncio.sleep(0)
+        assert view.in_flight == 0 and not r._routed and r.errors == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_cancelled_request_stops_counting_on_its_replica():
     """Serve does not always report a cancelled request as completed: one aborted long stream kept
     its replica over the load bounds, out of rotation for good. The ingress says when a request ends
@@ -395,3 +456,36 @@ def test_a_router_that_serve_drops_is_freed_and_its_directory_thread_ends(redis_
     assert ref() is None
     thread.join(timeout=2)
     assert not thread.is_alive()
+
+
+def test_an_inexact_report_bounds_the_index_after_its_own_hashes_on_an_event_loop():
+    """On Serve's loop the reported hashes wait in the backlog for the loop's idle time; an inexact report's
+    cached-block count used to trim the index before them: the prefix it had just evicted stayed as a
+    phantom holder, or the one it still held was trimmed and its traffic routed cold."""
+    import asyncio
+
+    other = block_hashes(list(range(1000, 1064)), 16, "m")
+
+    async def phantom():
+        r = _router()
+        r._absorb_stats([_replica("A", seq=1, stored=CHAIN, cached_blocks=4)])
+        await asyncio.sleep(0.05)
+        # report 2 (CHAIN evicted) was missed; report 3: stored the other prefix, 4 blocks cached
+        r._absorb_stats([_replica("A", seq=3, stored=other, removed=[], cached_blocks=4)])
+        await asyncio.sleep(0.05)
+        return r
+
+    r = asyncio.run(phantom())
+    assert r.policy.matches(CHAIN) == {} and r.policy.matches(other) == {"A": len(other)}
+
+    async def lost():
+        r = _router()
+        r._absorb_stats([_replica("A", seq=1, stored=CHAIN, cached_blocks=4)])
+        r._absorb_stats([_replica("A", seq=2, stored=other, cached_blocks=8)])
+        # report 3 was missed; report 4: the other prefix evicted, CHAIN still cached
+        r._absorb_stats([_replica("A", seq=4, removed=other, cached_blocks=4)])
+        await asyncio.sleep(0.05)
+        return r
+
+    r = asyncio.run(lost())
+    assert r.policy.matches(CHAIN) == {"A": len(CHAIN)} and r.policy.matches(other) == {}
