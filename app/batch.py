@@ -147,11 +147,11 @@ def read_lines(path: Path, done: set[str]) -> Plan:
             except json.JSONDecodeError as e:
                 plan.errors.append({"line": n, "error": f"not JSON ({e.msg})"})
                 continue
+            except UnicodeEncodeError:  # (before ValueError, which it is)
+                plan.errors.append({"line": n, "error": "holds an escaped lone surrogate (\\ud800-\\udfff): not Unicode text"})
+                continue
             except ValueError:
                 plan.errors.append({"line": n, "error": "holds a number too large for JSON (such as 1e999)"})
-                continue
-            except UnicodeEncodeError:
-                plan.errors.append({"line": n, "error": "holds an escaped lone surrogate (\\ud800-\\udfff): not Unicode text"})
                 continue
             if isinstance(obj, dict) and "custom_id" in obj:
                 line = _openai_line(obj, n, plan, seen, done)
@@ -370,7 +370,7 @@ def _answer_record(line: Line, r: httpx.Response) -> tuple[dict, bool]:
             return _openai_record(line.ref, r, out, None), False
         answers = [_answer(c, line.chat) for c in out["choices"]]
         first = answers[0]
-    except (ValueError, LookupError, TypeError) as e:
+    except (ValueError, LookupError, TypeError, AttributeError) as e:
         return _failure_record(line, f"unexpected answer ({type(e).__name__}): {r.text[:200]}", r), True
     rec = {**line.ref, **{k: v for k, v in first.items() if k != "index"}, "usage": out.get("usage")}
     if len(answers) > 1:  # a line that asked for n of them: all, in order (the first also above)
@@ -390,7 +390,9 @@ def _failure_record(line: Line, problem: str, r: httpx.Response | None, code: st
         body = r.json()
     except ValueError:
         body = r.text[:1000]
-    return _openai_record(line.ref, r, body, None)
+    # a 200 that is no answer (a proxy's or login page): an error, or it would count as answered for good
+    error = {"code": "invalid_response", "message": problem} if r.status_code == 200 else None
+    return _openai_record(line.ref, r, body, error)
 
 
 async def run(args: argparse.Namespace, totals: dict) -> None:
@@ -522,7 +524,8 @@ async def _model(client: httpx.AsyncClient, wait_s: float) -> str:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            r = await client.get("/v1/models")
+            # (a listener that never answers must not hold this for --request-timeout-s)
+            r = await client.get("/v1/models", timeout=max(5.0, deadline - time.monotonic()))
             if r.status_code == 401:
                 raise Unauthorized.at(client)
             if r.status_code == 200:
@@ -552,7 +555,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="for lines without temperature (default: 0)")
     p.add_argument("--keep-order", action="store_true", help="send in file order, not prefix order")
     p.add_argument("--retries", type=int, default=len(RETRY_WAITS_S),
-                   help="tries again after a 429/502/503/504 or a lost connection, waiting "
+                   help="tries again after a 408/429/502/503/504, a timeout or a lost connection, waiting "
                         f"{', '.join(map(str, RETRY_WAITS_S))} s, then 30 s each (default: {len(RETRY_WAITS_S)}, "
                         "about a minute: a service restart)")
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="per request (default: 600)")
@@ -569,10 +572,18 @@ def _flag_problems(args: argparse.Namespace) -> list[str]:
               (args.wait_s >= 0, "--wait-s must be at least 0")]
     problems = [what for ok, what in checks if not ok]
     url = args.url.rstrip("/")
-    if not url.startswith(("http://", "https://")):
+    if not args.url.lower().startswith(("http://", "https://")):
         problems.append(f"--url {args.url!r} needs its scheme: http://{args.url}")
     elif url.endswith("/v1"):  # an OpenAI client's base URL: this command adds /v1 itself
         problems.append(f"--url is the service's address without /v1: {url[:-3]}")
+    else:
+        try:
+            if not httpx.URL(url).host:
+                problems.append(f"--url {args.url!r} names no host")
+        except (httpx.InvalidURL, ValueError) as e:  # a bad port, a stray newline from a config file
+            problems.append(f"--url {args.url!r} is not a URL ({e})")
+    if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()):
+        problems.append("--api-key must be printable ASCII (it goes in an HTTP header)")
     return problems
 
 
@@ -602,6 +613,8 @@ def main(args: argparse.Namespace) -> int:
         with _only_writer(dst):
             asyncio.run(run(args, totals))
     except (ConnectionError, NotOurs, Unauthorized, BlockingIOError) as e:
+        if isinstance(e, Unauthorized) and "_t0" in totals:  # mid-run: the summary, as at any other end
+            print(json.dumps(summary(totals)))
         print(f"radixserve batch: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a folder it may not write in, an input it may not read, a disk that filled up
@@ -610,7 +623,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"radixserve batch: cannot write {e.filename or dst}: {e.strerror or e}; the answers so far "
                   f"are in {dst}: run the same command again to go on", file=sys.stderr)
         else:
-            print(f"radixserve batch: {e.strerror or e}: {e.filename}", file=sys.stderr)
+            print(f"radixserve batch: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""), file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         print(json.dumps(summary(totals)))

@@ -455,7 +455,8 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
         here = not address or _proxy_here()  # else the proxies are on the cluster's other machines
         healthy = _wait_healthy(settings, HEALTHY_AT_START_S) if here else True
         up.set()
-        print(f"RadixServe is up: http://{settings.host if here else '<a node of the cluster>'}:{settings.port} "
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host  # (an IPv6 address)
+        print(f"RadixServe is up: http://{host if here else '<a node of the cluster>'}:{settings.port} "
               f"(model {settings.model_name()}, {_replicas(settings)}); Ctrl-C stops it"
               + ("" if healthy else f" (/health did not answer 200 within {HEALTHY_AT_START_S:.0f} s: "
                                     "see the replicas' lines above)"), flush=True)

@@ -238,7 +238,13 @@ def test_batch_without_a_service_says_so(tmp_path, capsys):
     for extra, said in ((["--temperature", "-1"], "--temperature must be in [0, 2]"),
                         (["--request-timeout-s", "0"], "--request-timeout-s must be positive"),
                         (["--url", "127.0.0.1:8000"], "needs its scheme: http://127.0.0.1:8000"),
-                        (["--url", "http://127.0.0.1:8000/v1/"], "without /v1: http://127.0.0.1:8000")):
+                        (["--url", "http://127.0.0.1:8000/v1/"], "without /v1: http://127.0.0.1:8000"),
+                        # (these were tracebacks, exit 1: a bad port, a config file's newline, no host, a key
+                        # no HTTP header can carry)
+                        (["--url", "http://localhost:80a"], "is not a URL (Invalid port"),
+                        (["--url", "http://127.0.0.1:8000\n"], "is not a URL"),
+                        (["--url", "http://"], "names no host"),
+                        (["--api-key", "clé"], "--api-key must be printable ASCII")):
         assert cli(["batch", "--input", str(src), "--output", str(tmp_path / "o.jsonl"), *extra]) == 2
         err = capsys.readouterr().err
         assert said in err and "--wait-s" not in err, err  # the flag that is wrong, not the whole list
@@ -331,7 +337,10 @@ def test_a_key_refused_mid_run_ends_the_run_without_marking_lines_failed(tmp_pat
         code = cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--api-key", "old",
                     "--concurrency", "2"])
         assert time.monotonic() - t0 < 10
-    assert code == 2 and "refused the API key: pass the right --api-key" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert code == 2 and "refused the API key: pass the right --api-key" in captured.err
+    totals = json.loads(captured.out.strip().splitlines()[-1])  # the summary, as at any other end
+    assert totals["ok"] == 0 and totals["not_done"] == 40
     assert out.read_text() == ""
 
 
@@ -362,6 +371,7 @@ def test_batch_refuses_lines_it_could_not_send_and_says_what_it_cannot_open(tmp_
     plan = read_lines(src, set())
     assert [x.ref for x in plan.todo] == [{"line": 4}]
     assert [e["line"] for e in plan.errors] == [1, 2, 3, 5] and "NaN" in plan.errors[2]["error"]
+    assert all("lone surrogate" in e["error"] for e in plan.errors[:2]), plan.errors[:2]
     assert "1e999" in plan.errors[3]["error"]
     # a lock file it cannot create (here a folder in its way): one line, not a traceback
     (tmp_path / "o.jsonl.lock").mkdir()
@@ -496,3 +506,37 @@ def test_an_output_that_cannot_grow_ends_the_run_with_its_summary_and_a_rerun_go
         assert r.returncode == 0, r.stderr[-2000:]
     ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
     assert sorted(ids) == list(range(200))  # each answer once
+
+
+def test_a_200_that_is_no_answer_is_a_failure_a_rerun_sends_again():
+    """A proxy's or login page with status 200: in OpenAI's format its record had error null and counted
+    as answered (every rerun skipped the line); a choice that is no object was a lasting failure."""
+    import httpx
+
+    from app.batch import _answer_record, answered
+
+    page = httpx.Response(200, text="<html>sign in</html>")
+    line = Line({"custom_id": "a"}, {"model": "m", "prompt": "hi"}, COMPLETIONS, openai=True)
+    rec, transient = _answer_record(line, page)
+    assert transient and not answered(rec) and rec["error"]["code"] == "invalid_response", rec
+    assert rec["response"]["status_code"] == 200  # the page is kept, as OpenAI keeps a response
+    odd = httpx.Response(200, json={"choices": [1]})
+    rec, transient = _answer_record(Line({"id": 1}, {"prompt": "hi"}, COMPLETIONS), odd)
+    assert transient and not answered(rec) and "unexpected answer" in rec["error"], rec
+
+
+def test_wait_s_bounds_the_wait_for_a_listener_that_never_answers(tmp_path, capsys):
+    """The model-list request took --request-timeout-s (600 s by default) per try."""
+    import socket
+
+    src = tmp_path / "in.jsonl"
+    write(src, [{"prompt": "hi"}])
+    with socket.socket() as listener:  # accepts connections (the kernel does) and never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        t0 = time.monotonic()
+        code = cli(["batch", "--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--url", url,
+                    "--wait-s", "0", "--request-timeout-s", "40"])
+        assert time.monotonic() - t0 < 20
+    assert code == 2 and "no service answering" in capsys.readouterr().err

@@ -77,7 +77,9 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_si
                 proc.send_signal(stop_signal)
             long_rest = [line for line in long_lines if line.startswith("data:")]
         if cut:
-            assert '"error"' in long_rest[-1] and "shutting down" in long_rest[-1], long_rest[-2:]
+            # (then [DONE], as every OpenAI stream ends)
+            assert long_rest[-1] == "data: [DONE]" and '"error"' in long_rest[-2] and "shutting down" in long_rest[-2], \
+                long_rest[-3:]
             assert all('"finish_reason":"length"' not in x for x in long_rest), "a cut stream ended as finished"
         else:
             assert long_rest[-1] == "data: [DONE]", long_rest[-2:]  # the drain lets it finish
