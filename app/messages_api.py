@@ -41,6 +41,7 @@ def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """Anthropic's turns as chat messages: an assistant turn's ``tool_use`` blocks become its tool calls (and
     its ``thinking`` its reasoning_content), a user turn's ``tool_result`` blocks tool messages before its text."""
     out: list[dict[str, Any]] = []
+    used: set[str] = set()  # the tool_use ids so far: a tool_result answers one of them
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = m.get("role") if isinstance(m, dict) else None
@@ -66,11 +67,14 @@ def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                     raise ValueError(f"{at}: a tool_use block needs an id and a name")
+                used.add(block["id"])
                 calls.append({"id": block["id"], "type": "function", "function": {
                     "name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
             elif kind == "tool_result" and role == "user":
                 if not isinstance(block.get("tool_use_id"), str):
                     raise ValueError(f"{at}: a tool_result block needs a tool_use_id")
+                if block["tool_use_id"] not in used:
+                    raise ValueError(f"{at}: no tool_use block before it has id {block['tool_use_id']!r}")
                 result = _text(block.get("content"), f"{at}.content", STAND_IN)
                 results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                                 "content": f"Error: {result}" if block.get("is_error") else result})

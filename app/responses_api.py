@@ -47,6 +47,7 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
     turn after it (its ``reasoning_content``, which templates such as Qwen3's render)."""
     out: list[dict[str, Any]] = []
     thought = None  # a reasoning item's text, for the assistant turn after it (templates may render it)
+    called: set[str] = set()  # the call ids so far: an output answers one of them
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -64,6 +65,7 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
             if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
                 raise ValueError(f"{where}: a function_call needs call_id, name and arguments as strings")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            called.add(call_id)
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and "tool_call_id" not in last:
                 last.setdefault("tool_calls", []).append(call)  # the same turn's text, or its other calls
@@ -74,6 +76,8 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise ValueError(f"{where}: a function_call_output needs a call_id")
+            if item["call_id"] not in called:
+                raise ValueError(f"{where}: no function_call before it has call_id {item['call_id']!r}")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _part_text(item.get("output"), where)})
         elif kind == "reasoning":

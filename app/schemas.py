@@ -544,6 +544,25 @@ class ChatPrompt(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _tool_results_answer_calls(self):
+        # OpenAI refuses a tool result that answers no call (templates would render it as if one was made);
+        # ids are optional here (vLLM's), so only an id the history's calls do not have is refused
+        ids: set[str] = set()
+        called = False
+        for i, m in enumerate(self.messages):
+            if m.role == "assistant" and m.tool_calls:
+                called = True
+                ids.update(c.id for c in m.tool_calls if c.id is not None)
+            elif m.role == "tool":
+                if not called:
+                    raise ValueError(f"messages[{i}]: a tool message answers a call, and no assistant message "
+                                     "before it has tool_calls")
+                if m.tool_call_id is not None and ids and m.tool_call_id not in ids:
+                    raise ValueError(f"messages[{i}]: tool_call_id {m.tool_call_id!r} is not the id of a tool call "
+                                     "made before it")
+        return self
+
+    @model_validator(mode="after")
     def _continued_turn(self):
         if self.continue_final_message:
             if self.add_generation_prompt:

@@ -61,6 +61,7 @@ def test_several_text_blocks_tool_errors_and_images_a_tool_opened():
     {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "w"}]}]},
     {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "tool"}},
     {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "output_config": {"format": {"type": "xml"}}},
+    {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a"}]}]},
 ])
 def test_malformed_requests_are_refused(body):
     with pytest.raises(ValidationError):

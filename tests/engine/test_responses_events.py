@@ -49,7 +49,9 @@ def test_input_items_become_one_chat_with_each_turns_calls_together():
 @pytest.mark.parametrize("body", [{"input": [{"type": "function_call", "name": "w"}]}, {"input": [{"role": "tool",
                                   "content": "x"}]}, {"input": [{"type": "reasoning"}]}, {"input": "hi", "background": True},
                                   {"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": None}]}]},
-                                  {"input": [{"type": "reasoning", "content": 5}]}])
+                                  {"input": [{"type": "reasoning", "content": 5}]},
+                                  {"input": [{"type": "function_call", "call_id": "a", "name": "w", "arguments": "{}"},
+                                             {"type": "function_call_output", "call_id": "b", "output": "x"}]}])
 def test_malformed_inputs_are_refused(body):
     with pytest.raises(ValidationError):
         ResponsesRequest.model_validate(body)

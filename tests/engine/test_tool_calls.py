@@ -64,12 +64,28 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type":
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "name"),
     ({"messages": [{"role": "assistant", "function_call": {"name": "add", "arguments": "{}"}}]}, "function_call"),
     ({"messages": [{"role": "tool", "tool_call_id": "1"}]}, "needs content"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "sunny"}]}, "no assistant message"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "3"}]}, "'c2' is not the id of a tool call"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"type": "function", "function": {"name": "add", "arguments": "{}"}}]}]}, "only assistant"),
 ])
 def test_bad_tool_requests_are_refused(body, needle):
     with pytest.raises(ValidationError, match=needle):
         ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+
+
+def test_tool_results_answer_the_calls_before_them():
+    call = {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "add", "arguments": "{}"}}]}
+    later = {"role": "assistant", "tool_calls": [{"id": "c2", "function": {"name": "add", "arguments": "{}"}}]}
+    no_id = {"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": "{}"}}]}
+    for messages in ([call, {"role": "tool", "tool_call_id": "c1", "content": "3"}],
+                     [call, {"role": "tool", "content": "3"}],  # ids are optional (templates without them)
+                     [no_id, {"role": "tool", "tool_call_id": "anything", "content": "3"}],
+                     [call, {"role": "tool", "tool_call_id": "c1", "content": "3"}, later,
+                      {"role": "tool", "tool_call_id": "c1", "content": "3 again"}]):
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}, *messages]})
 
 
 def test_tool_modes():

@@ -204,6 +204,10 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
      "tool names must be unique"),
     ("/v1/chat/completions", {"model": "tiny", "continue_final_message": True, "add_generation_prompt": False,
                               "messages": [{"role": "user", "content": "x"}]}, 400, "assistant"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}, {
+        "role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, 400, "no assistant message before it has tool_calls"),
+    ("/v1/responses", {"model": "tiny", "input": [{"type": "function_call_output", "call_id": "c1", "output": "x"}]},
+     400, "no function_call before it has call_id 'c1'"),
 ])
 def test_bad_input_gets_4xx_in_the_apis_format(client, path, body, status, needle):
     r = client.post(path, json=body)
