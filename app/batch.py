@@ -16,7 +16,7 @@ A line may also come in OpenAI's batch format (what OpenAI's Batch API and ``vll
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``, the whole answer
 as the service gave it (``error`` is null when it answered 200, else ``{"code", "message"}``).
 
-Lines are sent in prefix order (sorted by their text), not file order: prompts that share a prefix run
+Lines are sent in prefix order (grouped by their text), not file order: prompts that share a prefix run
 back to back, so the fleet computes the prefix once and keeps it while it is needed, even when its
 caches cannot hold every prefix in the file at once. Run it again with the same ``--output`` to go on
 after an interruption: answered lines are skipped, failed ones tried again (lines without an ``id`` are
@@ -29,15 +29,18 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import signal
 import sys
 import time
 import uuid
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 from tqdm import tqdm
@@ -59,42 +62,89 @@ CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/r
 OPENAI_BATCH_URLS = (CHAT, COMPLETIONS, RESPONSES)  # what an OpenAI-format line may name as its url
 
 
-@dataclass
+@dataclass(slots=True)  # (a job may hold millions: no dict per line)
 class Line:
     # {"id": the line's id as given (any JSON value)}, {"line": its number} without one, or an OpenAI-format
     # line's {"custom_id": ...}
     ref: dict
-    body: dict  # the request without ``id``
+    # the request without ``id``; None once ``read_lines`` has its sort key: it is read again from the input
+    # when it is sent (``request``), so a run holds a few bytes per line, not the file
+    body: dict | None
     path: str  # its route: an OpenAI-format line's ``url``, else chat for ``messages``, completions for ``prompt``
     openai: bool = False  # an OpenAI-format line (its result is written in that format too)
+    key: tuple = ()  # ``prefix_key`` of its body
+    at: int = -1  # where the line starts in the input, its number and its bytes' CRC-32 (to read it again)
+    n: int = 0
+    crc: int = 0
+
+    def __post_init__(self) -> None:
+        if self.body is not None and not self.key:
+            self.key = prefix_key(self.path, self.body)
 
     @property
     def chat(self) -> bool:
         return self.path == CHAT
 
-    def prefix_key(self) -> tuple:
-        """Sort key that puts prompts sharing a prefix next to each other: texts and chats by their text,
-        token ids among themselves, malformed prompts (the service will refuse them) last."""
-        if self.path == RESPONSES:  # (its instructions come first in the prompt)
-            given = self.body.get("input")
-            msgs = [{"role": "user", "content": given}] if isinstance(given, str) else given
-            if not isinstance(msgs, list):
-                return (2, "")
-            head = f"system\x01{self.body['instructions']}\x00" if isinstance(self.body.get("instructions"), str) else ""
-            return (0, head + _joined(msgs))
-        if self.chat:
-            msgs = self.body.get("messages")
-            if not isinstance(msgs, list):
-                return (2, "")
-            return (0, _joined(msgs))
-        p = self.body.get("prompt")
+    def request(self, src: BinaryIO) -> dict:
+        """The request to send: its body, read again from the input ``src`` where ``read_lines`` let it go."""
+        if self.body is not None:
+            return self.body
+        src.seek(self.at)
+        raw = src.readline()
+        if zlib.crc32(raw) != self.crc:
+            raise InputChanged(f"line {self.n} of the input changed while this run was sending it: run again")
+        return _request(json.loads(raw.decode("utf-8-sig" if self.at == 0 else "utf-8")), self.openai)
+
+
+class InputChanged(Exception):
+    """The input file was rewritten under the run (a line is no longer what it read)."""
+
+
+def _request(obj: dict, openai: bool) -> dict:
+    """A line's request: an OpenAI-format line's ``body``, else the line without its ``id``; null fields
+    dropped (a null field means the default, as in OpenAI's API)."""
+    body = obj["body"] if openai else {k: v for k, v in obj.items() if k != "id"}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+# a sort key keeps 8 bytes (a hash) of every this many characters of a prompt's text (or token ids): lines
+# that share their first chunks sort together, as by the whole text, at a sixteenth of its size
+KEY_CHUNK_CHARS, KEY_CHUNK_IDS = 128, 32
+
+
+def _chunked(pieces: Iterator[bytes]) -> bytes:
+    return b"".join(hashlib.blake2b(p, digest_size=8).digest() for p in pieces)
+
+
+def prefix_key(path: str, body: dict) -> tuple:
+    """Sort key that puts prompts sharing a prefix next to each other: texts and chats by their text's
+    chunks (``KEY_CHUNK_CHARS``), token ids among themselves, malformed prompts (the service will refuse
+    them) last. Groups sort in no meaningful order (nor do lines that part after their first chunk);
+    lines of one prompt keep the file's."""
+    text = None
+    if path == RESPONSES:  # (its instructions come first in the prompt)
+        given = body.get("input")
+        msgs = [{"role": "user", "content": given}] if isinstance(given, str) else given
+        if isinstance(msgs, list):
+            head = f"system\x01{body['instructions']}\x00" if isinstance(body.get("instructions"), str) else ""
+            text = head + _joined(msgs)
+    elif path == CHAT:
+        msgs = body.get("messages")
+        if isinstance(msgs, list):
+            text = _joined(msgs)
+    else:
+        p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]  # one prompt wrapped in a list, as OpenAI's client sends it
         if isinstance(p, str):
-            return (0, p)
-        if isinstance(p, list) and all(type(t) is int for t in p):
-            return (1, tuple(p))
-        return (2, "")
+            text = p
+        elif isinstance(p, list) and all(type(t) is int for t in p):
+            return (1, _chunked(b"".join(t.to_bytes(8, "big", signed=True) for t in p[i:i + KEY_CHUNK_IDS])
+                                for i in range(0, len(p), KEY_CHUNK_IDS)))
+    if text is None:
+        return (2, b"")
+    return (0, _chunked(text[i:i + KEY_CHUNK_CHARS].encode("utf-8", "surrogatepass")
+                        for i in range(0, len(text), KEY_CHUNK_CHARS)))
 
 
 def _joined(msgs: list) -> str:
@@ -132,49 +182,55 @@ def read_lines(path: Path, done: set[str]) -> Plan:
     """Parse the input (JSONL, UTF-8); ``done``: id keys answered by an earlier run."""
     plan, seen = Plan(), set()  # id keys of this file's lines so far
     with path.open("rb") as f:
+        at = 0
         for n, raw_bytes in enumerate(f, 1):
-            try:
-                raw = raw_bytes.decode("utf-8-sig" if n == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                plan.errors.append({"line": n, "error": f"not UTF-8 ({e.reason} at byte {e.start})"})
-                continue
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw, parse_constant=_no_constant)
-                # a lone surrogate (\ud800) is no Unicode text; 1e999 reads as inf, which no JSON can say
-                json.dumps(obj, ensure_ascii=False, allow_nan=False).encode()
-            except json.JSONDecodeError as e:
-                plan.errors.append({"line": n, "error": f"not JSON ({e.msg})"})
-                continue
-            except UnicodeEncodeError:  # (before ValueError, which it is)
-                plan.errors.append({"line": n, "error": "holds an escaped lone surrogate (\\ud800-\\udfff): not Unicode text"})
-                continue
-            except ValueError:
-                plan.errors.append({"line": n, "error": "holds a number too large for JSON (such as 1e999)"})
-                continue
-            if isinstance(obj, dict) and "custom_id" in obj:
-                line = _openai_line(obj, n, plan, seen, done)
-                if line is not None:
-                    plan.todo.append(line)
-                continue
-            # (a null prompt is no prompt: a null field means the default, as in OpenAI's API)
-            if not isinstance(obj, dict) or (obj.get("prompt") is None) == (obj.get("messages") is None):
-                plan.errors.append({"line": n, "error": "needs an object with one of `prompt` and `messages`"})
-                continue
-            rid = obj.pop("id", None)
-            ref = {"line": n} if rid is None else {"id": rid}
-            key = ref_key(ref)
-            if key in seen:
-                plan.errors.append({"line": n, "error": f"{key} is used by an earlier line"})
-                continue
-            seen.add(key)
-            if key in done:
-                plan.skipped += 1
-            else:  # a null field means the default, as in OpenAI's API
-                plan.todo.append(Line(ref, {k: v for k, v in obj.items() if v is not None},
-                                      COMPLETIONS if obj.get("messages") is None else CHAT))
+            line = _read_line(raw_bytes, n, plan, seen, done)
+            if line is not None:  # (its sort key made: the input keeps the rest until it is sent)
+                line.body, line.at, line.n, line.crc = None, at, n, zlib.crc32(raw_bytes)
+                plan.todo.append(line)
+            at += len(raw_bytes)
     return plan
+
+
+def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: set[str]) -> Line | None:
+    """Input line ``n``, to send; or None: refused (recorded in ``plan``), blank or answered before."""
+    try:
+        raw = raw_bytes.decode("utf-8-sig" if n == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        plan.errors.append({"line": n, "error": f"not UTF-8 ({e.reason} at byte {e.start})"})
+        return None
+    if not raw.strip():
+        return None
+    try:
+        obj = json.loads(raw, parse_constant=_no_constant)
+        # a lone surrogate (\ud800) is no Unicode text; 1e999 reads as inf, which no JSON can say
+        json.dumps(obj, ensure_ascii=False, allow_nan=False).encode()
+    except json.JSONDecodeError as e:
+        plan.errors.append({"line": n, "error": f"not JSON ({e.msg})"})
+        return None
+    except UnicodeEncodeError:  # (before ValueError, which it is)
+        plan.errors.append({"line": n, "error": "holds an escaped lone surrogate (\\ud800-\\udfff): not Unicode text"})
+        return None
+    except ValueError:
+        plan.errors.append({"line": n, "error": "holds a number too large for JSON (such as 1e999)"})
+        return None
+    if isinstance(obj, dict) and "custom_id" in obj:
+        return _openai_line(obj, n, plan, seen, done)
+    # (a null prompt is no prompt: a null field means the default, as in OpenAI's API)
+    if not isinstance(obj, dict) or (obj.get("prompt") is None) == (obj.get("messages") is None):
+        plan.errors.append({"line": n, "error": "needs an object with one of `prompt` and `messages`"})
+        return None
+    rid = obj.get("id")
+    ref = {"line": n} if rid is None else {"id": rid}
+    key = ref_key(ref)
+    if key in seen:
+        plan.errors.append({"line": n, "error": f"{key} is used by an earlier line"})
+        return None
+    seen.add(key)
+    if key in done:
+        plan.skipped += 1
+        return None
+    return Line(ref, _request(obj, openai=False), COMPLETIONS if obj.get("messages") is None else CHAT)
 
 
 def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: set[str]) -> Line | None:
@@ -203,8 +259,7 @@ def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: set[str]) 
     if key in done:
         plan.skipped += 1
         return None
-    body = {k: v for k, v in obj["body"].items() if v is not None}
-    return Line(ref, body, obj["url"], openai=True)
+    return Line(ref, _request(obj, openai=True), obj["url"], openai=True)
 
 
 def _openai_record(ref: dict, r: httpx.Response | None, body: Any, error: dict | None) -> dict:
@@ -227,7 +282,7 @@ def _no_constant(name: str):
 
 
 def prefix_order(lines: list[Line]) -> list[Line]:
-    return sorted(lines, key=Line.prefix_key)  # stable: equal prompts keep the file's order
+    return sorted(lines, key=lambda line: line.key)  # stable: equal prompts keep the file's order
 
 
 class Unauthorized(Exception):
@@ -325,7 +380,8 @@ def _answer(choice: dict, chat: bool) -> dict:
     return out
 
 
-async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: int) -> tuple[dict, bool]:
+async def _one(client: httpx.AsyncClient, line: Line, request: dict, defaults: dict, retries: int
+               ) -> tuple[dict, bool]:
     """The line's answer or error record, and whether a failure was transient (a rerun may answer it);
     ``ServiceGone`` when every try found the service unreachable
     (no connection) or without replicas (502/503): the line was not answered, a rerun sends it again.
@@ -333,7 +389,7 @@ async def _one(client: httpx.AsyncClient, line: Line, defaults: dict, retries: i
     line too slow for --request-timeout-s would stop every rerun)."""
     if line.path == RESPONSES:  # (that API's name for it)
         defaults = {("max_output_tokens" if k == "max_tokens" else k): v for k, v in defaults.items()}
-    body = {**defaults, **line.body, "stream": False}
+    body = {**defaults, **request, "stream": False}
     gone = True
     for attempt in range(retries + 1):
         r, code = None, None
@@ -450,11 +506,11 @@ async def _run(args: argparse.Namespace, totals: dict, output: Path) -> None:
         # a finished job's rerun needs no service; any other finds it before the output is touched
         model = await _model(client, args.wait_s) if todo else ""
         resume(output)  # now the failed records go (their lines are sent again)
-        with output.open("a", encoding="utf-8") as out:
+        with output.open("a", encoding="utf-8") as out, Path(args.input).open("rb") as src:
             for rec in plan.errors:
                 out.write(json.dumps(rec, ensure_ascii=False) + "\n")
             if todo:
-                await _send(client, model, args, todo, out, totals)
+                await _send(client, model, args, todo, src, out, totals)
 
 
 def summary(totals: dict) -> dict:
@@ -466,9 +522,9 @@ def summary(totals: dict) -> dict:
     return out
 
 
-async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace, todo: list[Line], out,
-                totals: dict) -> None:
-    """Send ``todo`` with ``args.concurrency`` workers. When a line finds the service gone through all its
+async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace, todo: list[Line], src: BinaryIO,
+                out, totals: dict) -> None:
+    """Send ``todo`` (read from the input ``src``) with ``args.concurrency`` workers. When a line finds the service gone through all its
     retries (about a minute), no new line is sent: the others would each wait as long for nothing."""
     defaults = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature}
     bar = tqdm(total=len(todo), unit="req", mininterval=2.0, file=sys.stderr)
@@ -479,7 +535,9 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
             if "_gone" in totals or "_unauthorized" in totals:
                 return
             try:
-                rec, transient = await _one(client, line, defaults, args.retries)
+                rec, transient = await _one(client, line, line.request(src), defaults, args.retries)
+            except InputChanged as e:  # (a rerun reads it again)
+                rec, transient = _failure_record(line, str(e), None), True
             except ServiceGone as e:
                 totals.setdefault("_gone", str(e))  # this line is not written: a rerun sends it
                 continue

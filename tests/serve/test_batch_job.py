@@ -26,11 +26,19 @@ def test_prefix_order_puts_shared_prefixes_together():
              Line({"id": 12}, {"messages": [{"role": "system", "content": [{"type": "text", "text": SYS_B}]},
                                     {"role": "user", "content": "x"}]}, CHAT)]
     order = [x.ref["id"] for x in prefix_order(lines)]
+
+    def together(*ids: int) -> bool:
+        at = sorted(order.index(i) for i in ids)
+        return at == list(range(at[0], at[0] + len(ids)))
+
     # malformed prompts (refused by the service) do not stop the rest from being sorted
-    assert order[:3] == [1, 3, 11] and order.index(6) == order.index(2) + 1
-    assert order.index(12) == order.index(5) + 1  # content parts sort by their text
-    assert order.index(4) == order.index(7) + 1  # token ids sort among themselves
+    assert together(1, 3, 11) and together(2, 6)
+    assert together(5, 12)  # content parts sort by their text
+    assert together(4, 7) and order.index(4) < order.index(8)  # token ids sort among themselves
     assert order[-3:] == [8, 9, 10]
+    # one prompt's lines keep the file's order
+    same = [Line({"id": i}, {"prompt": SYS_A + "q"}, COMPLETIONS) for i in range(5)]
+    assert [x.ref["id"] for x in prefix_order(same[::-1])] == [4, 3, 2, 1, 0]
 
 
 def test_input_lines_ids_and_encodings(tmp_path):
@@ -45,7 +53,11 @@ def test_input_lines_ids_and_encodings(tmp_path):
         json.dumps({"id": "caf\u00e9", "prompt": "d\u00e9j\u00e0 vu"}, ensure_ascii=False).encode()]) + b"\n")
     plan = read_lines(src, done={ref_key({"line": 4})})
     assert [x.ref for x in plan.todo] == [{"line": 1}, {"id": 1}, {"id": "1"}, {"id": 4}, {"id": "café"}]
-    assert plan.skipped == 1 and plan.todo[0].body == {"prompt": "first line, after a byte order mark"}
+    assert all(x.body is None for x in plan.todo)  # the input keeps them: each is read again as it is sent
+    with src.open("rb") as f:
+        assert [x.request(f) for x in plan.todo[::-1]][-1] == {"prompt": "first line, after a byte order mark"}
+        assert plan.todo[4].request(f) == {"prompt": "d\u00e9j\u00e0 vu"}
+    assert plan.skipped == 1
     assert [(e["line"], e["error"].split(" (")[0]) for e in plan.errors] == [(6, "not UTF-8")]
     dup = tmp_path / "dup.jsonl"
     write(dup, [{"id": "x", "prompt": "a"}, {"id": "x", "prompt": "b"}, {"prompt": "a", "messages": []},
@@ -55,7 +67,8 @@ def test_input_lines_ids_and_encodings(tmp_path):
         'id "x" is used by an earlier line'] + ["needs an object with one of `prompt` and `messages`"] * 2
     assert [(x.ref, x.chat) for x in plan.todo] == [({"id": "x"}, False), ({"line": 5}, False)]
     # null fields mean the default
-    assert read_lines(src, set()).todo[3].body == {"prompt": "no id: line 4"}
+    with src.open("rb") as f:
+        assert read_lines(src, set()).todo[3].request(f) == {"prompt": "no id: line 4"}
     # OpenAI-format lines: one result per custom_id, even when the line that repeats it is malformed too
     openai = tmp_path / "openai.jsonl"
     write(openai, [{"custom_id": "r1", "url": "/v1/embeddings", "body": {}},
@@ -63,7 +76,8 @@ def test_input_lines_ids_and_encodings(tmp_path):
                    {"custom_id": "r2", "method": "POST", "url": "/v1/responses", "body": {"input": "x", "seed": None}}])
     plan = read_lines(openai, set())
     assert [e["custom_id"] or e["line"] for e in plan.errors] == ["r1", 2]
-    assert [(x.ref, x.path, x.body) for x in plan.todo] == [({"custom_id": "r2"}, "/v1/responses", {"input": "x"})]
+    with openai.open("rb") as f:
+        assert [(x.ref, x.path, x.request(f)) for x in plan.todo] == [({"custom_id": "r2"}, "/v1/responses", {"input": "x"})]
 
 
 def test_resume_keeps_answers_drops_failures_and_a_cut_last_line(tmp_path):
@@ -256,9 +270,9 @@ class _DownService:
     """A real HTTP server that names its model, then answers every request ``status`` (503: replicas
     gone; 504: a proxy that gave up on this one request; 200: an answer)."""
 
-    def __init__(self, status: int = 503, code: str | None = None, models: dict | None = None):
+    def __init__(self, status: int = 503, code: str | None = None, models: dict | None = None, on_post=None):
         self.status, self.code, self.models = status, code, models or {"data": [{"id": "m"}]}
-        self.posts = 0
+        self.posts, self.on_post = 0, on_post  # (called with each request's body)
 
     def __enter__(self):
         status, code, models, service = self.status, self.code, self.models, self
@@ -279,8 +293,10 @@ class _DownService:
                 self._send(200, json.dumps(models))
 
             def do_POST(self):
-                self.rfile.read(int(self.headers["content-length"]))
+                body = self.rfile.read(int(self.headers["content-length"]))
                 service.posts += 1
+                if service.on_post is not None:
+                    service.on_post(json.loads(body))
                 if status == 200:  # a fast service: an answer at once
                     self._send(200, json.dumps({"choices": [{"text": "ok", "finish_reason": "length"}],
                                                 "usage": {"prompt_tokens": 2, "completion_tokens": 1}}))
@@ -540,3 +556,26 @@ def test_wait_s_bounds_the_wait_for_a_listener_that_never_answers(tmp_path, caps
                     "--wait-s", "0", "--request-timeout-s", "40"])
         assert time.monotonic() - t0 < 20
     assert code == 2 and "no service answering" in capsys.readouterr().err
+
+
+def test_lines_are_read_again_as_they_are_sent_and_one_rewritten_meanwhile_is_sent_by_a_rerun(tmp_path, capsys):
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": i, "prompt": f"line {i}"} for i in range(6)])
+    sent: list[str] = []
+
+    def rewrite_once(body: dict) -> None:  # (an editor saving the file while the job runs)
+        sent.append(body["prompt"])
+        if len(sent) == 1:
+            write(src, [{"id": i, "prompt": f"line {i}, edited"} for i in range(6)])
+
+    with _DownService(200, on_post=rewrite_once) as url:
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--concurrency", "1"]) == 1
+        captured = capsys.readouterr()
+        totals = json.loads(captured.out.strip().splitlines()[-1])
+        assert (totals["ok"], totals["failed"], totals["retryable"]) == (1, 5, 5), totals
+        errors = [r["error"] for r in map(json.loads, out.read_text().splitlines()) if "error" in r]
+        assert len(errors) == 5 and all("changed while this run was sending it" in e for e in errors)
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--concurrency", "1"]) == 0
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == list(range(6)) and all("output" in r for r in records)
+    assert len(sent) == 6 and sum(p.endswith("edited") for p in sent) == 5  # what the file said when each went
