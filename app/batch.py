@@ -49,6 +49,9 @@ from app.config import Settings
 
 RETRY_STATUS = {408, 429, 502, 503, 504}  # a timeout, the service is busy or a replica is restarting: try again
 RETRY_WAITS_S = (1, 2, 4, 8, 16, 30)  # then 30 s each: the default 6 tries span a service restart
+# a request that timed out (--request-timeout-s, or the service's 408) this many times is the line's failure:
+# each try took the whole timeout (7 of 600 s: 70 minutes of one worker for one line)
+TIMEOUT_TRIES = 2
 # what says the service itself is gone (not this line's trouble: a timeout, a 429 or a proxy's 504)
 GONE_STATUS = {502, 503}
 GONE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
@@ -390,7 +393,7 @@ async def _one(client: httpx.AsyncClient, line: Line, request: dict, defaults: d
     if line.path == RESPONSES:  # (that API's name for it)
         defaults = {("max_output_tokens" if k == "max_tokens" else k): v for k, v in defaults.items()}
     body = {**defaults, **request, "stream": False}
-    gone = True
+    gone, timeouts = True, 0
     for attempt in range(retries + 1):
         r, code = None, None
         try:
@@ -399,6 +402,7 @@ async def _one(client: httpx.AsyncClient, line: Line, request: dict, defaults: d
             problem = _transport_problem(e)
             code = "timeout" if isinstance(e, httpx.TimeoutException) else "connection_error"
             gone = gone and isinstance(e, GONE_ERRORS)
+            timeouts += code == "timeout" and not isinstance(e, httpx.ConnectTimeout)
         else:
             if r.status_code == 401:
                 raise Unauthorized.at(client)
@@ -411,6 +415,9 @@ async def _one(client: httpx.AsyncClient, line: Line, request: dict, defaults: d
                 return _failure_record(line, problem, r), True
             if r.status_code not in RETRY_STATUS:  # a 4xx: the line itself is wrong and would fail again
                 return _failure_record(line, problem, r), r.status_code >= 500  # a 500 may not
+            timeouts += r.status_code == 408
+        if timeouts >= TIMEOUT_TRIES:  # (each try took the whole timeout: a rerun, or a longer one, may do)
+            break
         if attempt < retries:
             await asyncio.sleep(RETRY_WAITS_S[min(attempt, len(RETRY_WAITS_S) - 1)])
     if gone:
@@ -615,7 +622,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retries", type=int, default=len(RETRY_WAITS_S),
                    help="tries again after a 408/429/502/503/504, a timeout or a lost connection, waiting "
                         f"{', '.join(map(str, RETRY_WAITS_S))} s, then 30 s each (default: {len(RETRY_WAITS_S)}, "
-                        "about a minute: a service restart)")
+                        "about a minute: a service restart; a timeout or 408 is tried once more at most)")
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="per request (default: 600)")
     p.add_argument("--wait-s", type=float, default=60.0,
                    help="how long to wait for a service that is starting (default: 60)")

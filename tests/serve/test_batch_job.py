@@ -579,3 +579,19 @@ def test_lines_are_read_again_as_they_are_sent_and_one_rewritten_meanwhile_is_se
     records = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["id"] for r in records) == list(range(6)) and all("output" in r for r in records)
     assert len(sent) == 6 and sum(p.endswith("edited") for p in sent) == 5  # what the file said when each went
+
+
+def test_a_line_that_times_out_twice_is_its_failure_not_retries_times_the_timeout(tmp_path, capsys):
+    # a line past --request-timeout-s waits the whole timeout at each try: 7 of 600 s by default
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": 0, "prompt": "a long answer"}])
+    slow, busy = _DownService(200, on_post=lambda _: time.sleep(1.5)), _DownService(408)
+    with slow as url:
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--retries", "6",
+                    "--request-timeout-s", "0.5"]) == 1
+    assert slow.posts == 2 and "ReadTimeout" in json.loads(out.read_text())["error"]
+    out.unlink()
+    with busy as url:  # the service's own timeout, the same
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--retries", "6"]) == 1
+    assert busy.posts == 2
+    assert "run the same command again" in capsys.readouterr().err
