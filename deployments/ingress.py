@@ -930,12 +930,14 @@ class Ingress:
 
     def _tgi_token(self, ev: dict) -> dict:
         """A TGI token entry of a token event, the same in ``details.tokens`` and in stream events: its
-        text is the event's, so the entries' texts add up to ``generated_text`` (a character split over
-        tokens comes whole with its last one); a special token (EOS) shows its own text unless its event
-        carries the answer's held-back end (text kept for a stop string, a cut character)."""
+        text is the event's, so the texts of the entries that are not ``special`` add up to
+        ``generated_text``, as TGI's clients add them (a character split over tokens comes whole with its
+        last one). A special token (EOS) shows its own text, as special, unless its event carries the
+        answer's held-back end (text kept for a stop string, a cut character): that text is the answer's,
+        so its entry is not special (a client that skips special entries lost it)."""
         tok = ev.get("token_id")
-        special = tok in self._special if tok is not None else True
-        shown = self._token_text(tok) if special and tok is not None and not ev["text"] else ev["text"]
+        special = (tok in self._special if tok is not None else True) and not ev["text"]
+        shown = self._token_text(tok) if special and tok is not None else ev["text"]
         return {"id": tok if tok is not None else -1, "text": shown, "logprob": ev.get("logprob"), "special": special}
 
     def _tgi_top(self, ev: dict) -> list[dict]:

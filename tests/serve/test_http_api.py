@@ -331,10 +331,17 @@ def test_vllm_extensions_and_text_that_ends_mid_character(client):
     tgi = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "details": True,
                                                                           "temperature": 1e-6}}).json()
     tokens = tgi["details"]["tokens"]
-    assert tgi["details"]["finish_reason"] == "eos_token" and tokens[-1]["id"] == eos and tokens[-1]["special"]
+    assert tgi["details"]["finish_reason"] == "eos_token" and tokens[-1]["id"] == eos
     # here EOS ends a cut character: its entry carries that text's end (U+FFFD), as its stream event does,
-    # so the entries' texts still make up the answer
-    assert tgi["generated_text"] == "".join(t["text"] for t in tokens) and tokens[-1]["text"] != "<|eos|>"
+    # and is not special, so the texts a TGI client adds (those of entries not special) make up the answer
+    assert tokens[-1]["text"] != "<|eos|>" and not tokens[-1]["special"]
+    assert tgi["generated_text"] == "".join(t["text"] for t in tokens if not t["special"])
+    with client.stream("POST", "/generate_stream", json={"inputs": PROMPT, "parameters": {
+            "max_new_tokens": 12, "temperature": 1e-6}}) as s:
+        events = [e for e in sse_events(s)]
+    assert events[-1]["token"]["id"] == eos and not events[-1]["token"]["special"]
+    assert events[-1]["generated_text"] == "".join(e["token"]["text"] for e in events if not e["token"]["special"])
+
     # stop_token_ids end the answer without adding their text; skip_special_tokens: false shows them
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "logit_bias": {"65": 100}}
     assert client.post("/v1/completions", json={**body, "stop_token_ids": [65]}).json()["choices"][0]["text"] == ""

@@ -60,3 +60,14 @@ def test_a_stream_whose_engine_fails_ends_with_the_error_then_done(kind):
     assert events[-2]["error"]["code"] == "engine_failure", events[-2:]
     assert events[-2]["error"]["message"] == FAILED["error"]
     assert any(e != "[DONE]" and "choices" in e for e in events[:-2]), events  # what came before it was sent
+
+
+def test_a_tgi_token_entry_is_special_only_without_the_answers_text():
+    """EOS shows its own text as a special entry; when its event carries the answer's held-back end (a cut
+    character, text kept for a stop string), that text is the answer's: TGI's clients skip special entries."""
+    fake = type("Fake", (), {"_special": {2}, "_token_text": staticmethod(lambda t: "</s>")})()
+    entry = Cls._tgi_token
+    assert entry(fake, {"token_id": 2, "text": "", "logprob": -0.1}) == {
+        "id": 2, "text": "</s>", "logprob": -0.1, "special": True}
+    assert entry(fake, {"token_id": 2, "text": "ab", "logprob": -0.1})["special"] is False
+    assert entry(fake, {"token_id": 7, "text": "a"})["special"] is False
