@@ -653,12 +653,13 @@ class Ingress:
         # CLI's drain reaches all of them, not only the one a handle call lands on
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._drained_until = float("-inf")  # Ingress.drain's own word, kept for one lease
+        self._hub_view: tuple | None = None  # the hub's state at the last /metrics (restored if it restarts)
+        self._offered = ""  # the hub incarnation the heartbeat last offered that view to
         self._stop = threading.Event()
         threading.Thread(target=self._heartbeat, name="ingress-heartbeat", daemon=True).start()
         self._last_health: tuple[float, int] = (float("-inf"), 0)  # (when, replicas) of the last good answer
         self._zero_seen: tuple[float, bool] = (float("-inf"), False)  # (when, answer) of _at_zero
         self._zero_until = float("-inf")  # the last time at (or waking from) zero counts until then
-        self._hub_view: tuple | None = None  # the hub's state at the last /metrics (restored if it restarts)
         self._text_cache: dict[int, str] = {}  # bounded by the vocabulary
         self._bytes_cache: dict[int, list[int]] = {}
         # the named special tokens and every added token marked special (<|system|>): decoding with
@@ -687,8 +688,14 @@ class Ingress:
         hub's drain back."""
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                told = self._hub.call("ingress_poll", self._replica_id, InFlight.count, dict(in_process.ROUTED),
-                                      timeout=HEALTH_TIMEOUT_S, renew=False)
+                told, incarnation = self._hub.call("ingress_heartbeat", self._replica_id, InFlight.count,
+                                                   dict(in_process.ROUTED), timeout=HEALTH_TIMEOUT_S, renew=False)
+                view = self._hub_view
+                if view is not None and incarnation not in (view[0], self._offered):
+                    # the hub restarted: every ingress offers its view now (the newest stands), so no
+                    # scrape reads the counters from an older one than another ingress last showed
+                    self._offered = incarnation
+                    self._hub.call("restore", *view[1:], timeout=HEALTH_TIMEOUT_S, renew=False)
                 # the hub's word (a drain whose CLI died ends when its renewals lapse), or drain()'s own
                 InFlight.draining = bool(told) or time.monotonic() < self._drained_until
             except Exception as e:  # noqa: BLE001 - the hub is restarting: keep the last word

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -19,7 +20,10 @@ from engine.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 
 STALE_AFTER_S = 30.0
 RETIRED_MERGE_S = 600.0
-HUB_VERSION = 5  # in the hub's name: a detached hub of older code (without the routers' counts) is not reused
+# after a hub restart, how long a newer view than the one taken back may still replace it (under
+# STALE_AFTER_S: the entries a view gave have not folded away yet)
+RESTORE_WINDOW_S = 20.0
+HUB_VERSION = 6  # in the hub's name: a detached hub of older code (without the routers' counts) is not reused
 HUNG_AFTER_TIMEOUTS = 2  # calls in a row that time out before a client restarts the hub
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,25 @@ def _esc(v: str) -> str:
 
 
 COUNTER_KEYS = frozenset(key for key, _ in COUNTERS.values())
+
+
+@dataclass
+class _View:
+    """The view a restarted store took back: when, how much it counted, and the entries it gave that no
+    replica or ingress has reported over since (a newer view replaces them)."""
+
+    at: float
+    total: float
+    replicas: set[str] = field(default_factory=set)
+    ingresses: set[str] = field(default_factory=set)
+
+
+def _view_total(live: dict[str, dict], retired: dict[str, dict], merged: dict[str, Any]) -> float:
+    """Everything a view counted (a later view of the same store counts at least as much)."""
+    total: dict[str, Any] = {}
+    for part in (*live.values(), *retired.values(), merged, *merged.get("ingress_routing", {}).values()):
+        _add(total, part, COUNTER_KEYS)
+    return sum(v for k, v in total.items() if k in COUNTER_KEYS)
 
 
 def _add(total: dict[str, Any], snap: dict[str, Any], keys: frozenset[str] | None = None) -> None:
@@ -156,9 +179,11 @@ class SnapshotStore:
         self._snaps: dict[str, tuple[float, dict]] = {}
         self._retired: dict[str, tuple[float, dict]] = {}  # replica -> (when, its last totals)
         self._merged: dict[str, Any] = {}  # retired long ago, replica ids forgotten
-        # a fresh store (the hub restarted) starts empty; the ingress gives it back its last view once
+        # a fresh store (the hub restarted) starts empty; each ingress gives it back its last view, and the
+        # newest one offered within RESTORE_WINDOW_S stands (see restore)
         self.incarnation = uuid.uuid4().hex
-        self._restored = False
+        self._view: _View | None = None
+        self._view_merged: dict[str, Any] = {}  # its merged totals (replaced by a newer view's)
         self._draining_until = float("-inf")  # the CLI's drain, refreshed while it lasts (see drain)
         # ingress replica -> (when, requests in flight, whether it was told of the drain then)
         self._ingress: dict[str, tuple[float, int, bool]] = {}
@@ -172,6 +197,8 @@ class SnapshotStore:
     def push(self, replica: str, snapshot: dict) -> bool:
         """A replica's snapshot in; True when it must stop its engine now (``cut``)."""
         self._retired.pop(replica, None)
+        if self._view is not None:
+            self._view.replicas.discard(replica)  # its own word now, newer than any view's
         now = self._clock()
         self._snaps[replica] = (now, snapshot)
         if now - self._swept_at >= 1.0:  # retire and fold the gone replicas even if nobody scrapes /metrics
@@ -207,6 +234,7 @@ class SnapshotStore:
         live = self.snapshots()
         retired: dict[str, Any] = {}
         _add(retired, self._merged)
+        _add(retired, self._view_merged)
         _add(retired, self._routing_gone)
         for counts in self._routing.values():
             _add(retired, counts)
@@ -224,6 +252,7 @@ class SnapshotStore:
         live, retired = self.export()
         merged: dict[str, Any] = {}
         _add(merged, self._merged)  # a copy, histograms included
+        _add(merged, self._view_merged)
         _add(merged, self._routing_gone)
         if self._block_size:
             merged["block_size"] = self._block_size
@@ -231,31 +260,45 @@ class SnapshotStore:
         return live, retired, self.incarnation, {r: t for r, (_, t) in self._retired.items()}, merged
 
     def restore(self, live: dict[str, dict], retired: dict[str, dict], merged: dict[str, Any]) -> bool:
-        """Take back the last view a reader kept of the store before it restarted, once: replicas not
-        heard from since count as just heard (a live one replaces its entry at its next push; a dead one
-        retires after ``STALE_AFTER_S``), so the "all" counters continue where they were instead of
-        dropping to what the live replicas alone counted. False if this store was already restored."""
-        if self._restored:
-            return False
-        self._restored = True
+        """Take back a view a reader kept of the store before it restarted: replicas not heard from since
+        count as just heard (a live one replaces its entry at its next push; a dead one retires after
+        ``STALE_AFTER_S``), so the "all" counters continue where they were instead of dropping to what the
+        live replicas alone counted. Each ingress offers its own view, taken at its last scrape; within
+        ``RESTORE_WINDOW_S`` of the first, a newer one (more counted) replaces what an older one gave, or
+        the counters would stay at the older view's, below what a scrape of another ingress showed.
+        False if this view changed nothing."""
         now = self._clock()
+        total = _view_total(live, retired, merged)
+        if self._view is not None:
+            if now - self._view.at > RESTORE_WINDOW_S or total <= self._view.total:
+                return False
+            for r in self._view.replicas:  # what the older view gave and nothing has told since
+                self._snaps.pop(r, None)
+                self._retired.pop(r, None)
+            for r in self._view.ingresses:
+                self._routing.pop(r, None)
+        view = self._view = _View(now if self._view is None else self._view.at, total)
         merged = dict(merged)
         block_size = merged.pop("block_size", 0)  # (a constant: never summed into the totals)
         routing: dict[str, dict[str, int]] = merged.pop("ingress_routing", {})  # absent in older state
         self._block_size = self._block_size or block_size
-        for r, s in live.items():
+        for r, snap in live.items():
             if r not in self._snaps and r not in self._retired:
-                self._snaps[r] = (now, s)
+                self._snaps[r] = (now, snap)
+                view.replicas.add(r)
         for r, totals in retired.items():
             if r not in self._snaps and r not in self._retired:
                 self._retired[r] = (now, totals)
+                view.replicas.add(r)
         for r, counts in routing.items():
             if r not in self._routing:  # one that polled since sent its own, newer counts
                 self._routing[r] = dict(counts)
+                view.ingresses.add(r)
                 # as just heard, so a dead one folds into _routing_gone after STALE_AFTER_S; nothing in
                 # flight and "told", so it never holds up a drain
                 self._ingress.setdefault(r, (now, 0, True))
-        _add(self._merged, merged)
+        self._view_merged = {}
+        _add(self._view_merged, merged)
         return True
 
     def fresh(self, within_s: float) -> int:
@@ -277,10 +320,17 @@ class SnapshotStore:
         self._ingress[replica] = (now, in_flight, told)
         if routing is not None:
             self._routing[replica] = {k: int(routing.get(k, 0)) for k in ROUTER_KEYS}
+            if self._view is not None:
+                self._view.ingresses.discard(replica)
         for r in [r for r, (at, *_) in self._ingress.items() if now - at >= STALE_AFTER_S]:
             del self._ingress[r]  # bounded: replicas gone long ago
             _add(self._routing_gone, self._routing.pop(r, {}))  # its counts stay in the sums
         return told
+
+    def ingress_heartbeat(self, replica: str, in_flight: int, routing: dict[str, int]) -> tuple[bool, str]:
+        """``ingress_poll``, and this store's incarnation: an ingress that finds it new (the hub restarted)
+        offers its last view at once (``restore``), not at its next scrape."""
+        return self.ingress_poll(replica, in_flight, routing), self.incarnation
 
     def ingress_in_flight(self, within_s: float) -> int:
         """Requests in flight on the ingress replicas heard from within ``within_s``; during a drain, one

@@ -243,3 +243,39 @@ def test_a_state_exported_by_older_code_is_restored():
     assert new.restore(live, by_replica, merged)
     m = values(render(*new.export()))
     assert m[("radixserve_requests_total", "all")] == 5 and m[("radixserve_router_affinity_hits_total", "all")] == 0
+
+
+def test_the_newest_view_offered_after_a_restart_stands():
+    """Two ingresses keep views of the hub from their last scrapes; after a restart the one that offers
+    first may hold the older. The counters then stood at its totals, below what a scrape of the other
+    ingress had shown (a drop Prometheus reads as a reset): a newer view offered soon after replaces it."""
+    now = [0.0]
+    old = SnapshotStore(clock=lambda: now[0])
+    old.push("a", snap(10))
+    old.push("b", snap(10))
+    old.ingress_poll("i1", 0, {"router_affinity_hits": 5, "router_cold_routes": 1})
+    older = old.export_state()  # ingress 1's last scrape
+    now[0] = 40.0
+    old.push("a", snap(30))  # b dies; a counts on; a third replica comes and goes
+    old.push("c", snap(7))
+    old.forget("c")
+    old.ingress_poll("i1", 0, {"router_affinity_hits": 9, "router_cold_routes": 1})
+    newer = old.export_state()  # ingress 2's last scrape
+    seen = values(render(newer[0], newer[1]))
+    assert seen[("radixserve_requests_total", "all")] == 30 + 10 + 7
+
+    for first, second in ((older, newer), (newer, older)):
+        new = SnapshotStore(clock=lambda: now[0])  # the restart
+        new.push("b2", snap(1))  # a replica that started meanwhile
+        assert new.restore(first[0], first[3], first[4])
+        now[0] += 5.0
+        assert new.restore(second[0], second[3], second[4]) == (second is newer)
+        m = values(render(*new.export()))
+        assert m[("radixserve_requests_total", "all")] == 47 + 1  # the newer view's, and b2's own
+        assert m[("radixserve_router_affinity_hits_total", "all")] == 9
+        new.push("a", snap(31))  # a's own word replaces the view's entry
+        assert values(render(*new.export()))[("radixserve_requests_total", "all")] == 48 + 1
+        now[0] += 30.0  # a view offered long after the restart is not taken: the counters moved on
+        late = SnapshotStore(clock=lambda: now[0])
+        _, _, _, by, merged = late.export_state()
+        assert not new.restore({"a": snap(99)}, by, merged)
