@@ -71,7 +71,7 @@ class Line:
     # line's {"custom_id": ...}
     ref: dict
     # the request without ``id``; None once ``read_lines`` has its sort key: it is read again from the input
-    # when it is sent (``request``), so a run holds a few bytes per line, not the file
+    # when it is sent (``request``), so a run holds its key and offset per line, not the file
     body: dict | None
     path: str  # its route: an OpenAI-format line's ``url``, else chat for ``messages``, completions for ``prompt``
     openai: bool = False  # an OpenAI-format line (its result is written in that format too)
