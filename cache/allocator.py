@@ -74,6 +74,8 @@ class BlockAllocator:
         if short > 0:
             assert self.cache is not None
             freed = self.cache.evict(short)
+            # (num_evictable promised them: fewer would hand out a shorter table than asked for)
+            assert len(freed) == short, f"evicted {len(freed)} of the {short} blocks counted evictable"
             self.evictions += len(freed)
             self._release(freed)
         out = self._free[len(self._free) - n:] if n else []

@@ -3,6 +3,8 @@ written blocks into the radix cache, and release. The only place that moves bloc
 
 from __future__ import annotations
 
+from collections import Counter
+
 from cache.allocator import BlockAllocator, OutOfBlocks
 from cache.radix import RadixCache
 from engine.sequence import Sequence
@@ -109,4 +111,23 @@ class KVManager:
         seq.num_computed = 0
 
     def check(self, live: list[Sequence]) -> None:
+        """Assert the pool's books balance (see ``BlockAllocator.check_invariants``), and that each cache
+        lock belongs to a live request whose cached blocks are the path it locked: a lock nobody owns
+        shrinks the pool for good, and a cached block off its owner's locked path can be evicted and
+        handed to another request while the owner still reads it."""
         self.allocator.check_invariants([s.private_blocks for s in live])
+        if self.cache is None:
+            return
+        owners: Counter[int] = Counter()
+        for s in live:
+            nodes, node = [], s.lock_node
+            while node is not None and node.parent is not None:
+                assert node.alive, f"request {s.request_id} holds a lock on a removed node"
+                owners[id(node)] += 1
+                nodes.append(node)
+                node = node.parent
+            path = [b for n in reversed(nodes) for b in n.blocks]
+            assert path == s.block_table[:s.num_cached_blocks], (
+                f"request {s.request_id}'s cached blocks are not the path it locked")
+        for node in self.cache._iter_nodes():
+            assert node.lock_ref == owners[id(node)], "a prefix-cache lock that no live request owns"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.kv_manager import KVManager
 from engine.sequence import SamplingParams, Sequence
 
@@ -59,3 +61,24 @@ def test_readmission_marks_blocks_others_published_while_it_waited():
     assert protected(kv, [3] * 16) == [True, True, True, False]
     kv.release(seq)
     kv.check([])
+
+
+def test_the_check_sees_a_lock_no_request_owns_and_cached_blocks_off_the_locked_path():
+    """Found by a review: the books balanced in both cases, which a future leak or lost lock would cause."""
+    kv = KVManager(num_blocks=8, block_size=BS)
+    seq = Sequence("a", list(range(12)), SamplingParams())
+    admit_and_publish(kv, seq)
+    kv.check([seq])
+    with pytest.raises(AssertionError, match="no live request owns"):
+        kv.check([])  # "a" ended without its release: its lock stays, and its blocks can never be evicted
+    kv.release(seq)
+    kv.check([])
+
+    kv = KVManager(num_blocks=4, block_size=BS)
+    seq = Sequence("b", list(range(12)), SamplingParams())
+    admit_and_publish(kv, seq)
+    kv.cache.unlock(seq.lock_node)  # a lost lock: its cached blocks go to the next allocation
+    other = Sequence("c", [1] * 16, SamplingParams())
+    other.block_table = kv.allocator.allocate(4)
+    with pytest.raises(AssertionError, match="a removed node|not the path it locked"):  # (evicted: removed)
+        kv.check([seq, other])
