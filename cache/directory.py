@@ -85,6 +85,9 @@ def _epoch(raw, now: float, half_life_s: float) -> float | None:
     return x if math.isfinite(x) and x <= now + half_life_s else None
 
 
+TOP_K_PAGES = 8  # top_k reads at most this many pages of 4 k ranked entries
+
+
 @dataclass
 class HotPrefix:
     hash: int
@@ -205,8 +208,10 @@ class HotPrefixDirectory:
 
     def record(self, replica: str, tokens: Sequence[int], hits: int = 1, cache_salt: str | None = None,
                now: float | None = None) -> int | None:
-        """Note that ``replica`` holds (and served) the prefix ``tokens`` (whole blocks only).
-        Returns the prefix hash, or None when nothing was written (salted, too short, Redis down)."""
+        """Note that ``replica`` holds (and served ``hits`` requests of) the prefix ``tokens`` (whole blocks
+        only). With ``hits`` 0 (a warm-up) only the holder is written: the prefix's rank and its entry's
+        expiry are its requests' to keep. Returns the prefix hash, or None when nothing was written
+        (salted, too short, Redis down)."""
         if cache_salt:
             return None  # tenants' prefixes stay private
         n = min(len(tokens), self.max_prefix_tokens) // self.block_size * self.block_size
@@ -222,18 +227,16 @@ class HotPrefixDirectory:
             p = r.pipeline(transaction=False)
             pkey, ttl = self.ns + f"p:{h}", int(self.ttl_s)
             sent = self._tokens_sent.get(h, 0.0) > now
+            if not hits:
+                self._write_holder(p, h, replica, now)
+                p.execute()
+                return h
             if sent:
                 p.expire(pkey, ttl)  # answers 0 when the entry is gone (dropped as cold, flushed)
             else:
                 p.hset(pkey, mapping={"tokens": pack_tokens(toks), "blocks": n // self.block_size})
                 p.expire(pkey, ttl)
-            p.zadd(self.ns + f"h:{h}", {replica: now + self.ttl_s})
-            # holders whose own entry expired (gone without a goodbye): a prefix that stays hot keeps its
-            # set alive, which would otherwise collect every replica that ever held it
-            p.zremrangebyscore(self.ns + f"h:{h}", "-inf", now)
-            p.expire(self.ns + f"h:{h}", int(self.ttl_s))
-            p.sadd(self.ns + f"r:{replica}", str(h))
-            p.expire(self.ns + f"r:{replica}", int(self.ttl_s))
+            self._write_holder(p, h, replica, now)
             if sent and not p.execute()[0]:  # gone since: sent again, still before the ranking names it
                 r.hset(pkey, mapping={"tokens": pack_tokens(toks), "blocks": n // self.block_size})
                 r.expire(pkey, ttl)
@@ -249,6 +252,16 @@ class HotPrefixDirectory:
             return h
 
         return self._call(write, None)
+
+    def _write_holder(self, p, h: int, replica: str, now: float) -> None:
+        """``replica`` holds prefix ``h`` (into pipeline ``p``)."""
+        p.zadd(self.ns + f"h:{h}", {replica: now + self.ttl_s})
+        # holders whose own entry expired (gone without a goodbye): a prefix that stays hot keeps its
+        # set alive, which would otherwise collect every replica that ever held it
+        p.zremrangebyscore(self.ns + f"h:{h}", "-inf", now)
+        p.expire(self.ns + f"h:{h}", int(self.ttl_s))
+        p.sadd(self.ns + f"r:{replica}", str(h))
+        p.expire(self.ns + f"r:{replica}", int(self.ttl_s))
 
     def _drop_coldest(self, r, n: int) -> None:
         """Bounded: the ``n`` coldest leave the ranking, with their tokens (up to 128 KiB each), their
@@ -303,34 +316,41 @@ class HotPrefixDirectory:
         if k <= 0:
             return []
 
-        def read(r):
-            ranked = r.zrevrange(self.ns + "hot", 0, 4 * k - 1, withscores=True)
+        page = 4 * k
+
+        def read(r, start: int):
+            ranked = r.zrevrange(self.ns + "hot", start, start + page - 1, withscores=True)
             p = r.pipeline(transaction=False)
             for member, _ in ranked:
                 p.hgetall(self.ns + f"p:{member.decode(errors='replace')}")
             return ranked, p.execute(), r.get(self.ns + "epoch")
 
-        got = self._call(read, None)
-        if not got:
-            return []
-        ranked, entries, epoch = got
-        now = time.time()  # report decayed hit counts as of now
-        epoch = _epoch(epoch, now, self.half_life_s)
-        scale = 2.0 ** -max(0.0, (now - epoch) / self.half_life_s) if epoch is not None else 1.0
         out: list[HotPrefix] = []
         used = 0
         stale: list[bytes] = []
-        for (member, score), entry in zip(ranked, entries, strict=True):
-            hp = self._parse(member, score * scale, entry)
-            if hp is None:
-                stale.append(member)  # expired, corrupt or foreign: drop it from the ranking for good
-                continue
-            if token_budget is not None and used + len(hp.tokens) > token_budget:
-                continue
-            out.append(hp)
-            used += len(hp.tokens)
-            if len(out) == k:
+        # page on past entries that expired (a burst's prefixes, ranked high, outlive their tokens until a
+        # read drops them): a starting replica reads once, and a first page of them alone warmed nothing
+        for n in range(TOP_K_PAGES):
+            got = self._call(lambda r, start=n * page: read(r, start), None)
+            if not got:
                 break
+            ranked, entries, epoch = got
+            now = time.time()  # report decayed hit counts as of now
+            epoch = _epoch(epoch, now, self.half_life_s)
+            scale = 2.0 ** -max(0.0, (now - epoch) / self.half_life_s) if epoch is not None else 1.0
+            for (member, score), entry in zip(ranked, entries, strict=True):
+                hp = self._parse(member, score * scale, entry)
+                if hp is None:
+                    stale.append(member)  # expired, corrupt or foreign: drop it from the ranking for good
+                    continue
+                if token_budget is not None and used + len(hp.tokens) > token_budget:
+                    continue
+                out.append(hp)
+                used += len(hp.tokens)
+                if len(out) == k:
+                    break
+            if len(out) == k or len(ranked) < page or len(stale) < (n + 1) * page // 2:
+                break  # enough, the ranking's end, or pages mostly live (the budget, not staleness, left it short)
         if stale:
             self._call(lambda r: r.zrem(self.ns + "hot", *stale), None)
         return out

@@ -153,7 +153,9 @@ class LLMServer:
                     log.warning("warm-up: could not abort %s", rid, exc_info=True)
         for rid, tokens in added:
             if rid not in aborted:
-                self._queue_record(tokens)  # this replica holds it now
+                # this replica holds it now; not a hit: a prefix no request uses would stay hot for good as
+                # long as replicas kept starting (each warm-up renewed it)
+                self._queue_record(tokens, hits=0)
                 report["prefixes"] += 1
                 report["tokens"] += len(tokens)
         report["seconds"] = time.monotonic() - t0
@@ -194,18 +196,19 @@ class LLMServer:
         if shared >= self.block_size:
             self._queue_record(prompt_ids[:shared])
 
-    def _queue_record(self, tokens) -> None:
-        """Queue a directory record: packed (4 bytes a token, as long as the directory keeps), and only the
-        newest MAX_PENDING_RECORD_TOKENS while Redis cannot take them."""
+    def _queue_record(self, tokens, hits: int = 1) -> None:
+        """Queue a directory record (``hits``: requests it served; 0, it only holds it): packed (4 bytes a
+        token, as long as the directory keeps), and only the newest MAX_PENDING_RECORD_TOKENS while Redis
+        cannot take them."""
         toks = array.array("I", tokens[: self.directory.max_prefix_tokens])
         key = toks.tobytes()
         with self._records_lock:  # (not the events' lock: an engine-thread drain may hold that a while)
             queued = self._pending_records.get(key)
             if queued is not None:
-                queued[1] += 1
+                queued[1] += hits
                 self._pending_records.move_to_end(key)  # while Redis is down, the oldest go first
                 return
-            self._pending_records[key] = [toks, 1]
+            self._pending_records[key] = [toks, hits]
             self._pending_tokens += len(toks)
             while self._pending_tokens > MAX_PENDING_RECORD_TOKENS and len(self._pending_records) > 1:
                 self._pending_tokens -= len(self._pending_records.popitem(last=False)[1][0])

@@ -376,3 +376,27 @@ def test_a_gone_deployment_leaves_no_key_without_a_ttl(d, scripting):
     keys = d._r.keys(d.ns.replace("{", "\\{").replace("}", "\\}") + "*")
     assert {k.decode().rsplit(":", 2)[-1] for k in keys} >= {"hot", "epoch"}
     assert all(0 < d._r.ttl(k) <= int(d.ttl_s) for k in keys), {k: d._r.ttl(k) for k in keys}
+
+
+def test_top_k_reads_past_expired_entries_at_the_top(d):
+    """A burst's prefixes rank high after their tokens expired, until a read drops them: a starting
+    replica reads once, and the first page of them alone warmed it with nothing."""
+    now = time.time()
+    old = [d.record("old", toks(100 + i), hits=5000, now=now) for i in range(64)]
+    live = [d.record("r1", toks(i), hits=20, now=now) for i in range(5)]
+    d._r.delete(*(d.ns + f"p:{h}" for h in old))  # (as their TTL does)
+    assert sorted(p.hash for p in d.top_k(16)) == sorted(live)
+    assert d._r.zcard(d.ns + "hot") == 5  # and the expired ones left the ranking
+
+
+def test_a_warm_up_holds_a_prefix_without_ranking_it_or_keeping_it_alive(d):
+    """A replica that warmed a prefix holds it, but no request used it: counted as a hit (and renewing
+    the entry), a prefix nobody asks for stayed hot for good while replicas kept starting."""
+    h = d.record("r1", toks(1), hits=3)
+    ttl = d._r.ttl(d.ns + f"p:{h}")
+    d._r.expire(d.ns + f"p:{h}", 5)
+    assert d.record("r2", toks(1), hits=0) == h
+    assert sorted(d.holders(h)) == ["r1", "r2"]  # r2 holds it now
+    assert d.top_k(1)[0].score == pytest.approx(3, rel=0.01)  # not a hit
+    assert d._r.ttl(d.ns + f"p:{h}") <= 5 < ttl  # not renewed
+    assert d.record("r3", toks(2), hits=0) is not None and [p.hash for p in d.top_k(5)] == [h]  # never ranked
