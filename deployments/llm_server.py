@@ -213,6 +213,18 @@ class LLMServer:
             while self._pending_tokens > MAX_PENDING_RECORD_TOKENS and len(self._pending_records) > 1:
                 self._pending_tokens -= len(self._pending_records.popitem(last=False)[1][0])
 
+    def _requeue_record(self, key: bytes, toks, hits: int) -> None:
+        """Put a record Redis failed back at the head of the queue (the oldest go first), merged with one
+        for the same prefix queued since."""
+        with self._records_lock:
+            queued = self._pending_records.get(key)
+            if queued is not None:
+                queued[1] += hits
+                return
+            self._pending_records[key] = [toks, hits]
+            self._pending_records.move_to_end(key, last=False)
+            self._pending_tokens += len(toks)
+
     async def warmup(self, prefixes: list[list[int]], cache_salt: str | None = None) -> dict[str, Any]:
         """Prefill ``prefixes`` into the radix cache without generating (and record them as hot), one at a
         time: a warm-up then takes at most one prompt chunk of each engine step, and live requests keep
@@ -356,11 +368,14 @@ class LLMServer:
             with self._records_lock:
                 if not self._pending_records:
                     break
-                toks, hits = self._pending_records.popitem(last=False)[1]
+                key, (toks, hits) = self._pending_records.popitem(last=False)
                 self._pending_tokens -= len(toks)
             h = self.directory.record(self.replica_id, toks, hits=hits)
             if h is not None:
                 self._recorded.add(h)
+            elif not self.directory.available:  # Redis failed this write (a timeout): keep its hits
+                self._requeue_record(key, toks, hits)
+                break
         if not drained:  # the latest events are not in yet: judge what is gone at the next flush
             return
         # by each hash's latest event, not the order they came in: a record may reach Redis after its

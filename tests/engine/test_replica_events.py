@@ -114,6 +114,38 @@ def test_records_waiting_for_redis_keep_only_the_newest_tokens(make_engine, monk
         r.aengine.shutdown()
 
 
+class FailingDirectory(FakeDirectory):
+    """Redis times out on the next ``fail`` writes (HotPrefixDirectory answers None and backs off)."""
+
+    fail = 1
+
+    def record(self, replica, tokens, hits=1):
+        if self.fail:
+            self.fail -= 1
+            self.available = False
+            return None
+        return super().record(replica, tokens, hits)
+
+
+def test_a_record_redis_failed_is_written_at_a_later_flush_with_its_hits(make_engine):
+    # it used to be dropped: the hits of a prefix's requests since the last flush were lost
+    r = _replica(make_engine("tiny"))
+    r.directory = FailingDirectory("m")
+    try:
+        for _ in range(3):
+            r._queue_record(list(range(32)))
+        r._queue_record(list(range(16, 48)))
+        r._flush_directory()  # the first write times out: nothing more is tried while Redis backs off
+        assert not r.directory.writes and r._pending_tokens == 64
+        r._queue_record(list(range(32)))  # one more request of it meanwhile
+        r.directory.available = True
+        r._flush_directory()
+        assert sorted(hits for _, hits in r.directory.writes) == [1, 4] and not r._pending_records
+        assert r._pending_tokens == 0
+    finally:
+        r.aengine.shutdown()
+
+
 def test_requests_of_one_prefix_between_two_flushes_make_one_write(make_engine):
     r = _replica(make_engine("tiny"))
     r.directory = FakeDirectory("m")
