@@ -89,11 +89,16 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
                                                   "temperature": 0})
         usages.append(r.json()["usage"])
     assert max(u["prompt_tokens_details"]["cached_tokens"] for u in usages) >= 16 * 10
-    deadline = time.monotonic() + 10
+    # the replicas and the router report on their own beat: wait until every figure below has arrived
+    deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = metrics(client)
         if m.get(("radixserve_prefix_cache_hits_total", "all"), 0.0) > before and \
-                m.get(("radixserve_router_affinity_hits_total", "all"), 0.0) > 0:
+                m.get(("radixserve_router_affinity_hits_total", "all"), 0.0) > 0 and \
+                m.get(("radixserve_time_to_first_token_seconds_count", "all"), 0.0) > 0 and \
+                m.get(("radixserve_request_latency_seconds_count", "all"), 0.0) >= 4 and \
+                m.get(("radixserve_cache_hit_rate", "all"), 0.0) > 0 and \
+                len({r for (name, r) in m if name == "radixserve_cache_blocks_total"} - {"all"}) == 2:
             break
         time.sleep(0.5)
     assert m[("radixserve_prefix_cache_hits_total", "all")] > before
