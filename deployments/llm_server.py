@@ -259,6 +259,7 @@ class LLMServer:
         st = engine.stats
         return {**s, "blocks_used": s["blocks_total"] - s["blocks_free"],
                 "requests_finished": st.requests_finished, "requests_aborted": st.requests_aborted,
+                "requests_failed": st.requests_failed,
                 "prompt_tokens": st.prompt_tokens,
                 "generated_tokens": st.generated_tokens, "prefill_tokens_computed": st.prefill_tokens_computed,
                 "directory_errors": self.directory.errors if self.directory else 0,

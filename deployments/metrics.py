@@ -31,6 +31,8 @@ COUNTERS = {
     "radixserve_requests_total": ("requests_finished", "Requests finished (warm-up prefills not counted)."),
     "radixserve_requests_aborted_total": ("requests_aborted",
                                           "Requests cancelled before they finished (client gone, shutdown)."),
+    "radixserve_requests_failed_total": ("requests_failed", "Requests an engine error ended alone (in their "
+                                         "sampling or text; counted in requests_total too)."),
     "radixserve_prompt_tokens_total": ("prompt_tokens", "Prompt tokens received, warm-up prefixes included."),
     "radixserve_generation_tokens_total": ("generated_tokens", "Tokens generated."),
     "radixserve_prefill_tokens_computed_total": ("prefill_tokens_computed",

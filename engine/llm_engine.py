@@ -44,6 +44,7 @@ class EngineStats:
     """Counters and latency histograms for metrics (read by the serving layer)."""
 
     requests_finished: int = 0
+    requests_failed: int = 0  # of them, ended by an error in their own step work (engine._fail)
     requests_aborted: int = 0  # cancelled before they finished (client gone, shutdown)
     warmups_finished: int = 0  # prefill-only requests (warm-up), kept out of the request counters
     prompt_tokens: int = 0
@@ -313,9 +314,39 @@ class LLMEngine:
             if self.capture_logits is not None:
                 for row, seq in zip(logits, to_sample, strict=True):
                     self.capture_logits.setdefault(seq.request_id, []).append(row.clone())
-            for seq, s in zip(to_sample, sample(logits, to_sample), strict=True):
-                events.append(self._append_token(seq, s, now))
+            try:
+                sampled: list[Sampled | Exception] = list(sample(logits, to_sample))
+            except Exception:  # noqa: BLE001 - one request's adjustments (its guide, ...): find whose
+                sampled = self._sample_each(logits, to_sample)
+            for seq, s in zip(to_sample, sampled, strict=True):
+                try:
+                    if isinstance(s, Exception):
+                        raise s
+                    events.append(self._append_token(seq, s, now))
+                except Exception as e:  # noqa: BLE001 - fails that request alone; the batch goes on
+                    events.append(self._fail(seq, e))
         return events
+
+    @staticmethod
+    def _sample_each(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled | Exception]:
+        """Each row on its own (the batch's sampling failed): its token, or what failed it. ``sample``
+        adjusts copies of the rows, so a row is sampled here as it would have been in the batch."""
+        out: list[Sampled | Exception] = []
+        for i, seq in enumerate(seqs):
+            try:
+                out.append(sample(logits[i:i + 1], [seq])[0])
+            except Exception as e:  # noqa: BLE001
+                out.append(e)
+        return out
+
+    def _fail(self, seq: Sequence, e: Exception) -> TokenEvent:
+        """End a request whose own step work (its sampling, text, guide) raised: it gets the error, its
+        blocks go back, and the other requests of the step go on (a replica restart would lose them all)."""
+        log.error("request %s failed in a step, the others go on", seq.request_id, exc_info=e)
+        self.stats.requests_failed += 1
+        ev = self._finish(seq, "error")
+        ev.error, ev.error_kind = f"engine failure: {type(e).__name__}: {e}", "engine"
+        return ev
 
     def _prompt_logprobs(self, chunks: list, sample_mask: list[bool], all_rows: list[bool],
                          logits: torch.Tensor) -> torch.Tensor:
