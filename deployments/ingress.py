@@ -500,6 +500,11 @@ def _usage(finals: list[dict], n: int = 1) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(ev["num_cached_tokens"] for ev in firsts)}}
 
 
+def _sse_data(piece: str) -> list[str]:
+    """The ``data`` of each server-sent event in ``piece`` (one or more events of ours, each one line)."""
+    return [line[5:].strip() for line in piece.split("\n") if line.startswith("data:")]
+
+
 def _oai_stream_error(message: str) -> str:
     """How an OpenAI stream ends when its engine failed mid-answer: the error, then ``[DONE]`` as every
     stream ends (as vLLM's do), so a client reading to ``[DONE]`` knows the stream is over."""
@@ -1306,20 +1311,24 @@ class Ingress:
                 for ev in events.start():
                     yield ev
                 try:
-                    async for sse in pinged:
-                        if sse is None:  # nothing for a while: a keep-alive
+                    done = False
+                    async for piece in pinged:
+                        if piece is None:  # nothing for a while: a keep-alive
                             yield events.PING
                             continue
-                        data = sse.removeprefix("data: ").strip()
-                        if data == "[DONE]":
-                            break
-                        chunk = json.loads(data)
-                        if chunk.get("error"):
-                            for ev in events.fail(chunk["error"].get("message") or "the request failed"):
+                        # (a piece may hold several events: an error comes with its [DONE])
+                        for data in _sse_data(piece):
+                            if done := data == "[DONE]":
+                                break
+                            chunk = json.loads(data)
+                            if chunk.get("error"):
+                                for ev in events.fail(chunk["error"].get("message") or "the request failed"):
+                                    yield ev
+                                return
+                            for ev in events.chunk(chunk):
                                 yield ev
-                            return
-                        for ev in events.chunk(chunk):
-                            yield ev
+                        if done:
+                            break
                 except Exception as e:  # noqa: BLE001 - a client waits for the stream's last event: it gets one
                     log.exception("stream of %s failed", type(events).__name__)
                     for ev in events.fail(_error_text(e)):

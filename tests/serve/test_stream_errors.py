@@ -71,3 +71,31 @@ def test_a_tgi_token_entry_is_special_only_without_the_answers_text():
         "id": 2, "text": "</s>", "logprob": -0.1, "special": True}
     assert entry(fake, {"token_id": 2, "text": "ab", "logprob": -0.1})["special"] is False
     assert entry(fake, {"token_id": 7, "text": "a"})["special"] is False
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_a_translated_stream_whose_engine_fails_ends_with_the_engines_error(api, caplog):
+    # the chat stream's error and its [DONE] come as one piece: read as one event, the client got a JSON
+    # decoder's complaint ("Extra data") and the server logged a traceback
+    from app.messages_api import MessageEvents
+    from app.responses_api import ResponseEvents, ResponsesRequest
+
+    class Chatting(FakeIngress):
+        async def _chat(self, req, default):
+            return await Cls._openai_stream(self, [([1, 2, 3], {"logprobs": False})], "chat-1", 0,
+                                            "chat.completion.chunk", req, [""])
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    events = (MessageEvents("msg_1", "m", 10) if api == "messages" else
+              ResponseEvents(ResponsesRequest.model_validate({"input": "hi", "stream": True}), "resp_1", 0, "m"))
+    response = asyncio.run(Cls._chat_view(Chatting(), body, 10, None, events, True))
+    sent = [e for e in _events(response) if e != "[DONE]"]
+    errors = [e for e in sent if e["type"] == "error"]
+    assert len(errors) == 1, sent
+    message = errors[0]["error"]["message"] if api == "messages" else errors[0]["message"]
+    assert message == FAILED["error"]
+    assert any("delta" in e for e in sent)  # the text before it was sent
+    if api == "responses":
+        assert sent[-1]["type"] == "response.failed"
+        assert sent[-1]["response"]["error"]["message"] == FAILED["error"]
+    assert "stream of" not in caplog.text  # no traceback: an engine failure is not the stream's
