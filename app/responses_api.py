@@ -178,7 +178,10 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if not chat_usage:
         return None
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+    # (cache_write_tokens: OpenAI's writes for its extended prompt caching, which this server has not; its
+    # SDK's type requires the field)
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}
 
@@ -270,6 +273,9 @@ class ResponseEvents(ChunkEvents):
         self.calls: dict[int, int] = {}  # the chat delta's tool call index -> output index
         self.finish: str | None = None
         self.thought: _AfterThinking | None = None  # once the answer thinks: its content's log-probs
+        # log-probs of tokens whose text has not come yet (a character's first bytes, a stop string in the
+        # making, the ending token): they go with the next text, or into the message when it closes
+        self.held: list[dict[str, Any]] = []
 
     def _event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
@@ -304,7 +310,10 @@ class ResponseEvents(ChunkEvents):
         if self.thought is not None:
             logprobs = self.thought.keep(logprobs)
         if delta.get("content"):
-            out += self._text(delta["content"], logprobs)
+            out += self._text(delta["content"], self.held + logprobs)
+            self.held = []
+        elif not delta.get("tool_calls"):
+            self.held += logprobs
         for call in delta.get("tool_calls") or ():
             out += self._call(call)
         if choice.get("finish_reason"):
@@ -313,6 +322,7 @@ class ResponseEvents(ChunkEvents):
 
     def _open(self, item: dict[str, Any]) -> list[str]:
         out = self._close()  # the item before is done first
+        self.held = []  # (a tool call's tokens are not a message's text)
         self.open_at = len(self.output)
         self.output.append(item)
         if item["type"] == "function_call":
@@ -373,6 +383,9 @@ class ResponseEvents(ChunkEvents):
                                 arguments=item["arguments"]),
                     self._event("response.output_item.done", output_index=at, item=_copy(item))]
         part = item["content"][0]
+        if item["type"] == "message":
+            part["logprobs"] += self.held  # the answer's last tokens without text (its EOS): as unstreamed
+            self.held = []
         done = (self._event("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
                             text=part["text"]) if item["type"] == "reasoning" else
                 self._event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,

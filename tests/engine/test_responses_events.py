@@ -88,7 +88,7 @@ def test_a_stream_of_text_then_a_call_then_more_text():
     assert out[0]["content"][0]["text"] == "Let me see." and out[2]["content"][0]["text"] == " Done."
     assert out[1]["arguments"] == "{\"a\": 1}" and out[1]["call_id"] == "call_1"
     assert all(item["status"] == "completed" for item in out)
-    assert final["response"]["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2},
+    assert final["response"]["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2, "cache_write_tokens": 0},
                                           "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 0},
                                           "total_tokens": 12}
     # each event shows its item as it was then; a message's text part is added by an event of its own
@@ -164,3 +164,38 @@ def test_a_reasoning_item_goes_back_with_the_turn_after_it_and_logprobs_are_the_
                                         "logprobs": {"content": ents}}]})
     streamed = _events(lines + ev.end())[-1]["response"]["output"][1]["content"][0]["logprobs"]
     assert streamed == whole
+
+
+def test_streamed_logprobs_keep_the_tokens_whose_text_came_later_as_the_whole_answer_has_them():
+    # the first token's text held back (half a character) and the EOS come in chunks without text: their
+    # entries were dropped from the stream, so its bytes no longer made up the text
+    req = ResponsesRequest.model_validate({"input": "x"})
+    entries = [{"token": t, "logprob": -1.0, "bytes": b, "top_logprobs": []}
+               for t, b in (("\ufffd", [240, 159]), ("\ufffd", [152, 128]), ("!", [33]), ("<|eos|>", []))]
+    answer = {"created": 0, "choices": [{"finish_reason": "stop", "logprobs": {"content": entries},
+                                         "message": {"role": "assistant", "content": "\U0001F600!"}}]}
+    whole = response_from_chat(req, answer, "resp_1", "m")["output"][0]["content"][0]["logprobs"]
+    assert whole == entries
+    ev = ResponseEvents(req, "resp_2", 0, "m")
+    lines = ev.start()
+    for delta, ents, finish in (({"role": "assistant", "content": ""}, [], None), ({}, entries[:1], None),
+                                ({"content": "\U0001F600"}, entries[1:2], None), ({"content": "!"}, entries[2:3], None),
+                                ({}, entries[3:], "stop")):
+        lines += ev.chunk({"choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                        "logprobs": {"content": ents}}]})
+    events = _events(lines + ev.end())
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [d["logprobs"] for d in deltas] == [entries[:2], entries[2:3]]  # each with its text
+    assert bytes(b for d in deltas for e in d["logprobs"] for b in e["bytes"]).decode() == "\U0001F600!"
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == whole and events[-1]["response"]["output"][0]["content"][0]["logprobs"] == whole
+
+
+def test_the_final_response_is_what_the_openai_sdk_types_require():
+    types = pytest.importorskip("openai.types.responses")
+    ev = ResponseEvents(ResponsesRequest.model_validate({"input": "x"}), "resp_1", 0, "m")
+    lines = ev.start() + ev.chunk(_chunk({"role": "assistant", "content": "Hi"})) + ev.chunk(_chunk({}, "stop"))
+    lines += ev.chunk(_chunk(usage={"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                                    "prompt_tokens_details": {"cached_tokens": 0}}))
+    final = _events(lines + ev.end())[-1]["response"]
+    types.Response.model_validate(final)  # strictly (the SDK itself parses leniently): every required field
