@@ -140,7 +140,17 @@ def _call(obj: Any, names: set[str], name: str | None = None) -> ToolCall | None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json_text(args))
+    return ToolCall(obj["name"], _encodable(args) if isinstance(args, str) else json_text(args))
+
+
+def _encodable(text: str) -> str:
+    """Arguments the model wrote as a JSON string: a lone surrogate in them (``"\\ud83d"`` in its JSON)
+    became a character no response can encode (a 500); written back as its escape, it reads the same."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+    return text
 
 
 def _json_values(text: str, sep: str = "") -> list[Any] | None:

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -1028,7 +1028,7 @@ class Ingress:
         first, rest = await self._stream(ids, params)
 
         async def body():
-            text, n = "", 0
+            text, n = "", 1  # (TGI numbers a stream's tokens from 1)
             async for ev in _chain(first, rest):
                 if ev.get("error"):
                     yield _sse({"error": ev["error"], "error_type": "generation"})
@@ -1148,8 +1148,8 @@ class Ingress:
                                 for ev in toks]}
         return {"tokens": [self._listed_token(ev["token_id"]) for ev in toks],
                 "token_logprobs": [ev["logprob"] for ev in toks],
-                "top_logprobs": [{self._listed_token(t): lp for t, lp in ev.get("top_logprobs") or ()} for ev in toks]
-                if top else None,
+                "top_logprobs": [self._alternatives(ev["token_id"], ev["logprob"], ev.get("top_logprobs") or (), top)
+                                 for ev in toks],
                 "text_offset": [prefix + ev["text_offset"] if end is None else min(prefix + ev["text_offset"], end)
                                 for ev in toks]}
 
@@ -1183,9 +1183,16 @@ class Ingress:
                 at += len(own) - (at == 0 and own.startswith(" ") and not self._detok([t]).startswith(" "))
         return {"tokens": [self._listed_token(t) for t in ids],
                 "token_logprobs": [None if e is None else e[0] for e in plps],
-                "top_logprobs": [None if e is None else {self._listed_token(t): lp for t, lp in e[2][:top]} for e in plps]
-                if top else None,
+                "top_logprobs": [None if e is None else self._alternatives(t, e[0], e[2], top)
+                                 for t, e in zip(ids, plps, strict=True)],
                 "text_offset": offsets}
+
+    def _alternatives(self, token: int, logprob: float, best: Sequence[tuple[int, float]], top: int) -> dict:
+        """A completions ``top_logprobs`` entry: the ``top`` likeliest tokens, and the token itself where it
+        is not among them (OpenAI's: up to logprobs + 1 entries; vLLM's too)."""
+        out = {self._listed_token(t): lp for t, lp in best[:top]}
+        out.setdefault(self._listed_token(token), logprob)
+        return out
 
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest):

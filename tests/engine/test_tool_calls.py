@@ -157,7 +157,10 @@ def test_a_lone_surrogate_a_model_escapes_in_its_arguments_stays_escaped():
     from app.tool_calls import parse_mistral
 
     for text in ('<tool_call>{"name": "add", "arguments": {"s": "\\ud83d"}}</tool_call>',
-                 '[TOOL_CALLS]add[ARGS]{"s": "\\ud83d"}'):
+                 '[TOOL_CALLS]add[ARGS]{"s": "\\ud83d"}',
+                 # arguments written as a JSON string (whose JSON escapes the escape): they were kept as
+                 # decoded, the character itself, and the unstreamed answer was a 500
+                 '<tool_call>{"name": "add", "arguments": "{\\"s\\": \\"\\ud83d\\"}"}</tool_call>'):
         parse = parse_hermes if text.startswith("<") else parse_mistral
         arguments = parse(text, NAMES)[1][0].arguments
         arguments.encode()  # (a response's encoding would fail on the character itself)

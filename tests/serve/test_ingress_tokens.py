@@ -19,6 +19,7 @@ class Tokens:
     _listed_token = IngressClass._listed_token
     _token_bytes = IngressClass._token_bytes
     _oai_logprobs = IngressClass._oai_logprobs
+    _alternatives = IngressClass._alternatives
     _openai_stream = IngressClass._openai_stream
     _choices = IngressClass._choices
     model_name = "m"
@@ -119,3 +120,15 @@ def test_an_answer_holding_a_lone_surrogate_goes_out_escaped_not_as_a_server_err
 
     assert json.loads(_EscapedJSON({"input": {"s": "\ud83d"}}).body) == {"input": {"s": "\ud83d"}}
     assert _EscapedJSON({"s": "é"}).body == '{"s":"é"}'.encode()
+
+
+def test_completions_alternatives_always_name_the_token_itself():
+    """OpenAI's completions top_logprobs: the `logprobs` likeliest tokens and the chosen one (up to
+    logprobs + 1 entries), a dict even for logprobs 0. They were the alternatives alone (a token less
+    likely than them had no entry), and null for logprobs 0."""
+    ing = Tokens(sentencepiece_like())
+    events = [{"token_id": 6, "logprob": -3.0, "top_logprobs": [(5, -0.5), (7, -1.0)], "text_offset": 0},  # not best
+              {"token_id": 5, "logprob": -0.5, "top_logprobs": [(5, -0.5), (7, -1.0)], "text_offset": 6}]
+    lp = ing._oai_logprobs(events, False, 2)
+    assert lp["top_logprobs"] == [{" is": -0.5, ".": -1.0, " Paris": -3.0}, {" is": -0.5, ".": -1.0}]
+    assert ing._oai_logprobs(events, False, 0)["top_logprobs"] == [{" Paris": -3.0}, {" is": -0.5}]
