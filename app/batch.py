@@ -59,6 +59,7 @@ GONE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 # gone (it may be what failed the engine: every rerun would stop there); tried once more
 ENGINE_FAILURE = "engine_failure"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+CONNECT_TIMEOUT_S = 10.0  # a try's wait for a connection (its answer may take --request-timeout-s)
 
 
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
@@ -76,7 +77,10 @@ class Line:
     path: str  # its route: an OpenAI-format line's ``url``, else chat for ``messages``, completions for ``prompt``
     openai: bool = False  # an OpenAI-format line (its result is written in that format too)
     key: tuple = ()  # ``prefix_key`` of its body
-    at: int = -1  # where the line starts in the input, its number and its bytes' CRC-32 (to read it again)
+    # where the line starts in the input, its length in bytes, its number and its bytes' CRC-32 (to read it
+    # again: its own bytes, whatever follows them now)
+    at: int = -1
+    size: int = 0
     n: int = 0
     crc: int = 0
 
@@ -92,8 +96,7 @@ class Line:
         """The request to send: its body, read again from the input ``src`` where ``read_lines`` let it go."""
         if self.body is not None:
             return self.body
-        src.seek(self.at)
-        raw = src.readline()
+        raw = os.pread(src.fileno(), self.size, self.at)  # (the file as it is now: not a buffer of it)
         if zlib.crc32(raw) != self.crc:
             raise InputChanged(f"line {self.n} of the input changed while this run was sending it: run again")
         return _request(json.loads(raw.decode("utf-8-sig" if self.at == 0 else "utf-8")), self.openai)
@@ -110,8 +113,9 @@ def _request(obj: dict, openai: bool) -> dict:
     return {k: v for k, v in body.items() if v is not None}
 
 
-# a sort key keeps 8 bytes (a hash) of every this many characters of a prompt's text (or token ids): lines
-# that share their first chunks sort together, as by the whole text, at a sixteenth of its size
+# a sort key keeps the first this many characters of a prompt's text (or token ids) as they are, and 8 bytes
+# (a hash) of every further chunk as long: lines that share a prefix sort together, as by the whole text (a
+# shorter prefix than the first chunk too: a short system prompt), at a sixteenth of its size
 KEY_CHUNK_CHARS, KEY_CHUNK_IDS = 128, 32
 
 
@@ -120,10 +124,10 @@ def _chunked(pieces: Iterator[bytes]) -> bytes:
 
 
 def prefix_key(path: str, body: dict) -> tuple:
-    """Sort key that puts prompts sharing a prefix next to each other: texts and chats by their text's
-    chunks (``KEY_CHUNK_CHARS``), token ids among themselves, malformed prompts (the service will refuse
-    them) last. Groups sort in no meaningful order (nor do lines that part after their first chunk);
-    lines of one prompt keep the file's."""
+    """Sort key that puts prompts sharing a prefix next to each other: texts and chats by their text (its
+    first ``KEY_CHUNK_CHARS`` characters, then a hash of each further chunk), token ids among themselves,
+    malformed prompts (the service will refuse them) last. Lines that share the first chunk sort in no
+    meaningful order after it (but together while they share chunks); lines of one prompt keep the file's."""
     text = None
     if path == RESPONSES:  # (its instructions come first in the prompt)
         given = body.get("input")
@@ -142,12 +146,16 @@ def prefix_key(path: str, body: dict) -> tuple:
         if isinstance(p, str):
             text = p
         elif isinstance(p, list) and all(type(t) is int for t in p):
-            return (1, _chunked(b"".join(t.to_bytes(8, "big", signed=True) for t in p[i:i + KEY_CHUNK_IDS])
-                                for i in range(0, len(p), KEY_CHUNK_IDS)))
+            if any(not -(2**63) <= t < 2**63 for t in p):
+                return (2, b"", b"")
+            ids = [t.to_bytes(8, "big", signed=True) for t in p]
+            return (1, b"".join(ids[:KEY_CHUNK_IDS]), _chunked(b"".join(ids[i:i + KEY_CHUNK_IDS])
+                                                              for i in range(KEY_CHUNK_IDS, len(ids), KEY_CHUNK_IDS)))
     if text is None:
-        return (2, b"")
-    return (0, _chunked(text[i:i + KEY_CHUNK_CHARS].encode("utf-8", "surrogatepass")
-                        for i in range(0, len(text), KEY_CHUNK_CHARS)))
+        return (2, b"", b"")
+    return (0, text[:KEY_CHUNK_CHARS].encode("utf-8", "surrogatepass"),
+            _chunked(text[i:i + KEY_CHUNK_CHARS].encode("utf-8", "surrogatepass")
+                     for i in range(KEY_CHUNK_CHARS, len(text), KEY_CHUNK_CHARS)))
 
 
 def _joined(msgs: list) -> str:
@@ -181,17 +189,21 @@ class Plan:
     skipped: int = 0  # answered by an earlier run
 
 
-def read_lines(path: Path, done: set[str]) -> Plan:
-    """Parse the input (JSONL, UTF-8); ``done``: id keys answered by an earlier run."""
+def read_lines(src: Path | BinaryIO, done: set[str]) -> Plan:
+    """Parse the input (JSONL, UTF-8; a path, or the file open for reading, which the run then reads its
+    lines from again); ``done``: id keys answered by an earlier run."""
+    if isinstance(src, Path):
+        with src.open("rb") as f:
+            return read_lines(f, done)
     plan, seen = Plan(), set()  # id keys of this file's lines so far
-    with path.open("rb") as f:
-        at = 0
-        for n, raw_bytes in enumerate(f, 1):
-            line = _read_line(raw_bytes, n, plan, seen, done)
-            if line is not None:  # (its sort key made: the input keeps the rest until it is sent)
-                line.body, line.at, line.n, line.crc = None, at, n, zlib.crc32(raw_bytes)
-                plan.todo.append(line)
-            at += len(raw_bytes)
+    src.seek(0)
+    at = 0
+    for n, raw_bytes in enumerate(src, 1):
+        line = _read_line(raw_bytes, n, plan, seen, done)
+        if line is not None:  # (its sort key made: the input keeps the rest until it is sent)
+            line.body, line.at, line.size, line.n, line.crc = None, at, len(raw_bytes), n, zlib.crc32(raw_bytes)
+            plan.todo.append(line)
+        at += len(raw_bytes)
     return plan
 
 
@@ -262,7 +274,8 @@ def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: set[str]) 
     if key in done:
         plan.skipped += 1
         return None
-    return Line(ref, _request(obj, openai=True), obj["url"], openai=True)
+    url = next(u for u in OPENAI_BATCH_URLS if u == obj["url"])  # (the constant: not a string per line)
+    return Line(ref, _request(obj, openai=True), url, openai=True)
 
 
 def _openai_record(ref: dict, r: httpx.Response | None, body: Any, error: dict | None) -> dict:
@@ -499,21 +512,30 @@ def _leave_sigterm() -> None:
 
 async def _run(args: argparse.Namespace, totals: dict, output: Path) -> None:
     done = resume(output, rewrite=False)
-    plan = read_lines(Path(args.input), done)
+    # open once, for the whole run: its lines are read again from this file as they are sent (one moved or
+    # replaced meanwhile, as an editor saves it, is still read as it was)
+    with Path(args.input).open("rb") as src:
+        await _run_input(args, totals, output, done, src)
+
+
+async def _run_input(args: argparse.Namespace, totals: dict, output: Path, done: set[str], src: BinaryIO) -> None:
+    plan = read_lines(src, done)
     todo = plan.todo if args.keep_order else prefix_order(plan.todo)
-    totals.update({"to_send": len(todo), "ok": 0, "failed": 0, "retryable": 0, "refused": len(plan.errors),
+    totals.update({"to_send": len(todo), "ok": 0, "failed": 0, "retryable": 0, "changed": 0, "refused": len(plan.errors),
                    "skipped": plan.skipped, "not_done": len(todo), "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
                    "_t0": time.perf_counter()})
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     # a local service not via an HTTP_PROXY (httpx would send 127.0.0.1 there unless NO_PROXY says not to)
     local = (httpx.URL(args.url).host or "") in LOOPBACK
     auth = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout_s, limits=limits, headers=auth,
+    # (a connection that cannot be made takes at most 10 s a try, not the whole --request-timeout-s)
+    timeout = httpx.Timeout(args.request_timeout_s, connect=min(CONNECT_TIMEOUT_S, args.request_timeout_s))
+    async with httpx.AsyncClient(base_url=args.url, timeout=timeout, limits=limits, headers=auth,
                                  trust_env=not local) as client:
         # a finished job's rerun needs no service; any other finds it before the output is touched
         model = await _model(client, args.wait_s) if todo else ""
         resume(output)  # now the failed records go (their lines are sent again)
-        with output.open("a", encoding="utf-8") as out, Path(args.input).open("rb") as src:
+        with output.open("a", encoding="utf-8") as out:
             for rec in plan.errors:
                 out.write(json.dumps(rec, ensure_ascii=False) + "\n")
             if todo:
@@ -545,6 +567,7 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
                 rec, transient = await _one(client, line, line.request(src), defaults, args.retries)
             except InputChanged as e:  # (a rerun reads it again)
                 rec, transient = _failure_record(line, str(e), None), True
+                totals["changed"] += 1
             except ServiceGone as e:
                 totals.setdefault("_gone", str(e))  # this line is not written: a rerun sends it
                 continue
@@ -665,6 +688,10 @@ def main(args: argparse.Namespace) -> int:
     problem = problem or (None if dst.parent.is_dir() else f"--output: no folder {dst.parent}")
     if problem is None and dst.exists() and dst.resolve() == src.resolve():
         problem = "--output is the input file; pass another path"
+    # (the run's own files beside the output: one would be truncated and renamed over it, the other removed)
+    for own in (dst.with_name(dst.name + ".tmp"), dst.with_name(dst.name + ".lock")):
+        if problem is None and own.exists() and own.resolve() == src.resolve():
+            problem = f"the input is {own.name}, a file this command writes beside --output {dst.name}; rename it"
     if problem:
         print(f"radixserve batch: {problem}", file=sys.stderr)
         return 2
@@ -714,9 +741,13 @@ def _say_failures(totals: dict, dst: Path) -> bool:
         print(f"radixserve batch: {lasting} line(s) refused, by this command ({totals['refused']}: not sent) or "
               f"by the service (see `error` in {dst}): fix them in the input, and the same command sends "
               "them again", file=sys.stderr)
-    if totals["retryable"]:
-        print(f"radixserve batch: {totals['retryable']} line(s) failed on timeouts, overload or server errors "
-              f"(see `error` in {dst}): run the same command again to retry them", file=sys.stderr)
+    changed = totals.get("changed", 0)
+    if totals["retryable"] - changed:
+        print(f"radixserve batch: {totals['retryable'] - changed} line(s) failed on timeouts, overload or server "
+              f"errors (see `error` in {dst}): run the same command again to retry them", file=sys.stderr)
+    if changed:
+        print(f"radixserve batch: {changed} line(s) of the input changed while this run was sending them: run the "
+              "same command again to send them as they are now", file=sys.stderr)
     return bool(lasting or totals["retryable"])
 
 

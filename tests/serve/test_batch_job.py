@@ -36,6 +36,11 @@ def test_prefix_order_puts_shared_prefixes_together():
     assert together(5, 12)  # content parts sort by their text
     assert together(4, 7) and order.index(4) < order.index(8)  # token ids sort among themselves
     assert order[-3:] == [8, 9, 10]
+    # a system prompt shorter than the key's first chunk groups its lines too (they were scattered)
+    short = [Line({"id": i}, {"messages": [{"role": "system", "content": "Be brief." if i % 2 else "Be kind."},
+                                            {"role": "user", "content": f"question {i} " * (i + 1)}]}, CHAT)
+             for i in range(8)]
+    assert [x.ref["id"] % 2 for x in prefix_order(short)] in ([0] * 4 + [1] * 4, [1] * 4 + [0] * 4)
     # one prompt's lines keep the file's order
     same = [Line({"id": i}, {"prompt": SYS_A + "q"}, COMPLETIONS) for i in range(5)]
     assert [x.ref["id"] for x in prefix_order(same[::-1])] == [4, 3, 2, 1, 0]
@@ -575,6 +580,7 @@ def test_lines_are_read_again_as_they_are_sent_and_one_rewritten_meanwhile_is_se
         assert (totals["ok"], totals["failed"], totals["retryable"]) == (1, 5, 5), totals
         errors = [r["error"] for r in map(json.loads, out.read_text().splitlines()) if "error" in r]
         assert len(errors) == 5 and all("changed while this run was sending it" in e for e in errors)
+        assert "5 line(s) of the input changed" in captured.err and "timeouts" not in captured.err
         assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--concurrency", "1"]) == 0
     records = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["id"] for r in records) == list(range(6)) and all("output" in r for r in records)
@@ -595,3 +601,70 @@ def test_a_line_that_times_out_twice_is_its_failure_not_retries_times_the_timeou
         assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--retries", "6"]) == 1
     assert busy.posts == 2
     assert "run the same command again" in capsys.readouterr().err
+
+
+def test_the_input_is_read_as_it_was_opened_appended_to_or_replaced_meanwhile(tmp_path, capsys):
+    # a last line without a newline read again after the file grew had one (its CRC differed): it was
+    # recorded as changed; an input moved away after the start (or replaced, as an editor saves) failed the
+    # run with "cannot write <input>"
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    src.write_text("\n".join(json.dumps({"id": i, "prompt": f"line {i}"}) for i in range(4)))  # no last newline
+
+    def change(body: dict) -> None:
+        if body["prompt"] == "line 0":
+            with src.open("a") as f:
+                f.write("\n" + json.dumps({"id": 9, "prompt": "appended"}) + "\n")
+            src.rename(tmp_path / "moved.jsonl")
+            write(src, [{"id": i, "prompt": "replaced"} for i in range(4)])
+
+    with _DownService(200, on_post=change) as url:
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--concurrency", "1",
+                    "--keep-order"]) == 0, capsys.readouterr().err
+    assert sorted(r["id"] for r in map(json.loads, out.read_text().splitlines()) if "output" in r) == [0, 1, 2, 3]
+
+
+def test_an_input_named_as_the_runs_own_files_is_refused(tmp_path, capsys):
+    # the run truncates <output>.tmp and renames it over the output, and removes <output>.lock: such an
+    # input was destroyed
+    out = tmp_path / "o.jsonl"
+    write(out, [{"id": 0, "output": "x"}])
+    for own in ("o.jsonl.tmp", "o.jsonl.lock"):
+        src = tmp_path / own
+        write(src, [{"id": 1, "prompt": "hi"}])
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--wait-s", "0"]) == 2
+        assert f"the input is {own}" in capsys.readouterr().err and src.exists()
+
+
+def test_a_host_that_stops_taking_connections_costs_the_connect_timeout_not_the_request_timeout(
+        tmp_path, capsys, monkeypatch):
+    # a dead node behind a firewall: each try waited the whole --request-timeout-s to connect
+    import socket
+
+    from app import batch
+
+    async def model(client, wait_s):
+        return "m"
+
+    monkeypatch.setattr(batch, "_model", model)
+    monkeypatch.setattr(batch, "CONNECT_TIMEOUT_S", 0.5)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(8):  # a full accept queue: further connections are never made
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(("127.0.0.1", port))
+        fillers.append(c)
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": 0, "prompt": "hi"}])
+    t0 = time.monotonic()
+    try:
+        rc = cli(["batch", "--input", str(src), "--output", str(out), "--url", f"http://127.0.0.1:{port}",
+                  "--retries", "1", "--request-timeout-s", "60"])
+    finally:
+        for c in [*fillers, listener]:
+            c.close()
+    assert rc == 1 and "ConnectTimeout" in capsys.readouterr().err
+    assert time.monotonic() - t0 < 15  # two tries of 0.5 s and a 1 s wait (was two of 60 s)
