@@ -36,6 +36,8 @@ def test_prefix_order_puts_shared_prefixes_together():
     assert together(5, 12)  # content parts sort by their text
     assert together(4, 7) and order.index(4) < order.index(8)  # token ids sort among themselves
     assert order[-3:] == [8, 9, 10]
+    # ids past 64 bits (the service refuses them) sort with the malformed: they ended the run, a traceback
+    assert prefix_order([Line({"id": 0}, {"prompt": [2**70]}, COMPLETIONS), lines[0]])[0].ref == {"id": 1}
     # a system prompt shorter than the key's first chunk groups its lines too (they were scattered)
     short = [Line({"id": i}, {"messages": [{"role": "system", "content": "Be brief." if i % 2 else "Be kind."},
                                             {"role": "user", "content": f"question {i} " * (i + 1)}]}, CHAT)
