@@ -68,6 +68,16 @@ def split(text: str, mode: str, final: bool = True) -> tuple[str, str]:
     return thinking, body[end + len(END):].lstrip() if end >= 0 else ""
 
 
+def reasoning_tokens(pieces: list[tuple[str, bool]], mode: str) -> int:
+    """How many of an answer's tokens are its thinking, as it starts in ``mode``: ``pieces``, its text in
+    order, each with whether it is a token's."""
+    stream = ReasoningStream(mode)
+    for text, token in pieces:
+        stream.feed(text, token)
+    stream.finish()
+    return stream.reasoning_tokens
+
+
 class ReasoningStream:
     """``split`` of an answer as its text comes: ``feed`` each piece, ``finish`` at its end; each gives
     the (thinking, content) text to send now. Each piece costs its own length, not the answer's: after
@@ -82,8 +92,21 @@ class ReasoningStream:
         # whether content may go as it comes: an answer without thinking does; after </think> its leading
         # whitespace is left out first
         self.answered = mode == CONTENT
+        self.tokens = 0  # tokens fed (``token``)
+        self.reasoning_tokens = 0  # of them, the thinking's: up to the one that ends it (OpenAI's usage)
+        self._ended = False  # this piece ended the thinking
 
-    def feed(self, piece: str) -> tuple[str, str]:
+    def feed(self, piece: str, token: bool = False) -> tuple[str, str]:
+        """The (thinking, content) of ``piece`` to send now; ``token``: the piece is a token's (counted)."""
+        out = self._feed(piece)
+        if token:
+            self.tokens += 1
+            if self.state == "thinking" or self._ended:
+                self.reasoning_tokens = self.tokens
+        self._ended = False
+        return out
+
+    def _feed(self, piece: str) -> tuple[str, str]:
         if self.state == "start":
             self.text += piece
             opened = self.text.lstrip()
@@ -104,7 +127,7 @@ class ReasoningStream:
         text = self.held + piece
         end = text.find(END)
         if end >= 0:
-            self.state, self.held = "content", ""
+            self.state, self.held, self._ended = "content", "", True
             return self._thought(text[:end]), self._answer(text[end + len(END):])
         keep = partial_tail(text, END)
         send, self.held = text[:len(text) - keep], text[len(text) - keep:]
@@ -128,7 +151,10 @@ class ReasoningStream:
     def finish(self) -> tuple[str, str]:
         if self.state == "start":  # (a few characters: the whole answer's split)
             self.state = "done"
-            return split(self.text, self.mode)
+            thought, content = split(self.text, self.mode)
+            if thought or self.mode == THINKING:  # (the template opened the block: all of it is in there)
+                self.reasoning_tokens = self.tokens
+            return thought, content
         if self.state == "thinking":  # cut short inside the block: what was held is thinking too
             held, self.held = self.held, ""
             return self._thought(held), ""

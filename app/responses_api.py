@@ -182,7 +182,9 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     # SDK's type requires the field)
     return {"input_tokens": chat_usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": (chat_usage.get("completion_tokens_details") or {}).get(
+                "reasoning_tokens", 0)},
             "total_tokens": chat_usage["total_tokens"]}
 
 

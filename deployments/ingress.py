@@ -45,7 +45,7 @@ from app.messages_api import (
     error_body,
     message_from_chat,
 )
-from app.reasoning import CONTENT, END, START, TAGGED, ReasoningStream, split, start_mode
+from app.reasoning import CONTENT, END, START, TAGGED, ReasoningStream, reasoning_tokens, split, start_mode
 from app.responses_api import ResponseEvents, ResponsesRequest, response_from_chat
 from app.sampling_defaults import read_sampling_defaults
 from app.schemas import (
@@ -490,14 +490,17 @@ def _error_text(e: BaseException) -> str:
     return rest if sep and "." in head and " " not in head else text
 
 
-def _usage(finals: list[dict], n: int = 1) -> dict:
+def _usage(finals: list[dict], n: int = 1, reasoning: list[int] | None = None) -> dict:
     """OpenAI ``usage`` of the last events of a request's choices, ``n`` per prompt in prompt order: each
     prompt counts once, and its cached part is what its first choice found (the others then find what
-    that one computed)."""
+    that one computed). ``reasoning``: each choice's thinking tokens, under a reasoning parser."""
     firsts = finals[::n]
     p, c = sum(ev["num_prompt_tokens"] for ev in firsts), sum(ev["num_output_tokens"] for ev in finals)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": sum(ev["num_cached_tokens"] for ev in firsts)}}
+    out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+           "prompt_tokens_details": {"cached_tokens": sum(ev["num_cached_tokens"] for ev in firsts)}}
+    if reasoning is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning)}
+    return out
 
 
 def _sse_data(piece: str) -> list[str]:
@@ -562,7 +565,7 @@ def _split_piece(thinking: ReasoningStream | None, ev: dict) -> tuple[str, str]:
     """(thinking, content) text of a token event to send now (all content without a reasoning parser)."""
     if thinking is None:
         return "", ev["text"]
-    thought, piece = thinking.feed(ev["text"])
+    thought, piece = thinking.feed(ev["text"], token=ev.get("token_id") is not None)
     if ev["finished"]:
         more_thought, more = thinking.finish()
         thought, piece = thought + more_thought, piece + more
@@ -1270,8 +1273,11 @@ class Ingress:
                     **({"finish_reason": finish} if finish else {})}
 
         runs = await self._choices([(ids, params)], req.n, stream=False)
+        reasoning = None if mode is None else [
+            reasoning_tokens([(ev["text"], ev.get("token_id") is not None) for ev in events], mode) for events in runs]
         return self._openai_answer(runs, req.n, rid, created, "chat.completion", choice,
-                                   {"prompt_logprobs": self._vllm_prompt_logprobs(ids, runs[0], req.prompt_logprobs)})
+                                   {"prompt_logprobs": self._vllm_prompt_logprobs(ids, runs[0], req.prompt_logprobs)},
+                                   reasoning)
 
     @app.post("/v1/responses")
     async def responses(self, req: ResponsesRequest):
@@ -1453,18 +1459,20 @@ class Ingress:
                         yield chunk(i, {}, calls[i].finish_reason(finish) if calls[i] else finish, events=unsent[i],
                                     stop_reason=ev.get("stop_reason"))
             if include_usage:
-                yield self._usage_event(rid, "chat.completion.chunk", created, finals, req.n)
+                yield self._usage_event(rid, "chat.completion.chunk", created, finals, req.n,
+                                        None if thinking_mode is None else [t.reasoning_tokens for t in thinking])
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=_stream_headers(started[0][0]))
 
-    def _usage_event(self, rid: str, obj: str, created: int, finals: list[dict], n: int) -> str:
+    def _usage_event(self, rid: str, obj: str, created: int, finals: list[dict], n: int,
+                     reasoning: list[int] | None = None) -> str:
         """A stream's last chunk before ``[DONE]`` with ``stream_options.include_usage``: no choices, the usage."""
         return _sse({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                     "usage": _usage(finals, n)})
+                     "usage": _usage(finals, n, reasoning)})
 
     def _openai_answer(self, runs: list[list[dict]], n: int, rid: str, created: int, obj: str, choice,
-                       extra: dict | None = None) -> JSONResponse:
+                       extra: dict | None = None, reasoning: list[int] | None = None) -> JSONResponse:
         """A whole OpenAI answer of its choices' events (``n`` per prompt): ``choice(i, events)`` gives the
         API's own fields of choice ``i``, ``extra`` its own top-level ones; the index, the finish reason and
         the envelope are the same."""
@@ -1473,7 +1481,8 @@ class Ingress:
             c["finish_reason"] = c.pop("finish_reason", None) or _oai_finish(events[-1]["finish_reason"])
             c["stop_reason"] = events[-1].get("stop_reason")  # vLLM's: the stop string or token id that ended it
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                             "choices": choices, "usage": _usage([events[-1] for events in runs], n), **(extra or {})},
+                             "choices": choices, "usage": _usage([events[-1] for events in runs], n, reasoning),
+                             **(extra or {})},
                             headers=_replica_header(runs[0]))
 
     async def _bad_words_ids(self, words: list[str] | None) -> list[list[int]]:
@@ -1641,7 +1650,8 @@ class Ingress:
                     if ev["finished"]:
                         finals[i] = ev
             if include_usage and len(finals) == len(states):
-                yield self._usage_event(rid, obj, created, [finals[i] for i in range(len(states))], req.n)
+                reasoning = None if thinking is None else [st.thinking.reasoning_tokens for st in states]
+                yield self._usage_event(rid, obj, created, [finals[i] for i in range(len(states))], req.n, reasoning)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=_stream_headers(started[0][0]))

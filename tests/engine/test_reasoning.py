@@ -8,7 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.reasoning import CONTENT, TAGGED, THINKING, ReasoningStream, split, start_mode
+from app.reasoning import (
+    CONTENT,
+    END,
+    START,
+    TAGGED,
+    THINKING,
+    ReasoningStream,
+    reasoning_tokens,
+    split,
+    start_mode,
+)
 
 
 @pytest.mark.parametrize("parser, tail, expected", [
@@ -55,3 +65,39 @@ def test_a_streamed_answer_splits_as_the_whole_does(mode, lead, pieces):
         thinking, content = thinking + t, content + c
     t, c = stream.finish()
     assert (thinking + t, content + c) == split(lead + "".join(pieces), mode)
+
+
+def _thinking_tokens(pieces: list[str], mode: str) -> int:
+    """Reference: the tokens whose text starts before the end of the thinking block (its closing tag
+    included; the whole answer where it never closes), none where the answer does not think."""
+    text = "".join(pieces)
+    opened = text.lstrip()
+    if mode == CONTENT or not (opened.startswith(START) or mode == THINKING):
+        return 0
+    body = len(text) - len(opened) + len(START) if opened.startswith(START) else 0
+    end = text.find(END, body)
+    if end < 0:
+        return len(pieces)
+    starts = [sum(map(len, pieces[:i])) for i in range(len(pieces))]
+    return sum(start < end + len(END) for start in starts)
+
+
+@settings(max_examples=400, deadline=None)
+@given(mode=st.sampled_from([THINKING, TAGGED, CONTENT]),
+       lead=st.sampled_from(["", " ", "\n\n", "<think>", "\n<think>\n", "<thi", "x"]),
+       pieces=st.lists(st.sampled_from(PIECES), max_size=14))
+def test_an_answers_thinking_tokens_are_those_up_to_its_closing_tag(mode, lead, pieces):
+    # usage's completion_tokens_details.reasoning_tokens (the Responses API's output_tokens_details), each
+    # piece a token's: streamed or whole, the same count
+    tokens = [lead, *pieces]
+    assert reasoning_tokens([(t, True) for t in tokens], mode) == _thinking_tokens(tokens, mode)
+    # text that is no token's (held back, sent at the end) moves nothing
+    assert reasoning_tokens([(t, True) for t in tokens] + [("", False)], mode) == _thinking_tokens(tokens, mode)
+
+
+def test_thinking_tokens_of_typical_answers():
+    qwen = ["<think>", "\n", "Plan", ".", "\n", "</think>", "\n\n", "Hi", "."]
+    assert reasoning_tokens([(t, True) for t in qwen], TAGGED) == 6
+    assert reasoning_tokens([(t, True) for t in qwen[5:]], THINKING) == 1  # the template opened the block
+    assert reasoning_tokens([(t, True) for t in ["Hi", "."]], TAGGED) == 0
+    assert reasoning_tokens([(t, True) for t in ["cut", " short"]], THINKING) == 2  # max_tokens inside it

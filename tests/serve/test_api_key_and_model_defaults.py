@@ -138,9 +138,21 @@ def test_thinking_is_split_from_the_answer_whole_and_streamed(keyed):
         assert "".join(d.get("reasoning_content", "") for d in deltas) == msg["reasoning_content"]
         assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
         assert sum(bool(d.get("reasoning_content")) for d in deltas) > 3  # it streams, as the answer does
+        # usage counts the thinking's tokens (OpenAI's completion_tokens_details), streamed or not
+        greedy = {**chat, "temperature": 0}
+        usage = c.post("/v1/chat/completions", json=greedy).json()["usage"]
+        thought = usage["completion_tokens_details"]["reasoning_tokens"]
+        assert 0 < thought < usage["completion_tokens"], usage
+        with c.stream("POST", "/v1/chat/completions", json={**greedy, "stream": True,
+                                                            "stream_options": {"include_usage": True}}) as s:
+            assert _sse_data(s)[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
+        responses = c.post("/v1/responses", json={"input": "Greet me.", "max_output_tokens": 60, "temperature": 0,
+                                                  "guided_regex": THINKING}).json()["usage"]
+        assert responses["output_tokens_details"] == {"reasoning_tokens": thought}
         # a prompt whose template closed the thinking block (enable_thinking false) has no thinking
         closed = c.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"enable_thinking": False}})
         assert "reasoning_content" not in closed.json()["choices"][0]["message"]
+        assert closed.json()["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
         assert closed.json()["choices"][0]["message"]["content"].startswith("<think>")
         # an answer that opens no thinking block is all content (a JSON one, say; the guide could wait for
         # a block the model opens, as the next test shows: here it may not)
@@ -158,6 +170,10 @@ def test_thinking_is_split_from_the_answer_whole_and_streamed(keyed):
         assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nUse add.\n"
         calls = [c for d in deltas for c in d.get("tool_calls", ())]
         assert [c["function"]["name"] for c in calls if "name" in c["function"]] == ["add"]
+        with c.stream("POST", "/v1/chat/completions", json={**chat, **tools, "stream": True,
+                                                            "stream_options": {"include_usage": True}}) as s:
+            usage = _sse_data(s)[-1]["usage"]
+        assert 0 < usage["completion_tokens_details"]["reasoning_tokens"] < usage["completion_tokens"]
         assert "".join(c["function"]["arguments"] for c in calls) == '{"a": true}'
         # the Responses API: a reasoning item before the message
         body = {"input": "Greet me.", "max_output_tokens": 60, "guided_regex": THINKING}
