@@ -3,6 +3,7 @@ environment variables, the Serve config file, and defaults. Engine settings keep
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Mapping
@@ -46,6 +47,26 @@ class AutoscalingSettings(BaseModel):
         if self.policy == "requests" and unused:
             raise ValueError(f"policy \"requests\" takes no {' or '.join(unused)} (settings of the cache policy)")
         return self
+
+
+# the files that decide a model's token ids (whichever of them a tokenizer has)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "vocab.txt", "spiece.model", "special_tokens_map.json", "added_tokens.json")
+
+
+def tokenizer_fingerprint(model: str) -> str | None:
+    """A short hash of a local model folder's tokenizer files; None for anything else (a hub id)."""
+    folder = Path(model)
+    digest, found = hashlib.blake2b(digest_size=6), False
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if path.is_file():
+            found = True
+            digest.update(name.encode() + b"\0")
+            with path.open("rb") as f:
+                for chunk in iter(lambda f=f: f.read(1 << 20), b""):
+                    digest.update(chunk)
+    return digest.hexdigest() if found else None
 
 
 class Settings(BaseModel):
@@ -241,11 +262,19 @@ class Settings(BaseModel):
             return self.served_model_name
         return Path(self.model_id).name if self.model_id else "radixserve-tiny"
 
-    def engine_config(self, model_path: str | None = None) -> EngineConfig:
+    def cache_namespace(self) -> str:
+        """What seeds the block hashes and names the hot-prefix directory's entries: the served name, and
+        where the model is a local folder, a fingerprint of its tokenizer's files, so a model swapped
+        under the same name does not warm up from (nor route by) the old one's token ids. Routers and
+        replicas must agree: ``build_app`` computes it once and hands it to both."""
+        fingerprint = tokenizer_fingerprint(self.resolved_model_id())
+        return f"{self.model_name()}@{fingerprint}" if fingerprint else self.model_name()
+
+    def engine_config(self, model_path: str | None = None, cache_namespace: str | None = None) -> EngineConfig:
         names = set(EngineConfig.field_names()) - {"model_id"}
         kw = {k: v for k, v in self.model_dump().items() if k in names}
-        return EngineConfig(model_id=model_path or self.resolved_model_id(), cache_namespace=self.model_name(),
-                            **kw).validate()
+        return EngineConfig(model_id=model_path or self.resolved_model_id(),
+                            cache_namespace=cache_namespace or self.model_name(), **kw).validate()
 
     # ------------------------------------------------------------------ sources
     @classmethod

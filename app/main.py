@@ -18,7 +18,9 @@ from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
 
 
-def llm_deployment(settings: Settings):
+def llm_deployment(settings: Settings, cache_namespace: str | None = None):
+    """The LLM replicas' deployment; ``cache_namespace``: ``Settings.cache_namespace``, computed once (its
+    routers must hash as its replicas do)."""
     opts: dict[str, Any] = dict(
         name=f"{settings.deployment_name}-llm",
         max_ongoing_requests=settings.max_ongoing_requests,
@@ -41,13 +43,13 @@ def llm_deployment(settings: Settings):
             downscale_delay_s=a.downscale_delay_s, look_back_period_s=a.look_back_period_s, **extra)
     else:
         opts["num_replicas"] = settings.num_replicas
-    opts["request_router_config"] = request_router_config(settings)
+    opts["request_router_config"] = request_router_config(settings, cache_namespace)
     return serve.deployment(LLMServer).options(**opts)
 
 
-def request_router_config(settings: Settings):
+def request_router_config(settings: Settings, cache_namespace: str | None = None):
     """Serve's request router for the LLM deployment: ours (``prefix``, ``round_robin``) or Serve's
-    default power-of-two-choices (``pow2``)."""
+    default power-of-two-choices (``pow2``), hashing prompts in ``cache_namespace`` (default: the settings')."""
     from ray.serve.config import RequestRouterConfig
 
     period = settings.routing_stats_period_s
@@ -56,7 +58,8 @@ def request_router_config(settings: Settings):
     return RequestRouterConfig(
         request_router_class="routing.prefix_router:PrefixAwareRequestRouter",
         request_router_kwargs={"mode": settings.router, "block_size": settings.block_size,
-                               "model_id": settings.model_name(), "redis_url": settings.directory_url(),
+                               "model_id": cache_namespace or settings.cache_namespace(),
+                               "redis_url": settings.directory_url(),
                                "deployment": settings.deployment_name},
         request_routing_stats_period_s=period)
 
@@ -67,12 +70,13 @@ INGRESS_ONLY = frozenset({"api_key", "sampling_defaults", "cors_allow_origin", "
 
 def build_app(settings: Settings):
     settings.resolved_model_id()  # create the built-in model before replicas look for it
+    namespace = settings.cache_namespace()  # once, here: replicas and routers hash in it alike
     # Replica counts stay out of the replicas' own arguments: changing them through the Python API then
     # scales the deployment in place instead of replacing every replica (`serve deploy` hashes a config
     # file's whole `args`, so there any change restarts every replica).
     s = settings.model_dump(exclude={"num_replicas", "autoscaling", "ingress_replicas"})
     # nor do the ingress' own settings go to the LLM replicas: a new API key would restart every one of them
-    llm = llm_deployment(settings).bind({k: v for k, v in s.items() if k not in INGRESS_ONLY})
+    llm = llm_deployment(settings, namespace).bind({k: v for k, v in s.items() if k not in INGRESS_ONLY}, namespace)
     return Ingress.options(name=f"{settings.deployment_name}-ingress", num_replicas=settings.ingress_replicas,
                            max_ongoing_requests=settings.ingress_max_ongoing_requests,
                            # as the LLM replicas: a frozen ingress is every request's outage, and one

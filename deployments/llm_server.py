@@ -67,10 +67,12 @@ WARMUP_POOL_SHARE = 0.75  # of the KV pool a start-up warm-up may fill (the rest
 
 
 class LLMServer:
-    def __init__(self, settings: dict[str, Any]):
+    def __init__(self, settings: dict[str, Any], cache_namespace: str | None = None):
+        """``cache_namespace``: what the deployment's routers hash prompts in (``Settings.cache_namespace``,
+        computed by ``build_app``); default: the served model's name."""
         show_our_info_logs()
         self.settings = Settings(**settings)
-        cfg = self.settings.engine_config()
+        cfg = self.settings.engine_config(cache_namespace=cache_namespace)
         if cfg.num_threads is None and self.settings.replica_num_gpus == 0:
             # replicas share the machine's cores; oversubscribed torch threads only slow everyone down
             cfg.num_threads = max(1, int(self.settings.replica_num_cpus) or 1)

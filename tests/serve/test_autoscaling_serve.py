@@ -32,7 +32,7 @@ def scaling_app(serve_app, model_dir, own_redis):
                               "upscale_delay_s": 0, "downscale_delay_s": 2, "look_back_period_s": 11})
     serve.run(build_app(s), name="atest", route_prefix=ROUTE)
     with httpx.Client(base_url=serve_app + ROUTE, timeout=120) as c:
-        yield c, HotPrefixDirectory(r.url, "atest", "tiny")
+        yield c, HotPrefixDirectory(r.url, "atest", s.cache_namespace())  # (what its replicas write in)
     serve.delete("atest")
 
 

@@ -158,3 +158,29 @@ def test_a_deployment_name_serve_and_redis_can_use_is_checked_up_front():
         with pytest.raises(ValueError, match="is not a name"):
             Settings.from_sources(cli={"deployment_name": bad}, env={})
     assert Settings(deployment_name="chat-v2.1_b").deployment_name == "chat-v2.1_b"
+
+
+def test_replicas_and_routers_hash_in_one_namespace_that_changes_with_the_tokenizer(model_dir, tmp_path):
+    # the directory's entries and the block hashes were named by the served name alone: a model swapped
+    # under the same name warmed its replicas up from the old tokenizer's ids (for up to an hour)
+    import shutil
+
+    from app.config import tokenizer_fingerprint
+    from app.main import build_app
+
+    tiny = model_dir("tiny")
+    copy = tmp_path / "tiny"
+    shutil.copytree(tiny, copy)
+    assert tokenizer_fingerprint(str(copy)) == tokenizer_fingerprint(tiny) is not None
+    spec = copy / "tokenizer.json"
+    spec.write_text(spec.read_text().replace('"<|eos|>"', '"<|end|>"', 1))  # another tokenizer
+    assert tokenizer_fingerprint(str(copy)) != tokenizer_fingerprint(tiny)
+    assert tokenizer_fingerprint("org/some-hub-id") is None and tokenizer_fingerprint(str(tmp_path)) is None
+    s = Settings(model_id=tiny, served_model_name="chat")
+    namespace = s.cache_namespace()
+    assert namespace == f"chat@{tokenizer_fingerprint(tiny)}"
+    assert Settings(model_id=str(copy), served_model_name="chat").cache_namespace() != namespace
+    ingress = build_app(s)._bound_deployment
+    llm = ingress.init_args[0]._bound_deployment  # the LLM replicas' deployment, bound into the ingress
+    assert llm.init_args[1] == namespace  # the replicas' engines and directory client
+    assert llm._deployment_config.request_router_config.request_router_kwargs["model_id"] == namespace

@@ -32,7 +32,8 @@ def warm_app(serve_app, model_dir, own_redis):
 
     with httpx.Client(base_url=serve_app + ROUTE, timeout=60) as c:
         deploy(2)
-        yield c, deploy, HotPrefixDirectory(r.url, "wtest", "tiny")
+        # (the namespace the service's replicas and routers use: the model's name and its tokenizer's hash)
+        yield c, deploy, HotPrefixDirectory(r.url, "wtest", Settings(model_id=model_dir("tiny")).cache_namespace())
     serve.delete("wtest")
 
 
