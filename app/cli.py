@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -196,6 +197,9 @@ def _serve(args: argparse.Namespace) -> int:
     if problem:
         print(f"radixserve: {problem}", file=sys.stderr)
         return 2
+    if "max_num_seqs" in settings.model_fields_set and settings.max_num_seqs > settings.max_ongoing_requests:
+        print(f"radixserve: warning: --max-num-seqs {settings.max_num_seqs} is more than a replica is sent at once "
+              f"(--max-ongoing-requests {settings.max_ongoing_requests}): raise that too", file=sys.stderr)
     from app.local_redis import LocalRedis
 
     redis = None
@@ -408,6 +412,14 @@ def _wait_healthy(settings: Settings, within_s: float) -> bool:
     return False
 
 
+def _deploy_failure(e: BaseException) -> str:
+    """Serve's deploy failure in a line or two: its first line, and the replicas' own error where it names
+    one (the last ``SomeError: ...`` line of the tracebacks it quotes)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
+    cause = next((ln for ln in reversed(lines) if re.match(r"^[\w.]*(Error|Exception): ", ln)), None)
+    return lines[0] if cause is None or cause == lines[0] else f"{lines[0]} ({cause})"
+
+
 def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
     import ray
     from ray import serve
@@ -448,7 +460,13 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
         serve.start(http_options={"host": settings.host, "port": settings.port,
                                   "request_timeout_s": settings.request_timeout_s})
         deployed = True  # (from here on the hub is this application's own, to remove at the end)
-        serve.run(build_app(settings), name=settings.deployment_name, route_prefix="/", blocking=False)
+        try:
+            serve.run(build_app(settings), name=settings.deployment_name, route_prefix="/", blocking=False)
+        except RuntimeError as e:  # DEPLOY_FAILED: its replicas kept failing to start (their log lines are above)
+            if interrupted.is_set():
+                raise KeyboardInterrupt from None
+            print(f"radixserve: the service failed to start: {_deploy_failure(e)}", file=sys.stderr, flush=True)
+            return 1
         take_signals()
         if interrupted.is_set():  # Ray caught the interrupt and went on: give up the start-up all the same
             raise KeyboardInterrupt
@@ -509,15 +527,17 @@ PRESET_NAMES = list(PRESETS)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="radixserve", description="Prefix-aware LLM serving on Ray Serve.")
+    # no abbreviated flags (--num-replica for --num-replicas): a script that used one would change meaning
+    # when a new flag made it ambiguous, and the environment and config files refuse such typos too
+    ap = _Parser(prog="radixserve", description="Prefix-aware LLM serving on Ray Serve.", allow_abbrev=False)
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     # no ArgumentDefaultsHelpFormatter: flags default to None (unset flags leave the environment and
     # the config file in charge), so each flag's help names the setting's own default instead
-    s = sub.add_parser("serve", help="start Ray (or join one), Redis and the HTTP service")
+    s = sub.add_parser("serve", help="start Ray (or join one), Redis and the HTTP service", allow_abbrev=False)
     s.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     add_settings_flags(s)
     s.set_defaults(func=_serve)
-    p = sub.add_parser("init-model", help="write a small random-weight model of any supported architecture "
+    p = sub.add_parser("init-model", allow_abbrev=False, help="write a small random-weight model of any supported architecture "
                                           "(Llama, Mistral, Qwen, Gemma, Phi, OLMo, Mixtral and more) with a "
                                           "byte-level tokenizer")
     p.add_argument("path", help="folder to write (created if missing)")
@@ -529,6 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
     p.set_defaults(func=_init_model)
     b = sub.add_parser("batch", help="run a JSONL file of requests through a running service (`ray job submit`)",
+                       allow_abbrev=False,
                        description="Requests that share a prefix are sent back to back; a rerun continues.")
     from app import batch
 

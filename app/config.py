@@ -105,7 +105,7 @@ class Settings(BaseModel):
     kv_memory_fraction: float = Field(0.3, gt=0, le=1)
     num_threads: int | None = Field(None, gt=0, description="torch threads per replica (CPU); default: "
                                     "--replica-num-cpus")
-    seed: int = 0
+    seed: int = Field(0, ge=-(2**63), lt=2**64, description="the engine's random state at start (a 64-bit integer)")
     sampling_defaults: Literal["model", "api"] = Field("model", description="what the OpenAI routes use for "
                                                        "temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
                                                        "a request leaves unset: model (the model's generation_config.json, "
@@ -121,7 +121,7 @@ class Settings(BaseModel):
         "<think> thinks until </think>), deepseek_r1 (the answer thinks from its start until </think>) or none "
         "(default: none)")
     # serving
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8000, ge=0, le=65535)
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingSettings | None = None
@@ -297,8 +297,12 @@ class Settings(BaseModel):
             raw = env.get(ENV_PREFIX + name.upper())
             if raw is not None and raw != "":
                 env_set[name] = _parse_env(name, raw)
+        # a flag's text reads as a variable's does: `--api-key none` is no key, as RADIXSERVE_API_KEY=none is
+        # (an unset flag is None: it leaves the sources below in charge)
+        cli_set = {k: _parse_env(k, v) if isinstance(v, str) and v else v for k, v in (cli or {}).items()
+                   if v is not None}
         merged: dict[str, Any] = {}
-        for source in (dict(file or {}), env_set, {k: v for k, v in (cli or {}).items() if v is not None}):
+        for source in (dict(file or {}), env_set, cli_set):
             # a fixed count and autoscaling exclude each other: a source that sets one overrides the
             # other from the sources below it (setting both in one source is refused)
             for one, other in (("num_replicas", "autoscaling"), ("autoscaling", "num_replicas")):
@@ -325,6 +329,8 @@ def _problem(err: dict) -> str:
 
 
 def _parse_env(name: str, raw: str) -> Any:
+    if raw.lower() in ("null", "none") and name != "redis_url":  # (redis_url's none: no directory)
+        return None
     if name == "autoscaling":
         import json
 
@@ -332,6 +338,6 @@ def _parse_env(name: str, raw: str) -> Any:
             return json.loads(raw)
         except ValueError as e:
             raise ValueError(f"{ENV_PREFIX}AUTOSCALING is not JSON ({e}): {raw[:80]!r}") from None
-    if raw.lower() == "null" or (raw.lower() == "none" and name != "redis_url"):  # (redis_url's none: no directory)
+    if raw.lower() == "null":
         return None
     return raw  # pydantic coerces "8", "true", "0.5"

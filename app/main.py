@@ -16,6 +16,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 from app.config import ENV_PREFIX, Settings
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
+from engine.config import ConfigError
 
 
 def llm_deployment(settings: Settings, cache_namespace: str | None = None):
@@ -101,4 +102,9 @@ def app_builder(args: dict[str, Any]):
     if ignored:  # a variable left from `radixserve serve`: not an error, but it must not look obeyed
         logging.getLogger("radixserve").warning(
             "%s ignored: under a Serve config, where Serve listens is its http_options", ", ".join(ignored))
-    return build_app(Settings.from_sources(file=dict(args or {})))
+    settings = Settings.from_sources(file=dict(args or {}))
+    try:  # the engine's own checks (`radixserve serve` makes them before it starts): else each replica fails
+        settings.engine_config()
+    except ConfigError as e:
+        raise ValueError(f"invalid settings: {e}") from None
+    return build_app(settings)

@@ -184,3 +184,49 @@ def test_replicas_and_routers_hash_in_one_namespace_that_changes_with_the_tokeni
     llm = ingress.init_args[0]._bound_deployment  # the LLM replicas' deployment, bound into the ingress
     assert llm.init_args[1] == namespace  # the replicas' engines and directory client
     assert llm._deployment_config.request_router_config.request_router_kwargs["model_id"] == namespace
+
+
+def test_flags_are_never_abbreviated_and_read_none_as_variables_do():
+    # argparse took --num-replica for --num-replicas (and --max-in for --max-input-tokens), where the
+    # environment and config files refuse typos; `--api-key none` was a key spelt "none", while
+    # RADIXSERVE_API_KEY=none is an open API
+    from app.cli import build_parser
+
+    for command in (["serve", "--num-replica", "2"], ["batch", "--input", "a", "--output", "b", "--concur", "2"]):
+        args, extra = build_parser().parse_known_args(command)  # (main refuses what is left over)
+        assert extra == command[-2:]
+    args, _ = build_parser().parse_known_args(["serve", "--api-key", "none", "--cors-allow-origin", "None"])
+    cli = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    s = Settings.from_sources(cli=cli, env={"RADIXSERVE_API_KEY": "from-env"})
+    assert s.api_key is None and s.cors_allow_origin == []  # (the flag's none overrides the variable)
+    assert Settings.from_sources(cli={"redis_url": "none"}, env={}).redis_url == "none"  # (no directory)
+    assert Settings.from_sources(env={"RADIXSERVE_AUTOSCALING": "none"}).autoscaling is None  # was "not JSON"
+    for bad, said in (({"host": ""}, "host (--host): String should have at least 1 character"),
+                      ({"seed": 2**64}, "seed (--seed): Input should be less than")):  # (each replica failed)
+        with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")):
+            Settings.from_sources(cli=bad, env={})
+
+
+def test_a_serve_config_the_engine_would_refuse_is_refused_when_it_is_built(model_dir):
+    # `radixserve serve` checks these before it starts; a Serve config's app built, and every replica failed
+    from app.main import app_builder
+
+    for args, said in (({"max_input_tokens": 100, "max_total_tokens": 50}, "must be below max_total_tokens"),
+                       ({"max_batch_total_tokens": 8}, "at least one block"),
+                       ({"max_batch_total_tokens": 1024, "max_total_tokens": 4096}, "more than the KV pool holds")):
+        with pytest.raises(ValueError, match=f"invalid settings: .*{said}"):
+            app_builder({"model_id": model_dir("tiny"), **args})
+
+
+def test_a_failed_deploy_is_said_in_a_line_with_the_replicas_error():
+    # serve.run's RuntimeError (replicas that kept failing to start) ended `radixserve serve` in a traceback
+    from app.cli import _deploy_failure
+
+    quoted = ("Deploying application radixserve failed: Failed to update the deployments ['radixserve-llm'].\n"
+              "Traceback (most recent call last):\n  File \"llm_server.py\", line 80, in __init__\n"
+              "ray.exceptions.RayTaskError(ValueError): ray::ServeReplica:radixserve.initialize()\n"
+              "ValueError: the model's weights are missing lm_head.weight\n")
+    assert _deploy_failure(RuntimeError(quoted)) == ("Deploying application radixserve failed: Failed to update the "
+                                                     "deployments ['radixserve-llm']. (ValueError: the model's weights "
+                                                     "are missing lm_head.weight)")
+    assert _deploy_failure(RuntimeError("")) == "RuntimeError"
