@@ -35,8 +35,11 @@ def _flag_type(annotation) -> tuple[type | None, list[str] | None]:
     return (base if base in (int, float, str, bool) else str), None
 
 
-def _json_object(text: str) -> dict:
-    """``--autoscaling``'s value (argparse would name ``json.loads`` in its error)."""
+def _json_object(text: str) -> dict | str:
+    """``--autoscaling``'s value (argparse would name ``json.loads`` in its error); none or null as they are
+    (the setting's null: ``Settings.from_sources`` reads them)."""
+    if text.lower() in ("none", "null"):
+        return text
     try:
         value = json.loads(text)
     except ValueError as e:
@@ -149,11 +152,25 @@ def _cluster_problem(settings: Settings) -> str | None:
     if port != settings.port:
         return (f"Serve already runs on this cluster and listens on port {port}, not {settings.port}: "
                 f"pass --port {port} (one HTTP port per cluster)")
+    # nor its host and timeout (asked for explicitly; a default takes the cluster's own)
+    http = client.http_config
+    for name, there, same in (("host", http.host, _loopback(http.host) == _loopback(settings.host)),
+                              ("request_timeout_s", http.request_timeout_s, http.request_timeout_s == settings.request_timeout_s)):
+        if name in settings.model_fields_set and not same:
+            flag = "--" + name.replace("_", "-")
+            said = "no request timeout" if there is None else f"its {name} {there}"
+            return (f"Serve already runs on this cluster with {said}, not {getattr(settings, name)}: "
+                    f"leave out {flag} (Serve's HTTP options are the cluster's)")
     for name, app in (client.get_serve_details().get("applications") or {}).items():
         if name == settings.deployment_name or app.get("route_prefix") == "/":
             return (f"the application {name!r} already serves {app.get('route_prefix') or '/'} on this cluster "
                     "(another `radixserve serve`?): stop it first (Ctrl-C there, or `serve shutdown`)")
     return None
+
+
+def _loopback(host: str) -> str:
+    """A host as Serve's proxy binds it: the loopback names alike."""
+    return "loopback" if host in ("localhost", "127.0.0.1", "::1") else host
 
 
 def _device_problem(settings: Settings, config) -> str | None:

@@ -329,7 +329,9 @@ def _problem(err: dict) -> str:
 
 
 def _parse_env(name: str, raw: str) -> Any:
-    if raw.lower() in ("null", "none") and name != "redis_url":  # (redis_url's none: no directory)
+    # none is the setting's null, unless it is one of the setting's own values (redis_url's none: no
+    # directory; the parsers' none: no parser)
+    if raw.lower() == "none" and name != "redis_url" and "none" not in _literal_values(name):
         return None
     if name == "autoscaling":
         import json
@@ -340,4 +342,12 @@ def _parse_env(name: str, raw: str) -> Any:
             raise ValueError(f"{ENV_PREFIX}AUTOSCALING is not JSON ({e}): {raw[:80]!r}") from None
     if raw.lower() == "null":
         return None
-    return raw  # pydantic coerces "8", "true", "0.5"
+    return raw
+
+
+def _literal_values(name: str) -> tuple:
+    """The values a setting's ``Literal`` type allows (none for other types)."""
+    import typing
+
+    annotation = Settings.model_fields[name].annotation
+    return typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else ()  # pydantic coerces "8", "true", "0.5"

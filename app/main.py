@@ -50,7 +50,8 @@ def llm_deployment(settings: Settings, cache_namespace: str | None = None):
 
 def request_router_config(settings: Settings, cache_namespace: str | None = None):
     """Serve's request router for the LLM deployment: ours (``prefix``, ``round_robin``) or Serve's
-    default power-of-two-choices (``pow2``), hashing prompts in ``cache_namespace`` (default: the settings')."""
+    default power-of-two-choices (``pow2``), hashing prompts in ``cache_namespace`` (default: the served
+    name, as the replicas' own default)."""
     from ray.serve.config import RequestRouterConfig
 
     period = settings.routing_stats_period_s
@@ -59,7 +60,7 @@ def request_router_config(settings: Settings, cache_namespace: str | None = None
     return RequestRouterConfig(
         request_router_class="routing.prefix_router:PrefixAwareRequestRouter",
         request_router_kwargs={"mode": settings.router, "block_size": settings.block_size,
-                               "model_id": cache_namespace or settings.cache_namespace(),
+                               "model_id": cache_namespace or settings.model_name(),
                                "redis_url": settings.directory_url(),
                                "deployment": settings.deployment_name},
         request_routing_stats_period_s=period)

@@ -308,7 +308,9 @@ class ResponseEvents(ChunkEvents):
         logprobs = (choice.get("logprobs") or {}).get("content") or []
         if delta.get("reasoning_content"):
             out += self._text(delta["reasoning_content"], [], "reasoning")
-            self.thought = self.thought or _AfterThinking()
+            if self.thought is None:  # (what was held before is the thinking's start: <think>, say)
+                self.thought = _AfterThinking()
+                logprobs, self.held = self.held + logprobs, []
         if self.thought is not None:
             logprobs = self.thought.keep(logprobs)
         if delta.get("content"):
@@ -324,7 +326,8 @@ class ResponseEvents(ChunkEvents):
 
     def _open(self, item: dict[str, Any]) -> list[str]:
         out = self._close()  # the item before is done first
-        self.held = []  # (a tool call's tokens are not a message's text)
+        if item["type"] == "function_call":
+            self.held = []  # (a tool call's tokens are not a message's text)
         self.open_at = len(self.output)
         self.output.append(item)
         if item["type"] == "function_call":

@@ -1647,6 +1647,8 @@ class Ingress:
                         if ev["finished"]:
                             c["choices"][0]["stop_reason"] = ev.get("stop_reason")
                         yield _sse(c)
+                    elif st.thinking is not None and ev.get("token_id") is not None:
+                        st.thinking.feed("", token=True)  # (not sent, but counted: usage's reasoning tokens)
                     if ev["finished"]:
                         finals[i] = ev
             if include_usage and len(finals) == len(states):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -32,6 +33,19 @@ from engine.scheduler import Scheduler
 from engine.sequence import SamplingError, SamplingParams, Sequence, Status, TokenEvent
 
 log = logging.getLogger(__name__)
+
+
+class BooksBroken(RuntimeError):
+    """The KV pool's or the scheduler's bookkeeping failed in a step: not one request's trouble, so not
+    failed alone (``LLMEngine._fail``); the engine loop ends and the replica is replaced."""
+
+
+@contextlib.contextmanager
+def _books():
+    try:
+        yield
+    except Exception as e:
+        raise BooksBroken(f"{type(e).__name__}: {e}") from e
 HOT_WALK_NODES_PER_STEP = 2048  # about a millisecond of Python per engine step
 
 
@@ -323,6 +337,8 @@ class LLMEngine:
                     if isinstance(s, Exception):
                         raise s
                     events.append(self._append_token(seq, s, now))
+                except BooksBroken:
+                    raise  # (the pool's or the scheduler's books: every request's, the engine loop ends)
                 except Exception as e:  # noqa: BLE001 - fails that request alone; the batch goes on
                     events.append(self._fail(seq, e))
         return events
@@ -432,12 +448,14 @@ class LLMEngine:
             if found := find_stop(seq, before):
                 reason, stop_reason = "stop", found
         if reason is None:
-            self.kv.trim_window(seq)
+            with _books():
+                self.kv.trim_window(seq)
             ev = TokenEvent(seq.request_id, tok, take_delta(seq, final=False), s.logprob, False,
                             num_prompt_tokens=len(seq.prompt_ids), num_cached_tokens=seq.num_cached_prompt_tokens,
                             num_output_tokens=len(seq.output_ids), top_logprobs=s.top, text_offset=start)
         else:
-            ev = self._finish(seq, reason)
+            with _books():
+                ev = self._finish(seq, reason)
             ev.token_id, ev.logprob, ev.top_logprobs, ev.stop_reason = tok, s.logprob, s.top, stop_reason
             ev.text_offset = min(start, len(seq.text))  # a stop string left out of the text took its place
         if len(seq.output_ids) == 1 and seq.params.prompt_logprobs is not None:

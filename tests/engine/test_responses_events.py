@@ -199,3 +199,18 @@ def test_the_final_response_is_what_the_openai_sdk_types_require():
                                     "prompt_tokens_details": {"cached_tokens": 0}}))
     final = _events(lines + ev.end())[-1]["response"]
     types.Response.model_validate(final)  # strictly (the SDK itself parses leniently): every required field
+
+
+def test_an_answer_without_text_keeps_its_eos_log_prob_streamed_as_whole():
+    # the message opened at the end (no text came) cleared the held entries first: logprobs [] streamed
+    req = ResponsesRequest.model_validate({"input": "x"})
+    eos = [{"token": "<|eos|>", "logprob": -0.5, "bytes": [], "top_logprobs": []}]
+    answer = {"created": 0, "choices": [{"finish_reason": "stop", "logprobs": {"content": eos},
+                                         "message": {"role": "assistant", "content": ""}}]}
+    whole = response_from_chat(req, answer, "resp_1", "m")["output"][0]["content"][0]["logprobs"]
+    ev = ResponseEvents(req, "resp_2", 0, "m")
+    lines = ev.start() + ev.chunk({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "finish_reason": None, "logprobs": {"content": []}}]})
+    lines += ev.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "logprobs": {"content": eos}}]})
+    streamed = _events(lines + ev.end())[-1]["response"]["output"][0]["content"][0]["logprobs"]
+    assert streamed == whole == eos

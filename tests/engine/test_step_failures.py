@@ -75,3 +75,20 @@ def test_a_request_whose_sampling_fails_ends_alone_and_the_others_sample_as_in_t
     assert eng.stats.requests_failed == 1 and not eng.requests
     eng.check_invariants()
     assert eng.kv.allocator.num_in_use == 0
+
+
+def test_a_failure_in_the_pools_books_still_ends_the_engine_loop(make_engine, monkeypatch):
+    # a request's own work fails alone; the KV pool's or the scheduler's bookkeeping is every request's
+    # (their books may be wrong now): that still ends the step, and the loop, as before
+    import pytest
+
+    eng = make_engine("tiny")
+
+    def broken(seq):
+        raise AssertionError("a block freed twice")
+
+    monkeypatch.setattr(eng.kv, "trim_window", broken)
+    eng.add_request(PROMPTS[0], SamplingParams(max_new_tokens=4))
+    with pytest.raises(llm_engine.BooksBroken, match="AssertionError: a block freed twice"):
+        while eng.has_work():
+            eng.step()

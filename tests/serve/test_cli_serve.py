@@ -281,6 +281,8 @@ def test_joining_a_cluster_refuses_another_port_or_a_taken_application(serve_app
     address = ray.get_runtime_context().gcs_address
     port = int(serve_app.rsplit(":", 1)[1])
     for args, said in ((["--port", str(free_port())], f"listens on port {port}, not"),
+                       # (a new host was ignored too, and the CLI said it listened there)
+                       (["--port", str(port), "--host", "0.0.0.0"], "with its host 127.0.0.1, not 0.0.0.0"),
                        (["--port", str(port)], "the application 'radixserve' already serves / on this cluster")):
         r = _cli("serve", "--address", address, "--model-id", model_dir("tiny"), "--redis-url", "none", *args,
                  timeout=120, env={"RAY_AUTH_MODE": "token"})  # (as the test session's Ray has it)

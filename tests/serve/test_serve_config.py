@@ -195,10 +195,14 @@ def test_flags_are_never_abbreviated_and_read_none_as_variables_do():
     for command in (["serve", "--num-replica", "2"], ["batch", "--input", "a", "--output", "b", "--concur", "2"]):
         args, extra = build_parser().parse_known_args(command)  # (main refuses what is left over)
         assert extra == command[-2:]
-    args, _ = build_parser().parse_known_args(["serve", "--api-key", "none", "--cors-allow-origin", "None"])
+    args, _ = build_parser().parse_known_args(["serve", "--api-key", "none", "--cors-allow-origin", "None",
+                                               "--reasoning-parser", "none", "--autoscaling", "none"])
     cli = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    s = Settings.from_sources(cli=cli, env={"RADIXSERVE_API_KEY": "from-env"})
+    s = Settings.from_sources(cli=cli, env={"RADIXSERVE_API_KEY": "from-env", "RADIXSERVE_REASONING_PARSER": "qwen3",
+                                            "RADIXSERVE_AUTOSCALING": '{"max_replicas": 2}'})
     assert s.api_key is None and s.cors_allow_origin == []  # (the flag's none overrides the variable)
+    assert s.reasoning_parser == "none" and s.autoscaling is None  # (a parser's none is its own value)
+    assert Settings.from_sources(env={"RADIXSERVE_TOOL_CALL_PARSER": "none"}).tool_call_parser == "none"
     assert Settings.from_sources(cli={"redis_url": "none"}, env={}).redis_url == "none"  # (no directory)
     assert Settings.from_sources(env={"RADIXSERVE_AUTOSCALING": "none"}).autoscaling is None  # was "not JSON"
     for bad, said in (({"host": ""}, "host (--host): String should have at least 1 character"),

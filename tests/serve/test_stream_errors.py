@@ -99,3 +99,32 @@ def test_a_translated_stream_whose_engine_fails_ends_with_the_engines_error(api,
         assert sent[-1]["type"] == "response.failed"
         assert sent[-1]["response"]["error"]["message"] == FAILED["error"]
     assert "stream of" not in caplog.text  # no traceback: an engine failure is not the stream's
+
+
+def test_a_streamed_chats_reasoning_tokens_count_the_tokens_whose_text_was_held_back():
+    # a character spread over byte tokens: the first two have no text of their own (held back), and the
+    # stream sends no chunk for them; it did not count them either (3 where the whole answer says 5)
+    from app.reasoning import TAGGED, reasoning_tokens
+
+    texts = ["<think>", "", "", "\u601d", "</think>", "Hi", ""]
+    events = [{"token_id": 10 + i, "text": t, "finished": i == len(texts) - 1, "replica": "A",
+               "finish_reason": "eos" if i == len(texts) - 1 else None, "num_prompt_tokens": 3,
+               "num_cached_tokens": 0, "num_output_tokens": i + 1} for i, t in enumerate(texts)]
+
+    async def rest():
+        for ev in events[1:]:
+            yield ev
+
+    class Thinking(FakeIngress):
+        _usage_event = Cls._usage_event
+
+        async def _choices(self, jobs, n, stream):
+            return [(events[0], rest())]
+
+    req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True,
+                      stream_options={"include_usage": True})
+    response = asyncio.run(Cls._openai_stream(Thinking(), [([1, 2, 3], {"logprobs": False})], "chat-1", 0,
+                                              "chat.completion.chunk", req, [""], thinking=TAGGED))
+    usage = [e for e in _events(response) if e != "[DONE]" and e.get("usage")][-1]["usage"]
+    whole = reasoning_tokens([(t, True) for t in texts], TAGGED)
+    assert whole == 5 and usage["completion_tokens_details"] == {"reasoning_tokens": whole}
