@@ -377,6 +377,8 @@ class LLMServer:
             if h is not None:
                 self._recorded.add(h)
             elif not self.directory.available:  # Redis failed this write (a timeout): keep its hits
+                # (a write that timed out may still have landed: its hits may then count twice, a smaller
+                # error in a popularity hint than losing them)
                 self._requeue_record(key, toks, hits)
                 break
         if not drained:  # the latest events are not in yet: judge what is gone at the next flush
