@@ -227,6 +227,7 @@ TGI_FINISH = {"length": "length", "eos": "eos_token", "stop": "stop_sequence", "
 # ----------------------------------------------------------------------------- OpenAI
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk says the usage so far
 
 
 MAX_CHOICES = 128  # OpenAI's own limit on n

@@ -508,6 +508,21 @@ def _sse_data(piece: str) -> list[str]:
     return [line[5:].strip() for line in piece.split("\n") if line.startswith("data:")]
 
 
+def _running_usage(ev: dict) -> dict:
+    """vLLM's ``continuous_usage_stats``: a choice's usage so far, from its last event."""
+    p, c = ev.get("num_prompt_tokens", 0), ev.get("num_output_tokens", 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _before_tokens(first: dict) -> dict:
+    """A choice's usage before its first token's chunk (its role, an echoed prompt): its prompt alone."""
+    return {"num_prompt_tokens": first.get("num_prompt_tokens", 0)}
+
+
+def _continuous_usage(req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage and req.stream_options.continuous_usage_stats)
+
+
 def _oai_stream_error(message: str) -> str:
     """How an OpenAI stream ends when its engine failed mid-answer: the error, then ``[DONE]`` as every
     stream ends (as vLLM's do), so a client reading to ``[DONE]`` knows the stream is over."""
@@ -540,6 +555,7 @@ class _StreamedChoice:
     sent: int = 0
     first_token: bool = True
     thinking: ReasoningStream | None = None  # a chat answer's thinking, split as it streams (app.reasoning)
+    latest: dict = field(default_factory=dict)  # its last event: the usage so far (continuous_usage_stats)
 
 
 def _validated_chat(body: dict[str, Any]) -> ChatRequest:
@@ -1406,15 +1422,18 @@ class Ingress:
         answer's other text as content (``app.tool_stream``)."""
         started = await self._choices(jobs, req.n, stream=True)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = _continuous_usage(req)
+        latest = [_before_tokens(first) for first, _ in started]  # each choice's last event (continuous_usage_stats)
         mode, parser = req.tool_mode(), self.settings.tool_call_parser
         names = {t.function.name for t in req.tools}
 
         def chunk(index: int, delta: dict, finish: str | None = None, events: list[dict] | None = None,
                   **extra: Any) -> str:
             logprobs = self._oai_logprobs(events, True, top) if req.logprobs and events else None
+            usage = _running_usage(latest[index]) if continuous else None
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                          "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs,
-                                      **extra}], **({"usage": None} if include_usage else {})})
+                                      **extra}], **({"usage": usage} if include_usage else {})})
 
         def reader() -> ToolCallStream | None:
             if mode == "required":
@@ -1434,7 +1453,7 @@ class Ingress:
                     if ev.get("error"):
                         yield _oai_stream_error(ev["error"])
                         return
-                    finals[i] = ev
+                    finals[i] = latest[i] = ev
                     if ev.get("token_id") is not None:
                         unsent[i].append(ev)
                     thought, piece = _split_piece(thinking[i], ev)
@@ -1586,9 +1605,12 @@ class Ingress:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         want_logprobs = jobs[0][1]["logprobs"]
         echo_ids = [ids for ids, _ in jobs] if jobs[0][1].get("prompt_logprobs") is not None else None
+        continuous = _continuous_usage(req)
 
         def chunk(st: _StreamedChoice, text: str | None, finish: str | None, role: bool = False) -> dict:
             c = _chunk(st.index, text, finish, role)
+            if continuous:
+                c["usage"] = _running_usage(st.latest)
             st.sent += len(text or "")
             if want_logprobs and st.unsent:  # the last chunk knows the text's length: a stop string left out
                 # a token goes with the chunk that sends the start of its text (a stop string cuts at or
@@ -1614,8 +1636,8 @@ class Ingress:
                     **({"usage": None} if include_usage else {})}
 
         async def body():
-            states = [_StreamedChoice(i, prefixes[i // req.n], thinking=ReasoningStream(thinking) if thinking else None)
-                      for i in range(len(started))]
+            states = [_StreamedChoice(i, prefixes[i // req.n], thinking=ReasoningStream(thinking) if thinking else None,
+                                      latest=_before_tokens(started[i][0])) for i in range(len(started))]
             for st in states:
                 if chat:
                     yield _sse(chunk(st, "", None, role=True))
@@ -1633,6 +1655,7 @@ class Ingress:
                         yield _oai_stream_error(ev["error"])
                         return
                     st = states[i]
+                    st.latest = ev
                     # the first token is sent even while its text is held back (a partial UTF-8 character,
                     # a stop string in the making), so clients see generation start: a true TTFT; later
                     # tokens without text are not sent (each chunk costs a trip through Serve's proxy)

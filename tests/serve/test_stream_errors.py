@@ -128,3 +128,40 @@ def test_a_streamed_chats_reasoning_tokens_count_the_tokens_whose_text_was_held_
     usage = [e for e in _events(response) if e != "[DONE]" and e.get("usage")][-1]["usage"]
     whole = reasoning_tokens([(t, True) for t in texts], TAGGED)
     assert whole == 5 and usage["completion_tokens_details"] == {"reasoning_tokens": whole}
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(tools):
+    # vLLM's stream_options.continuous_usage_stats was accepted and ignored
+    events = [{"token_id": 10 + i, "text": t, "finished": i == 2, "finish_reason": "length" if i == 2 else None,
+               "replica": "A", "num_prompt_tokens": 3, "num_cached_tokens": 0, "num_output_tokens": i + 1}
+              for i, t in enumerate(["a", "b", "c"])]
+
+    async def rest():
+        for ev in events[1:]:
+            yield ev
+
+    class Counting(FakeIngress):
+        _usage_event = Cls._usage_event
+
+        async def _choices(self, jobs, n, stream):
+            return [(events[0], rest())]
+
+    extra = {"tools": [{"type": "function", "function": {"name": "save", "parameters": {"type": "object"}}}]} \
+        if tools else {}
+    req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True, **extra,
+                      stream_options={"include_usage": True, "continuous_usage_stats": True})
+    jobs = [([1, 2, 3], {"logprobs": False})]
+    response = asyncio.run(Cls._tool_stream(Counting(), req, jobs, "chat-1", 0, 0) if tools else
+                           Cls._openai_stream(Counting(), jobs, "chat-1", 0, "chat.completion.chunk", req, [""]))
+    chunks = [e for e in _events(response) if e != "[DONE]"]
+    assert all(c["usage"] for c in chunks)
+    assert chunks[0]["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}  # (its role)
+    text = [c for c in chunks[1:] if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert [c["usage"]["completion_tokens"] for c in text] == [1, 2, 3]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    # without it, the chunks say null, as OpenAI's
+    req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": True})
+    plain = [e for e in _events(asyncio.run(Cls._openai_stream(Counting(), jobs, "chat-1", 0, "chat.completion.chunk",
+                                                                req, [""]))) if e != "[DONE]"]
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 3
