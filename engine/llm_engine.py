@@ -46,6 +46,8 @@ def _books():
         yield
     except Exception as e:
         raise BooksBroken(f"{type(e).__name__}: {e}") from e
+
+
 HOT_WALK_NODES_PER_STEP = 2048  # about a millisecond of Python per engine step
 
 
