@@ -191,6 +191,12 @@ def _device_problem(settings: Settings, config) -> str | None:
         return f"device {settings.device!r}: {e}"
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         return f"device {settings.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    # the replicas that start at once must find their GPUs here: Ray would leave them pending, and the
+    # start-up would wait for them for good
+    first = max(1, settings.autoscaling.min_replicas) if settings.autoscaling else settings.num_replicas
+    if settings.replica_num_gpus and first * settings.replica_num_gpus > torch.cuda.device_count():
+        return (f"{first} replica(s) x --replica-num-gpus {settings.replica_num_gpus:g} need "
+                f"{first * settings.replica_num_gpus:g} GPU(s); this machine has {torch.cuda.device_count()}")
     if settings.attention_backend == "flash" and not flash_available(device):
         return ("attention_backend flash needs a CUDA device and the vllm-flash-attn package "
                 "(pip install -e '.[gpu]'); auto picks it when it can")

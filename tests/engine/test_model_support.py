@@ -232,6 +232,15 @@ def test_preflight_refuses_what_the_replicas_could_not_serve(tmp_path, tiny_fold
     huge = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=10**12, device="cpu")
     assert "GiB free" in preflight(huge, local_ray=True)
     assert preflight(Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512), local_ray=True) is None
+    # GPUs the replicas starting at once cannot find here: Ray left them pending and the start-up waited for good
+    import torch
+
+    have = torch.cuda.device_count()
+    many = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512, num_replicas=have + 1,
+                    replica_num_gpus=1)
+    assert f"{have + 1} replica(s) x --replica-num-gpus 1 need {have + 1} GPU(s); this machine has {have}" in \
+        preflight(many, local_ray=True)
+    assert preflight(many, local_ray=False) is None  # a cluster's GPUs are its nodes'
 
 
 def test_auto_dtype_is_bf16_only_where_the_gpu_computes_it(monkeypatch):
