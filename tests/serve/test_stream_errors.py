@@ -33,6 +33,25 @@ class FakeIngress:
         return [(dict(TOKEN), _rest())]
 
 
+class _Answering(FakeIngress):
+    """A stand-in whose one choice answers these token texts, then ends with ``finish``; its events count
+    the tokens as the engine's do (3 prompt tokens)."""
+
+    _usage_event = Cls._usage_event
+
+    def __init__(self, texts: list[str], finish: str):
+        last = len(texts) - 1
+        self.events = [{"token_id": 10 + i, "text": t, "finished": i == last, "finish_reason": finish if i == last
+                        else None, "replica": "A", "num_prompt_tokens": 3, "num_cached_tokens": 0,
+                        "num_output_tokens": i + 1} for i, t in enumerate(texts)]
+
+    async def _choices(self, jobs, n, stream):
+        async def rest():
+            for ev in self.events[1:]:
+                yield ev
+        return [(self.events[0], rest())]
+
+
 def _events(response) -> list:
     async def read():
         return "".join([piece async for piece in response.body_iterator])
@@ -107,24 +126,10 @@ def test_a_streamed_chats_reasoning_tokens_count_the_tokens_whose_text_was_held_
     from app.reasoning import TAGGED, reasoning_tokens
 
     texts = ["<think>", "", "", "\u601d", "</think>", "Hi", ""]
-    events = [{"token_id": 10 + i, "text": t, "finished": i == len(texts) - 1, "replica": "A",
-               "finish_reason": "eos" if i == len(texts) - 1 else None, "num_prompt_tokens": 3,
-               "num_cached_tokens": 0, "num_output_tokens": i + 1} for i, t in enumerate(texts)]
-
-    async def rest():
-        for ev in events[1:]:
-            yield ev
-
-    class Thinking(FakeIngress):
-        _usage_event = Cls._usage_event
-
-        async def _choices(self, jobs, n, stream):
-            return [(events[0], rest())]
-
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True,
                       stream_options={"include_usage": True})
-    response = asyncio.run(Cls._openai_stream(Thinking(), [([1, 2, 3], {"logprobs": False})], "chat-1", 0,
-                                              "chat.completion.chunk", req, [""], thinking=TAGGED))
+    response = asyncio.run(Cls._openai_stream(_Answering(texts, "eos"), [([1, 2, 3], {"logprobs": False})], "chat-1",
+                                              0, "chat.completion.chunk", req, [""], thinking=TAGGED))
     usage = [e for e in _events(response) if e != "[DONE]" and e.get("usage")][-1]["usage"]
     whole = reasoning_tokens([(t, True) for t in texts], TAGGED)
     assert whole == 5 and usage["completion_tokens_details"] == {"reasoning_tokens": whole}
@@ -133,27 +138,16 @@ def test_a_streamed_chats_reasoning_tokens_count_the_tokens_whose_text_was_held_
 @pytest.mark.parametrize("tools", [False, True])
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(tools):
     # vLLM's stream_options.continuous_usage_stats was accepted and ignored
-    events = [{"token_id": 10 + i, "text": t, "finished": i == 2, "finish_reason": "length" if i == 2 else None,
-               "replica": "A", "num_prompt_tokens": 3, "num_cached_tokens": 0, "num_output_tokens": i + 1}
-              for i, t in enumerate(["a", "b", "c"])]
-
-    async def rest():
-        for ev in events[1:]:
-            yield ev
-
-    class Counting(FakeIngress):
-        _usage_event = Cls._usage_event
-
-        async def _choices(self, jobs, n, stream):
-            return [(events[0], rest())]
+    def counting():
+        return _Answering(["a", "b", "c"], "length")
 
     extra = {"tools": [{"type": "function", "function": {"name": "save", "parameters": {"type": "object"}}}]} \
         if tools else {}
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True, **extra,
                       stream_options={"include_usage": True, "continuous_usage_stats": True})
     jobs = [([1, 2, 3], {"logprobs": False})]
-    response = asyncio.run(Cls._tool_stream(Counting(), req, jobs, "chat-1", 0, 0) if tools else
-                           Cls._openai_stream(Counting(), jobs, "chat-1", 0, "chat.completion.chunk", req, [""]))
+    response = asyncio.run(Cls._tool_stream(counting(), req, jobs, "chat-1", 0, 0) if tools else
+                           Cls._openai_stream(counting(), jobs, "chat-1", 0, "chat.completion.chunk", req, [""]))
     chunks = [e for e in _events(response) if e != "[DONE]"]
     assert all(c["usage"] for c in chunks)
     assert chunks[0]["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}  # (its role)
@@ -162,6 +156,6 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(tools):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
     # without it, the chunks say null, as OpenAI's
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": True})
-    plain = [e for e in _events(asyncio.run(Cls._openai_stream(Counting(), jobs, "chat-1", 0, "chat.completion.chunk",
+    plain = [e for e in _events(asyncio.run(Cls._openai_stream(counting(), jobs, "chat-1", 0, "chat.completion.chunk",
                                                                 req, [""]))) if e != "[DONE]"]
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 3
