@@ -115,7 +115,7 @@ def _request(obj: dict, openai: bool) -> dict:
 
 # a sort key keeps the first this many characters of a prompt's text (or token ids) as they are, and 8 bytes
 # (a hash) of every further chunk as long: lines that share a prefix sort together, as by the whole text (a
-# shorter prefix than the first chunk too: a short system prompt), at a sixteenth of its size
+# shorter prefix than the first chunk too: a short system prompt), past that chunk at a sixteenth of its size
 KEY_CHUNK_CHARS, KEY_CHUNK_IDS = 128, 32
 
 
