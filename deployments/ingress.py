@@ -1423,7 +1423,8 @@ class Ingress:
         started = await self._choices(jobs, req.n, stream=True)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = _continuous_usage(req)
-        latest = [_before_tokens(first) for first, _ in started]  # each choice's last event (continuous_usage_stats)
+        # each choice's last event: its usage so far (continuous_usage_stats), and at the end its usage
+        latest = [_before_tokens(first) for first, _ in started]
         mode, parser = req.tool_mode(), self.settings.tool_call_parser
         names = {t.function.name for t in req.tools}
 
@@ -1441,7 +1442,6 @@ class Ingress:
             return ToolCallStream(parser, names) if mode == "auto" and parser != "none" else None
 
         async def body():
-            finals: list[dict] = [{} for _ in started]  # each choice's last event
             named_sent = [False] * len(started)  # whether a named call's first delta (its id and name) is out
             unsent: list[list[dict]] = [[] for _ in started]  # token events whose log-probs are not out yet
             thinking = [ReasoningStream(thinking_mode) if thinking_mode else None for _ in started]
@@ -1453,7 +1453,7 @@ class Ingress:
                     if ev.get("error"):
                         yield _oai_stream_error(ev["error"])
                         return
-                    finals[i] = latest[i] = ev
+                    latest[i] = ev
                     if ev.get("token_id") is not None:
                         unsent[i].append(ev)
                     thought, piece = _split_piece(thinking[i], ev)
@@ -1478,7 +1478,7 @@ class Ingress:
                         yield chunk(i, {}, calls[i].finish_reason(finish) if calls[i] else finish, events=unsent[i],
                                     stop_reason=ev.get("stop_reason"))
             if include_usage:
-                yield self._usage_event(rid, "chat.completion.chunk", created, finals, req.n,
+                yield self._usage_event(rid, "chat.completion.chunk", created, latest, req.n,
                                         None if thinking_mode is None else [t.reasoning_tokens for t in thinking])
             yield "data: [DONE]\n\n"
 
