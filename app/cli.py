@@ -168,6 +168,14 @@ def _cluster_problem(settings: Settings) -> str | None:
     return None
 
 
+def _served_host(settings: Settings) -> str:
+    """The host Serve's proxies listen on: a cluster whose Serve was already up keeps its own."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return client.http_config.host if client is not None else settings.host
+
+
 def _loopback(host: str) -> str:
     """A host as Serve's proxy binds it: the loopback names alike."""
     return "loopback" if host in ("localhost", "127.0.0.1", "::1") else host
@@ -496,7 +504,8 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
         here = not address or _proxy_here()  # else the proxies are on the cluster's other machines
         healthy = _wait_healthy(settings, HEALTHY_AT_START_S) if here else True
         up.set()
-        host = f"[{settings.host}]" if ":" in settings.host else settings.host  # (an IPv6 address)
+        host = _served_host(settings) if address else settings.host
+        host = f"[{host}]" if ":" in host else host  # (an IPv6 address)
         print(f"RadixServe is up: http://{host if here else '<a node of the cluster>'}:{settings.port} "
               f"(model {settings.model_name()}, {_replicas(settings)}); Ctrl-C stops it"
               + ("" if healthy else f" (/health did not answer 200 within {HEALTHY_AT_START_S:.0f} s: "
@@ -553,6 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     # no abbreviated flags (--num-replica for --num-replicas): a script that used one would change meaning
     # when a new flag made it ambiguous, and the environment and config files refuse such typos too
     ap = _Parser(prog="radixserve", description="Prefix-aware LLM serving on Ray Serve.", allow_abbrev=False)
+    ap.add_argument("--version", action="version", version=f"radixserve {_version()}")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     # no ArgumentDefaultsHelpFormatter: flags default to None (unset flags leave the environment and
     # the config file in charge), so each flag's help names the setting's own default instead
@@ -579,6 +589,15 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_arguments(b)
     b.set_defaults(func=batch.main)
     return ap
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("radixserve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
 
 
 def _interrupt(*_) -> None:

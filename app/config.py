@@ -69,6 +69,11 @@ def tokenizer_fingerprint(model: str) -> str | None:
     return digest.hexdigest() if found else None
 
 
+def api_keys(setting: str) -> list[str]:
+    """The keys of the api_key setting: comma-separated, spaces around them left out."""
+    return [k.strip() for k in setting.split(",")]
+
+
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -136,7 +141,8 @@ class Settings(BaseModel):
                                "default: 2000000); bigger ones get 413 before they are read")
     api_key: str | None = Field(None, description="clients must send it as the header Authorization: "
                                 "Bearer <key> on every route but /health and /metrics (as vLLM's and TGI's "
-                                "--api-key; default: none, an open API)")
+                                "--api-key); several keys comma-separated, any of them accepted, e.g. an old "
+                                "and a new one while clients move (default: none, an open API)")
     cors_allow_origin: list[str] = Field([], description="origins whose web pages may call the API from a "
                                          "browser (CORS), comma-separated, e.g. https://app.example.com; * for "
                                          "any (TGI's flag; default: none)")
@@ -173,8 +179,9 @@ class Settings(BaseModel):
     @classmethod
     def _header_safe_key(cls, v: str | None) -> str | None:
         # it travels in a header: printable ASCII without spaces (the message leaves the key out)
-        if v is not None and not re.fullmatch(r"[!-~]+", v):
-            raise ValueError("the API key must be printable ASCII characters without spaces")
+        if v is not None and not all(re.fullmatch(r"[!-+\--~]+", k) for k in api_keys(v)):
+            raise ValueError("each API key must be printable ASCII characters without spaces or commas "
+                             "(several keys are comma-separated)")
         return v
 
     @field_validator("cuda_graphs", mode="before")

@@ -37,7 +37,7 @@ from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.chat_view import with_pings
-from app.config import Settings
+from app.config import Settings, api_keys
 from app.messages_api import (
     MessageEvents,
     MessagesCountRequest,
@@ -285,15 +285,15 @@ class ApiKey:
     a browser's preflight must carry ``Authorization: Bearer <key>`` (what OpenAI's and Hugging Face's
     clients send) or ``x-api-key: <key>`` (Anthropic's), else 401 in the API's error format."""
 
-    key: bytes | None = None  # the key's SHA-256, set from the settings by Ingress.__init__ (one ingress per process)
+    keys: tuple[bytes, ...] = ()  # the keys' SHA-256, set from the settings by Ingress.__init__ (one ingress per process)
     OPEN_PATHS = frozenset({"/health", "/metrics"})
 
     def __init__(self, asgi_app):
         self.app = asgi_app
 
     async def __call__(self, scope, receive, send):
-        key = ApiKey.key
-        if (key is None or scope["type"] != "http" or scope.get("method") == "OPTIONS"
+        keys = ApiKey.keys
+        if (not keys or scope["type"] != "http" or scope.get("method") == "OPTIONS"
                 or _route_path(scope) in ApiKey.OPEN_PATHS):
             return await self.app(scope, receive, send)
         # the first Authorization header, as Starlette reads it
@@ -301,9 +301,12 @@ class ApiKey:
         scheme, token = (*sent.split(None, 1), b"", b"")[:2]  # "Bearer <key>", any whitespace between
         if scheme.lower() != b"bearer":  # Anthropic's clients send the key alone, as x-api-key
             token = next((v for k, v in scope.get("headers") or () if k == b"x-api-key"), None)
-        # digests compared in constant time: how long a refusal takes says nothing of the key, its length included
-        if token is not None and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), key):
-            return await self.app(scope, receive, send)
+        # digests compared in constant time, each key's: how long a refusal takes says nothing of the keys,
+        # their lengths included, nor of which one came closest
+        if token is not None:
+            digest = hashlib.sha256(token.strip()).digest()
+            if sum(hmac.compare_digest(digest, key) for key in keys):
+                return await self.app(scope, receive, send)
         err = ApiError(401, "a valid API key is required: send it as the header Authorization: Bearer <key> "
                             "(or x-api-key: <key>)",
                        "authentication", code="invalid_api_key")
@@ -667,7 +670,7 @@ class Ingress:
         # loop keeps streaming other users' tokens and answering /health meanwhile
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         PayloadLimit.max_bytes = self.settings.payload_limit
-        ApiKey.key = hashlib.sha256(self.settings.api_key.encode()).digest() if self.settings.api_key else None
+        ApiKey.keys = tuple(hashlib.sha256(k.encode()).digest() for k in api_keys(self.settings.api_key or "") if k)
         Cors.origins = tuple(self.settings.cors_allow_origin)
         # no token covers more characters than the longest vocabulary entry: bounds a text's token count
         self._max_token_chars = max((len(k) for k in self.tokenizer.get_vocab()), default=1)

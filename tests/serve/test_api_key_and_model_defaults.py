@@ -17,6 +17,7 @@ from bench.http_load import wait_healthy
 
 ROUTE = "/ktest"
 KEY = "rs-test-key-0123456789"
+NEW_KEY = "rs-next-key-9876543210"  # a second key, as while clients move to a new one
 AUTH = {"authorization": f"Bearer {KEY}"}
 
 
@@ -32,7 +33,7 @@ def keyed(serve_app, model_dir, redis_server, tmp_path_factory):
     gc = json.loads((folder / "generation_config.json").read_text())
     (folder / "generation_config.json").write_text(json.dumps({**gc, "top_k": 1, "max_new_tokens": 5}))
     settings = Settings(model_id=str(folder), num_replicas=1, replica_num_cpus=1, max_batch_total_tokens=2048,
-                        redis_url=redis_server.url, api_key=KEY, deployment_name="ktest",
+                        redis_url=redis_server.url, api_key=f"{KEY}, {NEW_KEY}", deployment_name="ktest",
                         scheduling_policy="priority", reasoning_parser="qwen3", model_aliases="claude-haiku-4-5, gpt-x")
     serve.run(build_app(settings), name="ktest", route_prefix=ROUTE)
     url = serve_app + ROUTE
@@ -49,12 +50,14 @@ def test_an_api_key_guards_every_route_but_health_and_metrics(keyed):
         assert tgi.status_code == 401 and tgi.json()["error_type"] == "authentication", tgi.text
         assert tgi.headers["www-authenticate"] == "Bearer"
         for headers in ({}, {"authorization": f"Bearer {KEY[:-1]}"}, {"authorization": f"Bearer {KEY}x"},
-                        {"authorization": KEY}, {"authorization": f"Basic {KEY}"}):
+                        {"authorization": KEY}, {"authorization": f"Basic {KEY}"},
+                        {"authorization": f"Bearer {KEY},{NEW_KEY}"}, {"authorization": f"Bearer {NEW_KEY[1:]}"}):
             r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, r.text)
         for method, path in (("GET", "/info"), ("GET", "/v1/models"), ("POST", "/warmup"), ("GET", "/nope")):
             assert c.request(method, path).status_code == 401, path  # nothing about the service without the key
         assert c.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny-top-k-1"
+        assert c.get("/v1/models", headers={"authorization": f"Bearer {NEW_KEY}"}).status_code == 200
         r = c.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}},
                    headers={"authorization": f"bearer {KEY}"})  # the scheme's case does not matter
         assert r.status_code == 200, r.text

@@ -291,3 +291,20 @@ def test_joining_a_cluster_refuses_another_port_or_a_taken_application(serve_app
     # the application there is untouched, its metrics hub included
     assert ray.get_actor(hub_name("radixserve"), namespace="radixserve") is not None
     assert httpx.get(serve_app + "/health", timeout=10).status_code == 200
+
+
+def test_joining_a_cluster_names_the_host_its_serve_listens_on(serve_app):
+    """Serve keeps the host it started with; the line `RadixServe is up` named this start's own default."""
+    from app.cli import _served_host
+    from app.config import Settings
+
+    assert _served_host(Settings(host="0.0.0.0")) == "127.0.0.1"  # (the test session's Serve)
+
+
+def test_version_is_the_projects():
+    import re
+    from pathlib import Path
+
+    project = re.search(r'^version = "(.+)"$', (Path(__file__).parents[2] / "pyproject.toml").read_text(), re.M)
+    r = _cli("--version", timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"radixserve {project[1]}", (r.stdout, r.stderr)

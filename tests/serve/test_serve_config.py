@@ -211,6 +211,16 @@ def test_flags_are_never_abbreviated_and_read_none_as_variables_do():
             Settings.from_sources(cli=bad, env={})
 
 
+def test_api_keys_come_comma_separated_and_a_refusal_does_not_quote_them():
+    from app.config import api_keys
+
+    assert api_keys(Settings(api_key="old-key, new-key").api_key) == ["old-key", "new-key"]
+    for bad in ("zq zq", "zq,,zq", "zq,", "zqé", ""):
+        with pytest.raises(ValueError, match="without spaces or commas") as e:
+            Settings.from_sources(cli={"api_key": bad}, env={})
+        assert "zq" not in str(e.value), str(e.value)
+
+
 def test_a_serve_config_the_engine_would_refuse_is_refused_when_it_is_built(model_dir):
     # `radixserve serve` checks these before it starts; a Serve config's app built, and every replica failed
     from app.main import app_builder
@@ -234,3 +244,14 @@ def test_a_failed_deploy_is_said_in_a_line_with_the_replicas_error():
                                                      "deployments ['radixserve-llm']. (ValueError: the model's weights "
                                                      "are missing lm_head.weight)")
     assert _deploy_failure(RuntimeError("")) == "RuntimeError"
+
+
+def test_the_cluster_launcher_installs_into_a_venv_its_commands_find():
+    # Ubuntu 24.04's system pip refuses installs (PEP 668); Ray's launcher runs every command in an
+    # interactive login shell, which puts what ~/.bashrc adds on the PATH
+    cluster = yaml.safe_load((CONFIG.parent / "cluster.yaml").read_text())
+    setup = cluster["setup_commands"]
+    assert not any("pip install" in c and "radixserve-venv/bin/pip install" not in c for c in setup), setup
+    assert any("radixserve-venv/bin:$PATH" in c and ".bashrc" in c for c in setup), setup
+    mount = next(iter(cluster["file_mounts"]))
+    assert mount == f"/home/{cluster['auth']['ssh_user']}/radixserve", mount  # (each `cd radixserve` is from ~)
