@@ -23,6 +23,7 @@ import statistics
 import time
 from types import SimpleNamespace
 
+from cache.hashing import pack_hashes
 from routing.prefix_router import PrefixAwareRequestRouter
 
 
@@ -31,7 +32,7 @@ def run_once(prompt_tokens: int, replicas: int, rounds: int, report_hashes: int,
     router = object.__new__(PrefixAwareRequestRouter)  # the decision code only; no Serve plumbing
     router.initialize_state(mode="prefix", block_size=16, model_id="bench")
     if whole:  # as the router did before: every report folded at once, inside the decision that sees it
-        router._fold_soon = lambda: router._backlog.fold(router.policy.forget_hashes, router._learn_stored, 1e9)
+        router._fold_soon = lambda: router._fold(1e9)
     reps = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=f"r{i}"),
                             routing_stats={"kv_total_blocks": 65536, "queue": 0, "seq": None})
             for i in range(replicas)]
@@ -49,7 +50,7 @@ def run_once(prompt_tokens: int, replicas: int, rounds: int, report_hashes: int,
             rid = r.replica_id.unique_id
             stored = [rng.getrandbits(63) for _ in range(report_hashes)]
             r.routing_stats = {"kv_total_blocks": 65536, "queue": 1, "seq": seq, "truncated": False,
-                               "stored": stored, "removed": stored_before.get(rid, [])}
+                               "stored": pack_hashes(stored), "removed": pack_hashes(stored_before.get(rid, []))}
             stored_before[rid] = stored
 
     async def run() -> tuple[list[float], list[float]]:

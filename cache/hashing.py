@@ -57,3 +57,52 @@ def block_hashes(token_ids: Sequence[int], block_size: int, model_id: str = "",
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     return chain_hashes(pack_tokens(token_ids), block_size, root_hash(model_id, cache_salt))
+
+
+# Replicas report the hashes they stored and evicted to every router through Serve's controller,
+# which renders each report with str() whenever one changes: a list of 40,000 ints took it ~6 ms a
+# report, a hex string of them ~1 ms (and pickles 30x faster). 16 hex digits a hash, big-endian, so
+# a router can read any slice of them without decoding the rest.
+HEX_DIGITS = 16
+
+
+def pack_hashes(hashes: Sequence[int]) -> str:
+    """Block hashes as one hex string (``PackedHashes`` reads it)."""
+    arr = array("Q", hashes)
+    if _LE:
+        arr.byteswap()
+    return arr.tobytes().hex()
+
+
+class PackedHashes(Sequence[int]):
+    """The hashes of a ``pack_hashes`` string, decoded a slice at a time as they are read."""
+
+    __slots__ = ("_text",)
+
+    def __init__(self, text: str):
+        if len(text) % HEX_DIGITS:
+            raise ValueError(f"packed hashes come {HEX_DIGITS} hex digits each, got {len(text)} digits")
+        self._text = text
+
+    def __len__(self) -> int:
+        return len(self._text) // HEX_DIGITS
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            arr = array("Q", bytes.fromhex(self._text[start * HEX_DIGITS:max(start, stop) * HEX_DIGITS]))
+            if _LE:
+                arr.byteswap()
+            return arr.tolist()
+        i = range(len(self))[index]  # (negative indices, and IndexError past the end)
+        return int(self._text[i * HEX_DIGITS:(i + 1) * HEX_DIGITS], 16)
+
+
+def reported_hashes(value) -> Sequence[int]:
+    """A report's hash list: packed by this version's replicas, a plain list by older ones (a fleet
+    in the middle of a rolling update has both)."""
+    if isinstance(value, str):
+        return PackedHashes(value)
+    return value or ()

@@ -23,6 +23,7 @@ from ray import serve
 
 from app.config import Settings
 from cache.directory import HotPrefixDirectory
+from cache.hashing import pack_hashes
 from deployments.logs import show_our_info_logs
 from deployments.metrics import HubClient
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -30,7 +31,9 @@ from engine.llm_engine import LLMEngine, RequestError
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("radixserve.replica")
-MAX_REPORTED_HASHES = 20_000  # per stats period; more and routers just trim to the cached count
+# a stats period's report holds the last event (stored or evicted) of at most twice this many block
+# hashes, the newest; past that it says it is truncated, and routers trim to the cached count
+MAX_REPORTED_HASHES = 20_000
 # directory records waiting for Redis (down, or backing off): the newest this many tokens are kept
 MAX_PENDING_RECORD_TOKENS = 4_000_000  # 16 MB as uint32
 LAST_EVENTS_KEPT = 100_000  # block hashes whose last cache event (stored/removed) is remembered
@@ -317,7 +320,7 @@ class LLMServer:
         return {"queue": s["running"] + s["waiting"], "kv_free_blocks": s["blocks_free"] + s["blocks_evictable"],
                 "kv_total_blocks": s["blocks_total"], "cached_blocks": s["blocks_cached"],
                 "prefix_caching": self.engine.kv.cache is not None,
-                "stored": stored, "removed": removed, "truncated": overflow, "seq": self._stats_seq,
+                "stored": pack_hashes(stored), "removed": pack_hashes(removed), "truncated": overflow, "seq": self._stats_seq,
                 "replica": self.replica_id, "at": time.time()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:

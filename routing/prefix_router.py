@@ -21,7 +21,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from cache.hashing import block_hashes
+from cache.hashing import block_hashes, reported_hashes
 from routing import in_process
 from routing.policy import PolicyConfig, PrefixPolicy, Routed
 from routing.report_backlog import ReportBacklog
@@ -53,7 +53,7 @@ STALE_AFTER_IDLE_S = 10.0
 MAX_COUNTED_NEW_TOKENS = 1 << 20  # no context is longer: what the router counts of a max_new_tokens
 # Replica reports are folded into the index outside routing decisions, in slices of the router's event
 # loop this long with pauses between them (folding takes at most a fifth of the loop); a replica's
-# unfolded hashes past the limit (five full reports) are let go, and its cached count bounds its index
+# unfolded hashes past the limit (two and a half full reports) are let go, and its cached count bounds its index
 FOLD_SLICE_S = 0.0005
 FOLD_PAUSE_S = 0.002
 BACKLOG_PER_REPLICA = 100_000
@@ -222,12 +222,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         if not candidates:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidates}
-        self._absorb_stats(candidates)
-        self._apply_learned()
-        if self.mode == "round_robin":
+        if self.mode == "round_robin":  # (no index to keep: the replicas' reports are not read)
             order = sorted(by_id)
             start = next(self._rr) % len(order)
             return [[by_id[i]] for i in _failed_last(order[start:] + order[:start])]
+        self._absorb_stats(candidates)
+        self._apply_learned()
         hashes = self._hashes(pending)
         ids, max_new, _ = request_tokens(pending)
         ranked = self.policy.rank(hashes, len(ids), max_new, list(by_id))
@@ -264,25 +264,34 @@ class PrefixAwareRequestRouter(RequestRouter):
             # a stats period never saw that period's hashes (a gap in seq), as if they were truncated
             missed = view.stats_seq is not None and seq != view.stats_seq + 1
             view.stats_seq = seq
-            queued = self._backlog.push(rid, stats.get("removed") or (), stats.get("stored") or ())
+            try:
+                removed, stored = reported_hashes(stats.get("removed")), reported_hashes(stats.get("stored"))
+                malformed = False
+            except ValueError:  # (no replica of ours sends such): its cached count bounds the index
+                removed, stored, malformed = (), (), True
+            queued = self._backlog.push(rid, removed, stored) and not malformed
             # The stored/removed hashes keep the index exact; only when some were dropped (truncated by
             # the replica, missed here, or let go from an overflowing backlog) does its cached-block count
             # bound the index instead.
             # (a replica without a prefix cache reports no events: its count, 0, is all there is)
             exact = queued and not (stats.get("truncated") or missed) and stats.get("prefix_caching", True)
-            if not exact:  # the count describes the cache after these hashes: fold them before it bounds the index
-                self._backlog.fold_replica(rid, self.policy.forget_hashes, self._learn_stored)
-            reports.append((rid, stats, exact))
+            if not exact:  # the count describes the cache after these hashes: it bounds the index after them
+                self._backlog.push_bound(rid, stats.get("cached_blocks"), self._bound)
+            reports.append((rid, stats))
         self._fold_soon()  # in the loop's idle time, not in this decision
-        for rid, stats, exact in reports:
+        for rid, stats in reports:
             if stats.get("queue") == 0 and isinstance(stats.get("at"), (int, float)):
                 self._drop_stale(rid, stats["at"])
-            self.policy.report(rid, capacity_blocks=stats.get("kv_total_blocks"),
-                               cached_blocks=None if exact else stats.get("cached_blocks"),
-                               in_flight=stats.get("queue"))
+            self.policy.report(rid, capacity_blocks=stats.get("kv_total_blocks"), in_flight=stats.get("queue"))
 
     def _learn_stored(self, replica_id: str, hashes: list[int]) -> None:
         self.policy.learn_hashes(replica_id, hashes, from_root=False)
+
+    def _bound(self, replica_id: str, cached_blocks: int | None) -> None:
+        self.policy.report(replica_id, cached_blocks=cached_blocks)
+
+    def _fold(self, budget_s: float) -> bool:
+        return self._backlog.fold(self.policy.forget_hashes, self._learn_stored, self._bound, budget_s)
 
     def _fold_soon(self) -> None:
         queued_on = self._fold_pending  # the loop a slice is queued on (a closed one never runs it)
@@ -292,7 +301,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # not on a loop (tests, tools): nothing to defer to
-            self._backlog.fold(self.policy.forget_hashes, self._learn_stored, float("inf"))
+            self._fold(float("inf"))
             return
         self._fold_pending = loop
         # in slices with pauses between them: queued right after each other they took the loop from
@@ -303,7 +312,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         """One slice of the report backlog; the next is queued after a pause."""
         self._fold_pending = None
         try:
-            if self._backlog.fold(self.policy.forget_hashes, self._learn_stored, FOLD_SLICE_S):
+            if self._fold(FOLD_SLICE_S):
                 self._fold_soon()
         except Exception:  # noqa: BLE001
             self.errors += 1

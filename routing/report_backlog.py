@@ -22,6 +22,12 @@ class _Pending:
     forget: bool  # evicted hashes (else stored ones)
     hashes: Sequence[int]
     done: int = 0
+    bound: bool = False  # no hashes: here the replica's index is bounded by its cached-block count
+    cached_blocks: int | None = None  # (that count; None: its capacity)
+
+
+Fold = Callable[[str, Sequence[int]], None]
+Bound = Callable[[str, int | None], None]
 
 
 class ReportBacklog:
@@ -53,35 +59,48 @@ class ReportBacklog:
                 self._waiting[replica_id] = self._waiting.get(replica_id, 0) + len(hashes)
         return True
 
+    def push_bound(self, replica_id: str, cached_blocks: int | None, bound: Bound) -> None:
+        """The replica caches ``cached_blocks`` once the hashes queued before are in (a report whose
+        hashes were not all sent or seen): ``bound`` its index then, or now when nothing of it waits.
+        Folded in its turn, not in the decision that saw the report: folding a replica's whole backlog
+        there stalled that decision for tens of milliseconds."""
+        if replica_id not in self._waiting:
+            bound(replica_id, cached_blocks)
+            return
+        self._queue.append(_Pending(replica_id, False, (), bound=True, cached_blocks=cached_blocks))
+        self._waiting[replica_id] += 1  # (counted as one entry, so the replica stays known until it is done)
+
     def drop(self, replica_id: str) -> None:
         """Let go of what a replica reported (it left, or its backlog overflowed)."""
         if self._waiting.pop(replica_id, None) is not None:
             self._queue = deque(p for p in self._queue if p.replica_id != replica_id)
 
-    def fold_replica(self, replica_id: str, forget: Callable[[str, Sequence[int]], None],
-                     learn: Callable[[str, Sequence[int]], None]) -> None:
-        """Fold one replica's queued hashes now, in order (before its cached-block count bounds its index:
-        trimmed first, the index dropped prefixes the replica still holds and kept ones it had evicted)."""
-        if replica_id not in self._waiting:
-            return
-        mine = [p for p in self._queue if p.replica_id == replica_id]
-        self.drop(replica_id)
-        for p in mine:
-            (forget if p.forget else learn)(replica_id, p.hashes[p.done:])
-
-    def fold(self, forget: Callable[[str, Sequence[int]], None], learn: Callable[[str, Sequence[int]], None],
-             budget_s: float) -> bool:
-        """Fold queued hashes (``forget``/``learn`` each get a slice) until ``budget_s`` is spent; at least
-        one slice, so a backlog always shrinks. True when some remain."""
+    def fold(self, forget: Fold, learn: Fold, bound: Bound, budget_s: float) -> bool:
+        """Fold queued hashes (``forget``/``learn`` each get a slice) and bounds, in order, until
+        ``budget_s`` is spent; at least one slice, so a backlog always shrinks. True when some remain.
+        (A bound comes after its report's hashes: trimmed first, the index would drop prefixes the
+        replica still holds and keep ones it had evicted.)"""
         deadline = time.perf_counter() + budget_s
         queue = self._queue
         while queue:
             p = queue[0]
-            part = p.hashes[p.done:p.done + SLICE]
-            (forget if p.forget else learn)(p.replica_id, part)
-            p.done += len(part)
-            self._waiting[p.replica_id] -= len(part)
-            if p.done >= len(p.hashes):
+            if p.bound:
+                bound(p.replica_id, p.cached_blocks)
+                folded, finished = 1, True  # (one entry, as counted)
+            else:
+                try:
+                    part = p.hashes[p.done:p.done + SLICE]
+                except ValueError:  # packed hashes that are not hex (no replica of ours sends them): let go
+                    folded = len(p.hashes) - p.done
+                    self.dropped += folded
+                    p.done = len(p.hashes)
+                else:
+                    (forget if p.forget else learn)(p.replica_id, part)
+                    p.done += len(part)
+                    folded = len(part)
+                finished = p.done >= len(p.hashes)
+            self._waiting[p.replica_id] -= folded
+            if finished:
                 queue.popleft()
                 if not self._waiting[p.replica_id]:
                     del self._waiting[p.replica_id]

@@ -7,6 +7,7 @@ import threading
 import time
 
 import deployments.llm_server as llm_server
+from cache.hashing import PackedHashes, block_hashes
 from deployments.llm_server import LLMServer
 from engine.async_engine import AsyncEngine
 from engine.sequence import SamplingParams
@@ -187,11 +188,13 @@ def test_a_report_carries_each_blocks_net_change_since_the_last(make_engine):
     try:
         eng.generate([list(range(40, 110))], SamplingParams(max_new_tokens=1))  # stores 4 blocks
         _evict_all(r)
-        report = r.record_routing_stats()
-        assert report["stored"] == [] and len(report["removed"]) == 4
+        cache = r.engine.kv.cache
+        chain = block_hashes(list(range(40, 110)), cache.block_size, cache.model_id)[:4]
+        report = r.record_routing_stats()  # (hashes packed as hex: a list of ints cost Serve's controller more)
+        assert report["stored"] == "" and list(PackedHashes(report["removed"])) == chain
         eng.generate([list(range(40, 110))], SamplingParams(max_new_tokens=1))  # and back again
         report = r.record_routing_stats()
-        assert len(report["stored"]) == 4 and report["removed"] == []
+        assert list(PackedHashes(report["stored"])) == chain and report["removed"] == ""
     finally:
         r.aengine.shutdown()
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace as NS
 
+import pytest
+
 from cache.directory import HotPrefixDirectory
 from cache.hashing import block_hashes
 from routing import in_process
@@ -34,6 +36,18 @@ def test_consecutive_reports_keep_what_was_stored():
     r._absorb_stats([_replica("A", seq=1, stored=CHAIN, cached_blocks=4)])
     r._absorb_stats([_replica("A", seq=2, cached_blocks=0)])  # nothing evicted in between: exact deltas
     assert _indexed(r, "A") == len(CHAIN)
+
+
+def test_packed_reports_fold_as_lists_do_and_a_malformed_one_is_a_truncated_one():
+    from cache.hashing import pack_hashes
+
+    r = _router()
+    r._absorb_stats([_replica("A", seq=1, stored=pack_hashes(CHAIN), removed="", cached_blocks=4)])
+    assert _indexed(r, "A") == len(CHAIN)
+    r._absorb_stats([_replica("A", seq=2, stored="", removed=pack_hashes(CHAIN[2:]), cached_blocks=2)])
+    assert _indexed(r, "A") == 2
+    r._absorb_stats([_replica("A", seq=3, stored="abc", removed="", cached_blocks=1)])  # (not 16 digits a hash)
+    assert _indexed(r, "A") == 1 and r.errors == 0
 
 
 def test_a_missed_report_bounds_the_index_by_what_the_replica_caches():
@@ -389,19 +403,23 @@ def test_an_absurd_max_new_tokens_does_not_erase_a_replicas_load():
     assert r.policy.replicas["A"].outstanding == before and r.errors == 0
 
 
-def test_a_large_report_is_folded_between_decisions_not_in_one():
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "truncated"])
+def test_a_large_report_is_folded_between_decisions_not_in_one(exact):
     """Folding 20k hashes takes tens of milliseconds: the decision that first sees the report leaves it
-    to the loop, which folds it in slices between decisions."""
+    to the loop, which folds it in slices between decisions. So for a truncated report, whose cached
+    count bounds the index once its hashes are in (it was folded whole in the decision: 40 ms)."""
     import asyncio
 
     r = _router()
     big = block_hashes(list(range(16 * 5000)), 16, "m")
-    report = _replica("A", kv_total_blocks=10_000, seq=1, stored=big, cached_blocks=len(big))
+    cached = len(big) if exact else 1000
+    report = _replica("A", kv_total_blocks=10_000, seq=1, stored=big, cached_blocks=cached, truncated=not exact)
     slices = []
 
     async def decide_then_idle():
         r._choose([report], None)
-        assert len(r.policy.replicas["A"].index) == 0 and len(r._backlog) == len(big)  # none in the decision
+        assert len(r.policy.replicas["A"].index) == 0  # none in the decision
+        assert len(r._backlog) == len(big) + (not exact)  # (and the bound waits behind them)
         assert r._fold_pending
         while r._fold_pending:
             slices.append(len(r._backlog))
@@ -409,7 +427,8 @@ def test_a_large_report_is_folded_between_decisions_not_in_one():
 
     asyncio.run(decide_then_idle())
     assert len(r._backlog) == 0 and r.errors == 0
-    assert all(h in r.policy.replicas["A"].index for h in big)
+    index = r.policy.replicas["A"].index
+    assert sum(h in index for h in big) == cached  # bounded after the hashes came in, not before
     assert len(set(slices)) > 2  # in several slices
 
 
@@ -489,3 +508,20 @@ def test_an_inexact_report_bounds_the_index_after_its_own_hashes_on_an_event_loo
 
     r = asyncio.run(lost())
     assert r.policy.matches(CHAIN) == {"A": len(CHAIN)} and r.policy.matches(other) == {}
+
+
+def test_round_robin_takes_turns_puts_a_failed_replica_last_and_reads_no_reports():
+    from routing.prefix_router import avoid_replica
+
+    r = object.__new__(PrefixAwareRequestRouter)
+    r.initialize_state(mode="round_robin", block_size=16, model_id="m")
+    reps = [_replica(rid, seq=1, stored=CHAIN, cached_blocks=4) for rid in "CAB"]
+    firsts = [r._choose(reps, None)[0][0].replica_id.unique_id for _ in range(6)]
+    assert firsts == ["A", "B", "C", "A", "B", "C"]
+    assert not r.policy.replicas and not r._backlog  # (its index was kept and never used)
+    avoid_replica("A")
+    try:
+        ranks = r._choose(reps, None)
+        assert [rank[0].replica_id.unique_id for rank in ranks] == ["B", "C", "A"]
+    finally:
+        in_process.FAILED.pop("A", None)

@@ -5,13 +5,14 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cache.hashing import PackedHashes, pack_hashes
 from routing.report_backlog import SLICE, ReportBacklog
 
 reports = st.lists(st.tuples(st.sampled_from("AB"), st.lists(st.integers(0, 40), max_size=600),
-                             st.lists(st.integers(0, 40), max_size=600)), max_size=6)
+                             st.lists(st.integers(0, 40), max_size=600), st.none() | st.integers(0, 50)), max_size=6)
 
 
-def _recorder(held: dict[str, set[int]], calls: list[int]):
+def _recorder(held: dict[str, set[int]], calls: list[int], bounds: list | None = None):
     def forget(rid, hashes):
         calls.append(len(hashes))
         held.setdefault(rid, set()).difference_update(hashes)
@@ -19,27 +20,37 @@ def _recorder(held: dict[str, set[int]], calls: list[int]):
     def learn(rid, hashes):
         calls.append(len(hashes))
         held.setdefault(rid, set()).update(hashes)
-    return forget, learn
+
+    def bound(rid, cached_blocks):  # what the replica's index held when its count bounded it
+        (bounds if bounds is not None else []).append((rid, cached_blocks, frozenset(held.get(rid, ()))))
+    return forget, learn, bound
 
 
 @settings(max_examples=200, deadline=None)
 @given(reports)
-def test_slices_end_where_whole_reports_do(reps):
+def test_slices_end_where_whole_reports_do_and_bounds_come_after_their_hashes(reps):
     whole: dict[str, set[int]] = {}
-    for rid, removed, stored in reps:  # the reference: each report folded at once, evictions first
+    whole_bounds = []
+    for rid, removed, stored, cached in reps:  # the reference: each report folded at once, evictions first
         whole.setdefault(rid, set()).difference_update(removed)
         whole[rid].update(stored)
-    backlog, held, calls = ReportBacklog(per_replica_limit=10**6), {}, []
-    for report in reps:
-        assert backlog.push(*report)
-    forget, learn = _recorder(held, calls)
-    folds = 0
-    while backlog.fold(forget, learn, budget_s=0.0):  # no budget: one slice per call
+        if cached is not None:
+            whole_bounds.append((rid, cached, frozenset(whole[rid])))
+    backlog, held, calls, bounds = ReportBacklog(per_replica_limit=10**6), {}, [], []
+    forget, learn, bound = _recorder(held, calls, bounds)
+    for rid, removed, stored, cached in reps:
+        assert backlog.push(rid, removed, stored)
+        if cached is not None:
+            backlog.push_bound(rid, cached, bound)
+    folds, at_once = 0, len(bounds)  # (a bound with nothing of its replica waiting applies at once)
+    while backlog.fold(forget, learn, bound, budget_s=0.0):  # no budget: one slice per call
         folds += 1
-    assert len(backlog) == 0
+    assert len(backlog) == 0 and not backlog
     assert all(n <= SLICE for n in calls)
     assert {k: v for k, v in held.items() if v} == {k: v for k, v in whole.items() if v}
-    assert folds == max(0, len(calls) - 1)
+    for rid in "AB":  # each replica's bounds in its order, each after its own hashes before it
+        assert [b for b in bounds if b[0] == rid] == [b for b in whole_bounds if b[0] == rid]
+    assert folds == max(0, len(calls) + len(bounds) - at_once - 1)  # one slice or bound per call
 
 
 def test_an_overflowing_replica_lets_go_of_its_own_backlog_only():
@@ -62,3 +73,20 @@ def test_a_replica_that_leaves_takes_its_backlog_with_it():
     held, calls = {}, []
     backlog.fold(*_recorder(held, calls), budget_s=1.0)
     assert held == {"B": {4}} and len(backlog) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=300), st.integers(-320, 320), st.integers(-320, 320),
+       st.sampled_from([1, 1, 2, 3, -1]))
+def test_packed_hashes_read_as_the_list_they_pack(hashes, start, stop, step):
+    packed = PackedHashes(pack_hashes(hashes))
+    assert len(packed) == len(hashes) and packed[start:stop:step] == hashes[start:stop:step]
+    if hashes:
+        assert packed[start % len(hashes)] == hashes[start % len(hashes)] and packed[-1] == hashes[-1]
+
+
+def test_hashes_that_are_not_hex_are_let_go_not_folded_forever():
+    backlog, held, calls = ReportBacklog(per_replica_limit=1000), {}, []
+    backlog.push("A", PackedHashes("zz" * 8 * 3), PackedHashes(pack_hashes([5, 6])))
+    assert not backlog.fold(*_recorder(held, calls), budget_s=1.0)
+    assert held == {"A": {5, 6}} and backlog.dropped == 3 and len(backlog) == 0
