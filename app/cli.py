@@ -6,6 +6,7 @@ import argparse
 import errno
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -181,6 +182,28 @@ def _loopback(host: str) -> str:
     return "loopback" if host in ("localhost", "127.0.0.1", "::1") else host
 
 
+def _share_gpus(settings: Settings) -> Settings:
+    """On its local Ray, replicas that will run on CUDA each take their share of the GPUs unless
+    --replica-num-gpus says otherwise: with 0 (the setting's default, right for a CPU) Ray neither
+    counts a GPU for them nor hides the others, so every replica loaded its model onto cuda:0."""
+    if "replica_num_gpus" in settings.model_fields_set or settings.replica_num_gpus:
+        return settings
+    import torch
+
+    from engine.model_loader import resolve_device
+
+    try:
+        if resolve_device(settings.device).type != "cuda":
+            return settings
+    except Exception:  # noqa: BLE001 - an unusable device: the preflight says why
+        return settings
+    first = max(1, settings.autoscaling.min_replicas) if settings.autoscaling else settings.num_replicas
+    share = min(1.0, torch.cuda.device_count() / first)
+    print(f"radixserve: each replica takes {share:g} GPU (--replica-num-gpus {share:g}; {first} replica(s), "
+          f"{torch.cuda.device_count()} GPU(s) here)", file=sys.stderr)
+    return settings.model_copy(update={"replica_num_gpus": share})
+
+
 def _device_problem(settings: Settings, config) -> str | None:
     """The device, attention backend and KV pool size asked for, on this machine (where a local Ray
     runs the replicas; ``config``: the model's)."""
@@ -199,6 +222,12 @@ def _device_problem(settings: Settings, config) -> str | None:
         return f"device {settings.device!r}: {e}"
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         return f"device {settings.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    # Ray shows a replica only the GPUs it gives it, as cuda:0 on
+    seen = max(1, math.ceil(settings.replica_num_gpus))
+    if device.type == "cuda" and settings.replica_num_gpus and (device.index or 0) >= seen:
+        return (f"device {settings.device!r}: each replica sees only its own {seen} GPU(s) "
+                f"(--replica-num-gpus {settings.replica_num_gpus:g}), as cuda:0{f'-{seen - 1}' if seen > 1 else ''}: "
+                "pass --device cuda (Ray picks the GPU)")
     # the replicas that start at once must find their GPUs here: Ray would leave them pending, and the
     # start-up would wait for them for good
     first = max(1, settings.autoscaling.min_replicas) if settings.autoscaling else settings.num_replicas
@@ -206,8 +235,8 @@ def _device_problem(settings: Settings, config) -> str | None:
         return (f"{first} replica(s) x --replica-num-gpus {settings.replica_num_gpus:g} need "
                 f"{first * settings.replica_num_gpus:g} GPU(s); this machine has {torch.cuda.device_count()}")
     if settings.attention_backend == "flash" and not flash_available(device):
-        return ("attention_backend flash needs a CUDA device and the vllm-flash-attn package "
-                "(pip install -e '.[gpu]'); auto picks it when it can")
+        return ("attention_backend flash needs a CUDA device and the vllm-flash-attn package, which pins "
+                "torch 2.4, older than transformers 5 runs on: leave it to auto (SDPA)")
     # without a size the pool is sized from the free memory; on a GPU the replica checks (asking here
     # would leave a CUDA context in this process for as long as it serves)
     if settings.max_batch_total_tokens and device.type == "cpu":
@@ -224,6 +253,8 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"radixserve: {e}", file=sys.stderr)
         return 2
+    if not args.address:
+        settings = _share_gpus(settings)
     problem = preflight(settings, local_ray=not args.address)
     if problem:
         print(f"radixserve: {problem}", file=sys.stderr)

@@ -35,11 +35,28 @@ def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=storage).element_size()
 
 
+# On a GPU the pool is allocated after the weights, and a step then needs room beside it: activations
+# of the largest prefill, the CUDA graphs' memory, cuBLAS workspaces. This much stays free whatever
+# kv_memory_fraction says (1.0 took every byte, and the first step ran out of memory).
+GPU_RESERVE_FRACTION = 0.05
+GPU_RESERVE_MIN_BYTES = 1 << 30
+
+
+def gpu_reserve(device: torch.device) -> int:
+    """Bytes a GPU keeps free beside its KV pool (none on a CPU)."""
+    if device.type != "cuda":
+        return 0
+    _free, total = torch.cuda.mem_get_info(device)
+    return max(GPU_RESERVE_MIN_BYTES, int(total * GPU_RESERVE_FRACTION))
+
+
 def available_memory(device: torch.device) -> int:
-    """Bytes free for the KV pool on ``device`` (CUDA: free device memory; CPU: MemAvailable)."""
+    """Bytes free for the KV pool on ``device`` (CUDA: free device memory, less ``gpu_reserve``;
+    CPU: MemAvailable)."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks torch has cached but does not use (loading left some) are free
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+        return max(0, int(free) - gpu_reserve(device))
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -62,8 +79,9 @@ def pool_problem(tokens: int, token_bytes: int, device: torch.device) -> str | N
     need = tokens * token_bytes
     if need <= free:
         return None
+    room = "free" if device.type == "cpu" else "free beside a step's working memory"
     return (f"a KV pool of {tokens} tokens (max_batch_total_tokens) needs {need / 2**30:.1f} GiB, more than the "
-            f"{free / 2**30:.1f} GiB free on {device}")
+            f"{free / 2**30:.1f} GiB {room} on {device}")
 
 
 # A CPU replica's pool without a size given: a fraction of the machine's memory, but at most this

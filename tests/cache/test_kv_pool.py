@@ -89,3 +89,20 @@ def test_sizing():
     assert num_blocks_for(16, 1024, None, 1.0, torch.device("cpu")) == CPU_POOL_CAP_BYTES // (1024 * 16)
     with pytest.raises(ValueError):
         resolve_kv_dtype("int4", torch.float32)
+
+
+def test_a_gpu_pool_leaves_room_for_a_step_whatever_the_fraction(monkeypatch):
+    # kv_memory_fraction 1.0 took every free byte, and the first step ran out of memory
+    from cache.kv_pool import available_memory, pool_problem
+
+    gib, emptied = 1 << 30, []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    cuda = torch.device("cuda")
+    assert available_memory(cuda) == 16 * gib and emptied  # 5% of 80 GiB kept (and torch's cache let go first)
+    assert num_blocks_for(16, 1024, None, 1.0, cuda) == 16 * gib // (1024 * 16)
+    assert num_blocks_for(16, 1024, None, 0.5, cuda) == 8 * gib // (1024 * 16)
+    assert pool_problem(16 * gib // 1024, 1024, cuda) is None
+    assert "free beside a step's working memory" in pool_problem(17 * gib // 1024, 1024, cuda)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 8 * gib))
+    assert available_memory(cuda) == 1 * gib  # at least 1 GiB kept on a small GPU

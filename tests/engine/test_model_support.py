@@ -243,6 +243,30 @@ def test_preflight_refuses_what_the_replicas_could_not_serve(tmp_path, tiny_fold
     assert preflight(many, local_ray=False) is None  # a cluster's GPUs are its nodes'
 
 
+def test_replicas_on_cuda_take_their_share_of_the_gpus_and_see_only_theirs(monkeypatch, tiny_folder, capsys):
+    # with --replica-num-gpus 0 Ray neither counted a GPU for them nor hid the others: all ran on cuda:0
+    import torch
+
+    from app.cli import _share_gpus, preflight
+    from app.config import Settings
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    one = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512)
+    assert _share_gpus(one).replica_num_gpus == 1 and "takes 1 GPU" in capsys.readouterr().err
+    assert _share_gpus(one.model_copy(update={"num_replicas": 4})).replica_num_gpus == 0.5
+    asked = Settings(model_id=str(tiny_folder), port=0, replica_num_gpus=0)  # (said: kept, a shared GPU)
+    assert _share_gpus(asked).replica_num_gpus == 0
+    assert _share_gpus(Settings(model_id=str(tiny_folder), port=0, device="cpu")).replica_num_gpus == 0
+    # Ray shows each replica only its own GPUs, from cuda:0: cuda:1 was "invalid device ordinal" there
+    for gpus, device, said in ((1, "cuda:1", "sees only its own 1 GPU(s)"), (0.5, "cuda:1", "sees only its own 1"),
+                               (2, "cuda:1", None), (2, "cuda:0", None), (1, "cuda", None)):
+        s = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512, replica_num_gpus=gpus,
+                     device=device)
+        problem = preflight(s, local_ray=True)
+        assert (said in problem) if said else problem is None, (gpus, device, problem)
+
+
 def test_auto_dtype_is_bf16_only_where_the_gpu_computes_it(monkeypatch):
     # torch.cuda.is_bf16_supported() says yes on pre-Ampere GPUs too (emulated): the capability decides
     import torch
