@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from cache.kv_pool import KVPool
-from engine.attention import DECODE_ROW_TOKENS, PagedBatch, decode_metadata, head_slots
+from engine.attention import DECODE_ROW_TOKENS, DecodeChunk, PagedBatch, decode_metadata, head_slots
 from engine.model_support import LONGROPE, rope_type
 
 log = logging.getLogger(__name__)
@@ -175,12 +175,12 @@ class StepGraphs:
         return host
 
     def _forward(self, b: _Bucket) -> torch.Tensor:
+        slots = head_slots(b.ctx_slots, self.pool.shape.num_kv_heads)
         batch = PagedBatch(pool=self.pool, slot_mapping=b.slot_mapping, num_decodes=b.input_ids.shape[1],
-                           decode_slots=head_slots(b.ctx_slots, self.pool.shape.num_kv_heads),
-                           decode_mask=b.decode_mask)
+                           decode_chunks=[DecodeChunk(slots, b.decode_mask)])
         if b.sliding_mask is not None:
             batch.sliding = PagedBatch(pool=self.pool, slot_mapping=b.slot_mapping, num_decodes=batch.num_decodes,
-                                       decode_slots=batch.decode_slots, decode_mask=b.sliding_mask)
+                                       decode_chunks=[DecodeChunk(slots, b.sliding_mask)])
             batch.sliding_layers = self.sliding_layers
         out = self.model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False, logits_to_keep=0,
                          paged_batch=batch)

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from cache.kv_pool import KVPool
-from engine.attention import BatchedPrefills, PagedBatch, PrefillGroup, decode_metadata, head_slots
+from engine.attention import (
+    BatchedPrefills,
+    PagedBatch,
+    PrefillGroup,
+    decode_chunks,
+)
 from engine.cuda_graphs import StepGraphs
 from engine.scheduler import Chunk
 
@@ -126,9 +131,7 @@ class ModelRunner:
         decodes = [self._rows(*x, window) for x in spans if x[2] - x[1] == 1]
         if decodes:
             batch.num_decodes = len(decodes)
-            slots_d, mask = decode_metadata(decodes, pad_slot=self.pool.pad_slot)
-            batch.decode_slots = head_slots(slots_d.to(dev), self.pool.shape.num_kv_heads)
-            batch.decode_mask = mask.to(dev)
+            batch.decode_chunks = decode_chunks(decodes, self.pool.pad_slot, self.pool.shape.num_kv_heads, dev)
         q_start = len(decodes)
         chunks_left = spans[len(decodes):]
         cached = [x for x in chunks_left if x[1] > 0]

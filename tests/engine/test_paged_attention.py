@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import engine.attention as attention
 from engine.sequence import SamplingParams
@@ -51,8 +53,8 @@ def test_decode_scores_are_not_rounded_to_bf16_before_the_softmax(decode_path):
     q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
     scale = 1.0  # scores of std ~8 and peaks near 30: where bf16 spacing is 0.125-0.25
     pool = SimpleNamespace(read_heads=lambda layer, slots: (k, v))
-    batch = SimpleNamespace(pool=pool, decode_slots=torch.zeros(d, hkv, length, dtype=torch.long),
-                            decode_mask=torch.ones(d, 1, 1, length, dtype=torch.bool))
+    batch = SimpleNamespace(pool=pool, decode_chunks=[attention.DecodeChunk(
+        torch.zeros(d, hkv, length, dtype=torch.long), torch.ones(d, 1, 1, length, dtype=torch.bool))])
     out = attention._decode_attention(batch, 0, q, groups, scale).float()  # [D, H, Dh]
 
     qg = q.float().transpose(0, 1).reshape(d, hkv, groups, dh)
@@ -63,8 +65,9 @@ def test_decode_scores_are_not_rounded_to_bf16_before_the_softmax(decode_path):
 
 
 def test_many_decodes_beside_a_long_context_attend_in_bounded_slices(monkeypatch, decode_path):
-    """Decode rows are padded to the longest context, so rows x context bounds what one call gathers;
-    past ``DECODE_ROW_TOKENS`` the rows go in slices, with the same result as all at once."""
+    """A chunk's rows are padded to its longest context, so rows x context bounds what one call gathers;
+    past ``DECODE_ROW_TOKENS`` the rows go in slices, with the same result as all at once. And rows of
+    unlike lengths go in chunks of their own, with the same result again, gathering less."""
     from cache.kv_pool import KVPool, KVShape
 
     g = torch.Generator().manual_seed(0)
@@ -75,7 +78,7 @@ def test_many_decodes_beside_a_long_context_attend_in_bounded_slices(monkeypatch
     lengths = [700, 5, 33, 1, 16, 250, 9]  # one long context beside short ones
     ctx = [slots[sum(lengths[:i]):sum(lengths[:i + 1])] for i in range(len(lengths))]
     flat, mask = attention.decode_metadata([(c, None) for c in ctx])
-    batch = SimpleNamespace(pool=pool, decode_slots=attention.head_slots(flat, hkv), decode_mask=mask)
+    batch = SimpleNamespace(pool=pool, decode_chunks=[attention.DecodeChunk(attention.head_slots(flat, hkv), mask)])
     q = torch.randn(hkv * groups, len(lengths), dh, generator=g)
     whole = attention._decode_attention(batch, 0, q, groups, None)
     gathered: list[int] = []
@@ -85,6 +88,21 @@ def test_many_decodes_beside_a_long_context_attend_in_bounded_slices(monkeypatch
     sliced = attention._decode_attention(batch, 0, q, groups, None)
     assert gathered == [2 * hkv * 700] * 3 + [hkv * 700]  # 7 rows, 2 at a time
     torch.testing.assert_close(sliced, whole)
+    monkeypatch.setattr(attention, "DECODE_ROW_TOKENS", 32 * 8192)
+    gathered.clear()
+    batch.decode_chunks = attention.decode_chunks([(c, None) for c in ctx], pool.pad_slot, hkv, torch.device("cpu"))
+    chunked = attention._decode_attention(batch, 0, q, groups, None)
+    assert sorted(gathered) == sorted(hkv * n for n in (700, 250, 33, 16 * 2, 5, 1))  # 700 | 250 | 33 | 16, 9 | 5 | 1
+    assert sum(gathered) < len(lengths) * hkv * 700 / 3  # (a third of padding them all to 700)
+    torch.testing.assert_close(chunked, whole)
+    for order in ([ctx[6], ctx[4]], [ctx[4], ctx[6]]):  # lengths 9, 16 (and 16, 9): one chunk, in the step's order
+        batch.decode_chunks = attention.decode_chunks([(c, None) for c in order], pool.pad_slot, hkv,
+                                                      torch.device("cpu"))
+        assert len(batch.decode_chunks) == 1
+        one = attention._decode_attention(batch, 0, q[:, :2], groups, None)
+        flat2, mask2 = attention.decode_metadata([(c, None) for c in order])
+        alone = SimpleNamespace(pool=pool, decode_chunks=[attention.DecodeChunk(attention.head_slots(flat2, hkv), mask2)])
+        torch.testing.assert_close(one, attention._decode_attention(alone, 0, q[:, :2], groups, None))
     for i, c in enumerate(ctx):  # and each row is its own context's attention
         k, v = pool.read_slots(0, c)
         qg = q[:, i].reshape(hkv, groups, dh)
@@ -92,7 +110,29 @@ def test_many_decodes_beside_a_long_context_attend_in_bounded_slices(monkeypatch
         torch.testing.assert_close(sliced[i], ref.reshape(hkv * groups, dh))
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=64), st.integers(1, 20_000))
+def test_length_chunks_hold_every_row_once_pad_at_most_double_and_keep_the_budget(lengths, budget):
+    chunks = attention.length_chunks(lengths, budget)
+    assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+    for c in chunks:
+        width = max(1, lengths[c[0]])
+        assert all(max(1, lengths[i]) <= width and max(1, lengths[i]) * attention.CHUNK_PAD_RATIO >= width for i in c)
+        assert len(c) == 1 or len(c) * width <= budget
+    if len({max(1, n) for n in lengths}) == 1 and len(lengths) * max(1, lengths[0]) <= budget:
+        assert len(chunks) == 1  # like lengths: one chunk, as before
+
+
 def test_the_flash_backend_is_only_chosen_for_shapes_its_kernels_take():
     assert attention.flash_fits(16, 128) and attention.flash_fits(32, 64) and attention.flash_fits(16, 256)
     assert not attention.flash_fits(8, 128)  # blocks of a multiple of 16 tokens only
     assert not any(attention.flash_fits(16, h) for h in (16, 80, 100, 288, 512))  # head sizes 32..256, steps of 32
+
+
+def test_the_mixed_decode_bench_runs(model_dir, tmp_path):
+    from bench.mixed_decode import main
+
+    out = main(["--model-dir", model_dir("tiny"), "--long", "200", "--short", "3", "--short-len", "20",
+                "--repeats", "1", "--out", str(tmp_path)])
+    assert out["mixed_chunked_ms"] > 0 and (tmp_path / "mixed_decode.png").stat().st_size > 0
+    assert attention.CHUNK_PAD_RATIO == 2  # (put back)
