@@ -3,7 +3,7 @@
 # graphs captured and replayed; the KV pool's fp8/bf16/fp16 round trips on the device), then the engine benchmark in bf16 (with the transformers variants on the
 # same GPU, and the engine without CUDA graphs beside it), then a prefill-heavy variant of it (4,096-token
 # shared prefixes, 16 output tokens), then the same on a 0.85B-parameter model with the time of each kind
-# of step (bench.step_profile), then a short table. About 3-4 minutes on an H200. Run from the
+# of step (bench.step_profile), then decode beside a long context (bench.mixed_decode), then a short table. About 3-4 minutes on an H200. Run from the
 # repository root on a CUDA machine with torch and the engine's dependencies (transformers, tokenizers,
 # safetensors, pydantic, xxhash, hypothesis, pytest) installed: `bash bench/gpu_check.sh`. Logs and the plot go
 # to $OUT (default /tmp/gpu_check). With vllm-flash-attn importable the flash backend is used (float32
@@ -49,12 +49,16 @@ timeout "${BIG_TIMEOUT:-200}" bash -c "$PY -c \"from engine.model_init import wr
   && $PY -m bench.step_profile --model-dir /tmp/bench-1b --profile-steps 0" >"$OUT/bench_1b.log" 2>&1
 bench_1b_rc=$?
 grep -E '^\||^###|^- |^\{' "$OUT/bench_1b.log"
+echo "== decode beside a long context: rows padded to the longest, against chunks of like lengths"
+timeout "${MIXED_TIMEOUT:-150}" $PY -m bench.mixed_decode --long 8000 --short 63 --out "$OUT" >"$OUT/mixed.log" 2>&1
+mixed_rc=$?
+grep -E '^(mixed|like)|^\{' "$OUT/mixed.log"
 echo "== summary"
 verdict() { [ "$1" = 0 ] && echo pass || echo "FAIL ($1$([ "$1" = 124 ] && echo ": timed out"))"; }
 printf '| check | result |\n|---|---|\n| engine+cache tests on cuda | %s |\n' "$(verdict "$tests_rc")"
-printf '| bench / bench_long / bench_1b ran | %s / %s / %s |\n' "$(verdict "$bench_rc")" "$(verdict "$bench_long_rc")" \
-  "$(verdict "$bench_1b_rc")"
-for f in bench bench_long bench_1b; do
+printf '| bench / bench_long / bench_1b / mixed ran | %s / %s / %s / %s |\n' "$(verdict "$bench_rc")" \
+  "$(verdict "$bench_long_rc")" "$(verdict "$bench_1b_rc")" "$(verdict "$mixed_rc")"
+for f in bench bench_long bench_1b mixed; do
   grep '^{' "$OUT/$f.log" | tail -1 | $PY -c '
 import json, sys
 name = sys.argv[1]
@@ -64,5 +68,5 @@ for line in sys.stdin:
 done
 # a benchmark that crashed (out of memory, a CUDA error) fails the check too, not only the tests
 status=$tests_rc
-for rc in "$bench_rc" "$bench_long_rc" "$bench_1b_rc"; do [ "$rc" = 0 ] || [ "$status" != 0 ] || status=$rc; done
+for rc in "$bench_rc" "$bench_long_rc" "$bench_1b_rc" "$mixed_rc"; do [ "$rc" = 0 ] || [ "$status" != 0 ] || status=$rc; done
 exit "$status"
