@@ -527,7 +527,9 @@ async def _run_input(args: argparse.Namespace, totals: dict, output: Path, done:
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     # a local service not via an HTTP_PROXY (httpx would send 127.0.0.1 there unless NO_PROXY says not to)
     local = (httpx.URL(args.url).host or "") in LOOPBACK
-    auth = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # (a service's key list, OLD,NEW while clients move to a new key: the newest, its last)
+    key = args.api_key.split(",")[-1].strip() if args.api_key else None
+    auth = {"authorization": f"Bearer {key}"} if key else {}
     # (a connection that cannot be made takes at most 10 s a try, not the whole --request-timeout-s)
     timeout = httpx.Timeout(args.request_timeout_s, connect=min(CONNECT_TIMEOUT_S, args.request_timeout_s))
     async with httpx.AsyncClient(base_url=args.url, timeout=timeout, limits=limits, headers=auth,
@@ -637,7 +639,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=os.environ.get("RADIXSERVE_URL", "http://127.0.0.1:8000"),
                    help="the service (default: $RADIXSERVE_URL or http://127.0.0.1:8000)")
     p.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
-                   help="the service's API key, sent as Authorization: Bearer (default: $RADIXSERVE_API_KEY)")
+                   help="the service's API key, sent as Authorization: Bearer; of a comma-separated list, the last "
+                        "(default: $RADIXSERVE_API_KEY)")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (default: 32)")
     p.add_argument("--max-tokens", type=int, default=256, help="for lines without max_tokens (default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="for lines without temperature (default: 0)")

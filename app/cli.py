@@ -197,11 +197,24 @@ def _share_gpus(settings: Settings) -> Settings:
             return settings
     except Exception:  # noqa: BLE001 - an unusable device: the preflight says why
         return settings
-    first = max(1, settings.autoscaling.min_replicas) if settings.autoscaling else settings.num_replicas
-    share = min(1.0, torch.cuda.device_count() / first)
-    print(f"radixserve: each replica takes {share:g} GPU (--replica-num-gpus {share:g}; {first} replica(s), "
-          f"{torch.cuda.device_count()} GPU(s) here)", file=sys.stderr)
+    # as many as may run (autoscaling's most: a local Ray has no nodes to add), each GPU split evenly
+    # (Ray puts a fraction of a GPU on one GPU: 2 GPUs x 0.67 hold two replicas, not three)
+    most = settings.autoscaling.max_replicas if settings.autoscaling else settings.num_replicas
+    gpus = torch.cuda.device_count()
+    share = 1 / math.ceil(most / gpus) if gpus else 1.0
+    print(f"radixserve: each replica takes {share:.4g} GPU (--replica-num-gpus; {most} replica(s) at most, "
+          f"{gpus} GPU(s) here)", file=sys.stderr)
     return settings.model_copy(update={"replica_num_gpus": share})
+
+
+def gpus_hold(replicas: int, per_replica: float, gpus: int) -> bool:
+    """Whether Ray can place ``replicas`` that each ask for ``per_replica`` GPUs on ``gpus`` GPUs: a
+    fraction goes on one GPU (and Ray counts in ten-thousandths), more than one in whole GPUs."""
+    if per_replica <= 0:
+        return True
+    if per_replica < 1:
+        return replicas <= gpus * math.floor(1 / round(per_replica, 4) + 1e-9)
+    return replicas * math.ceil(per_replica) <= gpus
 
 
 def _device_problem(settings: Settings, config) -> str | None:
@@ -231,9 +244,9 @@ def _device_problem(settings: Settings, config) -> str | None:
     # the replicas that start at once must find their GPUs here: Ray would leave them pending, and the
     # start-up would wait for them for good
     first = max(1, settings.autoscaling.min_replicas) if settings.autoscaling else settings.num_replicas
-    if settings.replica_num_gpus and first * settings.replica_num_gpus > torch.cuda.device_count():
-        return (f"{first} replica(s) x --replica-num-gpus {settings.replica_num_gpus:g} need "
-                f"{first * settings.replica_num_gpus:g} GPU(s); this machine has {torch.cuda.device_count()}")
+    if not gpus_hold(first, settings.replica_num_gpus, torch.cuda.device_count()):
+        return (f"{first} replica(s) x --replica-num-gpus {settings.replica_num_gpus:.4g} do not fit on this "
+                f"machine's {torch.cuda.device_count()} GPU(s) (Ray puts a fraction of a GPU on one GPU)")
     if settings.attention_backend == "flash" and not flash_available(device):
         return ("attention_backend flash needs a CUDA device and the vllm-flash-attn package, which pins "
                 "torch 2.4, older than transformers 5 runs on: leave it to auto (SDPA)")

@@ -92,12 +92,16 @@ class PackedHashes(Sequence[int]):
             start, stop, step = index.indices(len(self))
             if step != 1:
                 return [self[i] for i in range(start, stop, step)]
-            arr = array("Q", bytes.fromhex(self._text[start * HEX_DIGITS:max(start, stop) * HEX_DIGITS]))
+            stop = max(start, stop)
+            # (fromhex skips whitespace: digits that read as fewer hashes are not hashes)
+            arr = array("Q", bytes.fromhex(self._text[start * HEX_DIGITS:stop * HEX_DIGITS]))
+            if len(arr) != stop - start:
+                raise ValueError("packed hashes hold other characters than hex digits")
             if _LE:
                 arr.byteswap()
             return arr.tolist()
         i = range(len(self))[index]  # (negative indices, and IndexError past the end)
-        return int(self._text[i * HEX_DIGITS:(i + 1) * HEX_DIGITS], 16)
+        return self[i:i + 1][0]
 
 
 def reported_hashes(value) -> Sequence[int]:

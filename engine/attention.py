@@ -79,7 +79,7 @@ class PagedBatch:
     num_decodes: int = 0
     decode_chunks: list[DecodeChunk] = field(default_factory=list)  # together, every decode row once
     prefills: list[PrefillGroup] = field(default_factory=list)
-    batched: BatchedPrefills | None = None  # after the prefills above
+    batched: list[BatchedPrefills] = field(default_factory=list)  # after the prefills above, in row order
     # flash backend metadata (CUDA only)
     flash: dict | None = None
     # models whose layers differ (Gemma 3): these layers attend through ``sliding``, the same step's
@@ -115,6 +115,24 @@ def decode_metadata(groups: list[tuple[torch.Tensor, torch.Tensor | None]], rows
 # of the batch, one 4,000-token context beside 31 of 100 tokens had every row gather 4,000 (a decode
 # step of the bench model on one CPU thread: 810 ms, against 63 ms with the long one at 130 tokens)
 CHUNK_PAD_RATIO = 2
+
+
+def like_length_runs(lengths: list[int], row_tokens: int = DECODE_ROW_TOKENS) -> list[range]:
+    """``length_chunks``'s rule over rows kept in their order: runs of neighbouring rows whose
+    lengths are within ``CHUNK_PAD_RATIO`` of each other and whose rows x longest stay within
+    ``row_tokens`` (the caller orders them by length, so like lengths are neighbours)."""
+    runs: list[range] = []
+    start, lo, hi = 0, 0, 0
+    for i, n in enumerate(max(1, x) for x in lengths):
+        if i and max(hi, n) <= CHUNK_PAD_RATIO * min(lo, n) and (i - start + 1) * max(hi, n) <= row_tokens:
+            lo, hi = min(lo, n), max(hi, n)
+            continue
+        if i:
+            runs.append(range(start, i))
+        start, lo, hi = i, n, n
+    if lengths:
+        runs.append(range(start, len(lengths)))
+    return runs
 
 
 def length_chunks(lengths: list[int], row_tokens: int = DECODE_ROW_TOKENS) -> list[list[int]]:
@@ -198,7 +216,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         return _flash_attention(b, layer, q, scaling, softcap), None
 
     outs: list[torch.Tensor] = []
-    prefills = bool(b.prefills) or b.batched is not None
+    prefills = bool(b.prefills) or bool(b.batched)
     sdpa = prefills or (b.num_decodes > 0 and q.device.type in FUSED_DECODE_DEVICES)
     # once per layer, and only around SDPA: it sets (and restores) process-wide flags
     with sdpa_kernel(SDPA_BACKENDS) if sdpa else nullcontext():
@@ -206,8 +224,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             outs.append(_decode_attention(b, layer, q[:, : b.num_decodes], groups, scaling, softcap))
         if prefills:
             outs.extend(_prefill_attention(b, layer, query, key, value, groups, scaling, softcap))
-            if b.batched is not None:
-                outs.append(_batched_prefill_attention(b, layer, q, groups, scaling, softcap))
+            outs.extend(_batched_prefill_attention(b, p, layer, q, groups, scaling, softcap) for p in b.batched)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     return out.unsqueeze(0), None
 
@@ -260,10 +277,9 @@ def _prefill_attention(b: PagedBatch, layer: int, query: torch.Tensor, key: torc
     return outs
 
 
-def _batched_prefill_attention(b: PagedBatch, layer: int, q: torch.Tensor, groups: int, scaling: float | None,
-                               softcap: float | None = None) -> torch.Tensor:
-    """``b.batched``'s chunks in one SDPA call: q ``[H, T, Dh]`` -> ``[n, H, Dh]`` of their queries."""
-    p = b.batched
+def _batched_prefill_attention(b: PagedBatch, p: BatchedPrefills, layer: int, q: torch.Tensor, groups: int,
+                               scaling: float | None, softcap: float | None = None) -> torch.Tensor:
+    """``p``'s chunks (one of ``b.batched``) in one SDPA call: q ``[H, T, Dh]`` -> ``[n, H, Dh]`` of their queries."""
     c, lmax = p.ctx_slots.shape
     qb = q[:, p.q_rows].transpose(0, 1)  # [C, H, Qmax, Dh]
     k, v = b.pool.read_slots(layer, p.ctx_slots.reshape(-1))  # [C * Lmax, Hkv, Dh]

@@ -10,6 +10,7 @@ from engine.attention import (
     PagedBatch,
     PrefillGroup,
     decode_chunks,
+    like_length_runs,
 )
 from engine.cuda_graphs import StepGraphs
 from engine.scheduler import Chunk
@@ -79,8 +80,11 @@ class ModelRunner:
         """Run ``chunks`` (decodes first in the row); returns float32 logits ``[N, V]``, in chunk order:
         every row of the chunks whose ``all_rows`` entry is set (prompt log-probabilities), else the last
         row of those whose ``sample_mask`` entry is set."""
-        # decodes, then chunks that start their sequence, then chunks over cached context
-        order = sorted(range(len(chunks)), key=lambda i: (chunks[i].num_tokens != 1, chunks[i].seq.num_computed > 0))
+        # decodes, then chunks that start their sequence, then chunks over cached context, the longest
+        # contexts first (neighbours of like lengths are batched together on a GPU: ``_batch``)
+        order = sorted(range(len(chunks)), key=lambda i: (
+            chunks[i].num_tokens != 1, chunks[i].seq.num_computed > 0,
+            -(chunks[i].seq.num_computed + chunks[i].num_tokens) if chunks[i].num_tokens != 1 else 0))
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
@@ -137,7 +141,13 @@ class ModelRunner:
         cached = [x for x in chunks_left if x[1] > 0]
         if self.batch_prefills and len(cached) > 1:  # they come last in the row
             chunks_left = chunks_left[: len(chunks_left) - len(cached)]
-            batch.batched = self._batched(cached, num_ids - sum(end - start for _, start, end in cached), window)
+            q_at = num_ids - sum(end - start for _, start, end in cached)
+            # padded to the longest context of their call: like lengths together (a long context beside
+            # short ones padded each to its length), within a budget of rows x context
+            for run in like_length_runs([end - self._ctx_start(start, window) for _, start, end in cached]):
+                group = cached[run.start:run.stop]
+                batch.batched.append(self._batched(group, q_at, window))
+                q_at += sum(end - start for _, start, end in group)
         for flat, start, end in chunks_left:
             batch.prefills.append(self._prefill(flat, start, end, q_start, window))
             q_start += end - start

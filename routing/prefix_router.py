@@ -275,14 +275,14 @@ class PrefixAwareRequestRouter(RequestRouter):
             # bound the index instead.
             # (a replica without a prefix cache reports no events: its count, 0, is all there is)
             exact = queued and not (stats.get("truncated") or missed) and stats.get("prefix_caching", True)
-            if not exact:  # the count describes the cache after these hashes: it bounds the index after them
-                self._backlog.push_bound(rid, stats.get("cached_blocks"), self._bound)
-            reports.append((rid, stats))
+            reports.append((rid, stats, exact))
         self._fold_soon()  # in the loop's idle time, not in this decision
-        for rid, stats in reports:
+        for rid, stats, exact in reports:
             if stats.get("queue") == 0 and isinstance(stats.get("at"), (int, float)):
                 self._drop_stale(rid, stats["at"])
             self.policy.report(rid, capacity_blocks=stats.get("kv_total_blocks"), in_flight=stats.get("queue"))
+            if not exact:  # the count describes the cache after these hashes: it bounds the index after them
+                self._backlog.push_bound(rid, stats.get("cached_blocks"), self._bound)
 
     def _learn_stored(self, replica_id: str, hashes: list[int]) -> None:
         self.policy.learn_hashes(replica_id, hashes, from_root=False)

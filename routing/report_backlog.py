@@ -50,7 +50,7 @@ class ReportBacklog:
         its whole backlog is let go (the caller then bounds that replica's index by its cached count)."""
         n = len(removed) + len(stored)
         if self._waiting.get(replica_id, 0) + n > self.per_replica_limit:
-            self.dropped += self._waiting.get(replica_id, 0) + n
+            self.dropped += n + sum(len(p.hashes) - p.done for p in self._queue if p.replica_id == replica_id)
             self.drop(replica_id)
             return False
         for forget, hashes in ((True, removed), (False, stored)):

@@ -116,12 +116,13 @@ def test_sliding_window_frees_generated_blocks(make_engine, hf_model):
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"])
 def test_cache_hits_prefilled_together_in_one_padded_call_match_hf(preset, make_engine, hf_model, monkeypatch):
     """Four prompts over a cached prefix, with tails of 3 to 40 tokens, in one step: on a GPU their
-    chunks share one SDPA call per layer (padded; windowed for Mistral). Forced on here."""
+    chunks share SDPA calls per layer (padded; windowed for Mistral), those of like context lengths
+    one call. Forced on here."""
     from engine import attention
 
     calls = []
     real = attention._batched_prefill_attention
-    monkeypatch.setattr(attention, "_batched_prefill_attention", lambda b, *a: calls.append(b) or real(b, *a))
+    monkeypatch.setattr(attention, "_batched_prefill_attention", lambda b, p, *a: calls.append(p) or real(b, p, *a))
     eng = make_engine(preset, cuda_graphs=())  # on CUDA a graph would take a step this small
     eng.runner.batch_prefills = True
     base = prompts(eng.vocab_size)[0][:64]
@@ -129,7 +130,11 @@ def test_cache_hits_prefilled_together_in_one_padded_call_match_hf(preset, make_
     batch = [base + [100 + i] + list(range(5, 4 + n)) for i, n in enumerate((3, 40, 17, 9))]  # tails share nothing
     seqs, _ = assert_matches_hf(eng, hf_model(preset), batch)
     assert [s.num_cached_prompt_tokens for s in seqs] == [64] * 4
-    assert {tuple(b.batched.q_rows.shape) for b in calls} == {(4, 40)}
+    shapes = {tuple(p.q_rows.shape) for p in calls}
+    if preset == "tiny":
+        assert shapes == {(4, 40)}  # contexts of 67-104 tokens: one call
+    else:  # a sliding window clips the contexts (Gemma's sliding layers too): 3 + 31 tokens against 40 + 31
+        assert {(3, 40), (1, 3)} <= shapes <= {(3, 40), (1, 3), (4, 40)}
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"])
@@ -141,7 +146,7 @@ def test_batched_cache_hits_beside_decodes_and_a_fresh_prompt_match_hf(preset, m
     steps = []
     real = attention._batched_prefill_attention
     monkeypatch.setattr(attention, "_batched_prefill_attention",
-                        lambda b, *a: steps.append((b.num_decodes, len(b.prefills))) or real(b, *a))
+                        lambda b, p, *a: steps.append((b.num_decodes, len(b.prefills))) or real(b, p, *a))
     eng = make_engine(preset, cuda_graphs=())
     eng.runner.batch_prefills = True
     eng.capture_logits = {}

@@ -238,7 +238,7 @@ def test_preflight_refuses_what_the_replicas_could_not_serve(tmp_path, tiny_fold
     have = torch.cuda.device_count()
     many = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512, num_replicas=have + 1,
                     replica_num_gpus=1)
-    assert f"{have + 1} replica(s) x --replica-num-gpus 1 need {have + 1} GPU(s); this machine has {have}" in \
+    assert f"{have + 1} replica(s) x --replica-num-gpus 1 do not fit on this machine's {have} GPU(s)" in \
         preflight(many, local_ray=True)
     assert preflight(many, local_ray=False) is None  # a cluster's GPUs are its nodes'
 
@@ -255,6 +255,17 @@ def test_replicas_on_cuda_take_their_share_of_the_gpus_and_see_only_theirs(monke
     one = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512)
     assert _share_gpus(one).replica_num_gpus == 1 and "takes 1 GPU" in capsys.readouterr().err
     assert _share_gpus(one.model_copy(update={"num_replicas": 4})).replica_num_gpus == 0.5
+    # Ray puts a fraction of a GPU on one GPU: 2 GPUs x 0.67 held two replicas of three, and start-up waited
+    assert _share_gpus(one.model_copy(update={"num_replicas": 3})).replica_num_gpus == 0.5
+    scaled = Settings.from_sources(cli={"model_id": str(tiny_folder), "autoscaling": {"min_replicas": 0, "max_replicas": 5}},
+                                   env={})
+    assert _share_gpus(scaled).replica_num_gpus == 1 / 3  # as many as autoscaling may run (a local Ray adds no GPU)
+    from app.cli import gpus_hold
+
+    for replicas, per, gpus, holds in ((3, 2 / 3, 2, False), (2, 2 / 3, 2, True), (6, 1 / 3, 2, True), (7, 1 / 3, 2, False),
+                                       (4, 0.5, 2, True), (5, 0.5, 2, False), (1, 2, 2, True), (2, 1.5, 3, False),
+                                       (9, 0, 1, True)):
+        assert gpus_hold(replicas, per, gpus) == holds, (replicas, per, gpus)
     asked = Settings(model_id=str(tiny_folder), port=0, replica_num_gpus=0)  # (said: kept, a shared GPU)
     assert _share_gpus(asked).replica_num_gpus == 0
     assert _share_gpus(Settings(model_id=str(tiny_folder), port=0, device="cpu")).replica_num_gpus == 0

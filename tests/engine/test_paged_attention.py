@@ -123,6 +123,19 @@ def test_length_chunks_hold_every_row_once_pad_at_most_double_and_keep_the_budge
         assert len(chunks) == 1  # like lengths: one chunk, as before
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5000), max_size=64), st.integers(1, 20_000))
+def test_like_length_runs_keep_the_order_pad_at_most_double_and_keep_the_budget(lengths, budget):
+    runs = attention.like_length_runs(lengths, budget)
+    assert [i for r in runs for i in r] == list(range(len(lengths)))  # contiguous, in order, each once
+    for r in runs:
+        sizes = [max(1, lengths[i]) for i in r]
+        assert len(r) == 1 or (max(sizes) <= attention.CHUNK_PAD_RATIO * min(sizes) and len(r) * max(sizes) <= budget)
+    for a, b in zip(runs, runs[1:], strict=False):  # greedy: a run ends only where the next row could not join it
+        sizes = [max(1, lengths[i]) for i in (*a, b[0])]
+        assert max(sizes) > attention.CHUNK_PAD_RATIO * min(sizes) or len(sizes) * max(sizes) > budget
+
+
 def test_the_flash_backend_is_only_chosen_for_shapes_its_kernels_take():
     assert attention.flash_fits(16, 128) and attention.flash_fits(32, 64) and attention.flash_fits(16, 256)
     assert not attention.flash_fits(8, 128)  # blocks of a multiple of 16 tokens only

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,8 +86,23 @@ def test_packed_hashes_read_as_the_list_they_pack(hashes, start, stop, step):
         assert packed[start % len(hashes)] == hashes[start % len(hashes)] and packed[-1] == hashes[-1]
 
 
-def test_hashes_that_are_not_hex_are_let_go_not_folded_forever():
+@pytest.mark.parametrize("junk", ["zz" * 8 * 3, " " * 16 * 3, "0x" + "0" * 46, "_" * 48])
+def test_hashes_that_are_not_hex_are_let_go_not_folded_forever(junk):
+    with pytest.raises(ValueError):  # (bytes.fromhex skipped whitespace: a slice of spaces was no hashes)
+        PackedHashes(junk)[0:2]
+    with pytest.raises(ValueError):  # (and int() took 0x, + and _)
+        PackedHashes(junk)[0]
     backlog, held, calls = ReportBacklog(per_replica_limit=1000), {}, []
-    backlog.push("A", PackedHashes("zz" * 8 * 3), PackedHashes(pack_hashes([5, 6])))
-    assert not backlog.fold(*_recorder(held, calls), budget_s=1.0)
+    backlog.push("A", PackedHashes(junk), PackedHashes(pack_hashes([5, 6])))
+    assert not backlog.fold(*_recorder(held, calls), budget_s=float("inf"))  # (it never returned)
     assert held == {"A": {5, 6}} and backlog.dropped == 3 and len(backlog) == 0
+
+
+def test_a_bound_waiting_in_an_overflowing_backlog_is_no_dropped_hash():
+    backlog, bounds = ReportBacklog(per_replica_limit=10), []
+    backlog.push("A", [], [1, 2, 3])
+    backlog.push_bound("A", 2, lambda rid, n: bounds.append(n))
+    assert not backlog.push("A", [], list(range(9)))
+    assert backlog.dropped == 12 and not backlog and bounds == []  # the hashes let go; the bound with them
+    backlog.push_bound("A", 5, lambda rid, n: bounds.append(n))
+    assert bounds == [5]  # nothing of A waits: at once

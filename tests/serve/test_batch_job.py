@@ -280,6 +280,7 @@ class _DownService:
     def __init__(self, status: int = 503, code: str | None = None, models: dict | None = None, on_post=None):
         self.status, self.code, self.models = status, code, models or {"data": [{"id": "m"}]}
         self.posts, self.on_post = 0, on_post  # (called with each request's body)
+        self.keys: set[str | None] = set()  # the Authorization headers the posts carried
 
     def __enter__(self):
         status, code, models, service = self.status, self.code, self.models, self
@@ -302,6 +303,7 @@ class _DownService:
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["content-length"]))
                 service.posts += 1
+                service.keys.add(self.headers.get("authorization"))
                 if service.on_post is not None:
                     service.on_post(json.loads(body))
                 if status == 200:  # a fast service: an answer at once
@@ -347,6 +349,16 @@ def test_batch_stops_sending_when_the_service_is_gone(tmp_path, capsys):
     assert totals["failed"] == totals["retryable"] == 40 and totals["not_done"] == 0
     assert "run the same command again to retry them" in captured.err
     assert all("HTTP 504" in json.loads(x)["error"] for x in out.read_text().splitlines())
+
+
+def test_of_a_services_key_list_the_batch_sends_the_newest(tmp_path):
+    # RADIXSERVE_API_KEY=OLD,NEW while clients move to NEW: the service takes either, not the list
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": i, "prompt": f"line {i}"} for i in range(3)])
+    service = _DownService(200)
+    with service as url:
+        code = cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--api-key", "old-key, new-key"])
+    assert code == 0 and service.keys == {"Bearer new-key"}
 
 
 def test_a_key_refused_mid_run_ends_the_run_without_marking_lines_failed(tmp_path, capsys):
