@@ -1062,7 +1062,7 @@ def test_a_browsers_preflight_needs_no_api_key_and_a_401_carries_cors_headers(mo
     from deployments.ingress import ApiKey, app
 
     monkeypatch.setattr(Cors, "origins", ("https://app.example",))
-    monkeypatch.setattr(ApiKey, "key", hashlib.sha256(b"k3y").digest())
+    monkeypatch.setattr(ApiKey, "keys", (hashlib.sha256(b"k3y").digest(),))
     preflight = {"origin": "https://app.example", "access-control-request-method": "POST",
                  "access-control-request-headers": "authorization,content-type"}
     with TestClient(app) as c:
