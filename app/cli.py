@@ -240,7 +240,8 @@ def _device_problem(settings: Settings, config) -> str | None:
     if device.type == "cuda" and settings.replica_num_gpus and (device.index or 0) >= seen:
         return (f"device {settings.device!r}: each replica sees only its own {seen} GPU(s) "
                 f"(--replica-num-gpus {settings.replica_num_gpus:g}), as cuda:0{f'-{seen - 1}' if seen > 1 else ''}: "
-                "pass --device cuda (Ray picks the GPU)")
+                "pass --device cuda (Ray picks the GPU), or --replica-num-gpus 0 for replicas that see every GPU "
+                "(Ray then counts none for them)")
     # the replicas that start at once must find their GPUs here: Ray would leave them pending, and the
     # start-up would wait for them for good
     first = max(1, settings.autoscaling.min_replicas) if settings.autoscaling else settings.num_replicas
