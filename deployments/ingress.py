@@ -76,6 +76,10 @@ HEALTH_TIMEOUT_S = 3.0
 # replicas report every second, between engine steps (deployments.llm_server): room for long CPU steps
 HEALTHY_WITHIN_S = 10.0
 HEARTBEAT_S = 0.5  # how often an ingress replica asks the hub whether to drain
+# after the hub restarted, /metrics answers 503 this long: every ingress offers the view it last rendered
+# at its next heartbeat, and until the newest is in, a scrape could read counters lower than another
+# ingress's last scrape showed, which Prometheus takes for a reset (a failed scrape is only a gap)
+METRICS_SETTLE_S = 3 * HEARTBEAT_S
 DRAIN_LEASE_S = 10.0  # a drain lasts this long past its last renewal (the CLI renews it while it drains)
 ZERO_CHECK_S = 2.0  # how long /health keeps Serve's word that the LLM deployment is idle at zero replicas
 ZERO_OK_STATUSES = frozenset({"HEALTHY", "UPSCALING", "DOWNSCALING"})
@@ -682,6 +686,7 @@ class Ingress:
         self._drained_until = float("-inf")  # Ingress.drain's own word, kept for one lease
         self._hub_view: tuple | None = None  # the hub's state at the last /metrics (restored if it restarts)
         self._offered = ""  # the hub incarnation the heartbeat last offered that view to
+        self._metrics_settle_until = 0.0  # (monotonic) /metrics waits for the other ingresses' views
         self._stop = threading.Event()
         threading.Thread(target=self._heartbeat, name="ingress-heartbeat", daemon=True).start()
         self._last_health: tuple[float, int] = (float("-inf"), 0)  # (when, replicas) of the last good answer
@@ -722,6 +727,7 @@ class Ingress:
                     # the hub restarted: every ingress offers its view now (the newest stands), so no
                     # scrape reads the counters from an older one than another ingress last showed
                     self._offered = incarnation
+                    self._metrics_settle_until = time.monotonic() + METRICS_SETTLE_S
                     self._hub.call("restore", *view[1:], timeout=HEALTH_TIMEOUT_S, renew=False)
                 # the hub's word (a drain whose CLI died ends when its renewals lapse), or drain()'s own
                 InFlight.draining = bool(told) or time.monotonic() < self._drained_until
@@ -1716,10 +1722,15 @@ class Ingress:
                 "export_state", timeout=HEALTH_TIMEOUT_S, create=create)
             if self._hub_view is not None and incarnation != self._hub_view[0]:
                 # the hub restarted empty: give it back the last view, so "all" counters do not drop
+                if incarnation != self._offered:  # (else the heartbeat saw it first, and set the wait)
+                    self._metrics_settle_until = time.monotonic() + METRICS_SETTLE_S
                 if await self._hub.acall("restore", *self._hub_view[1:], timeout=HEALTH_TIMEOUT_S):
                     snaps, retired, incarnation, by_replica, merged = await self._hub.acall(
                         "export_state", timeout=HEALTH_TIMEOUT_S)
             self._hub_view = (incarnation, snaps, by_replica, merged)
         except Exception as e:  # noqa: BLE001 - the hub is gone or slow: say so in the API's format
             raise ApiError(503, f"metrics unavailable: {_error_text(e) or 'timed out'}", "unavailable") from None
+        if time.monotonic() < self._metrics_settle_until:
+            raise ApiError(503, "metrics unavailable: restoring the counters after the metrics hub restarted; "
+                                "retry in a second", "unavailable")
         return PlainTextResponse(render(snaps, retired), media_type="text/plain; version=0.0.4")

@@ -69,9 +69,15 @@ GAUGES = {
     "radixserve_first_request_cached_tokens": ("first_request_cached_tokens",
                                                "Cached prompt tokens of the replica's first request (-1: none yet)."),
     "radixserve_queue_depth": ("waiting", "Requests waiting for admission."),
+    # the ingress replicas' (replica="all" only): beyond the replicas' running and waiting, the rest
+    # wait in Serve's routers for a replica under max_ongoing_requests
+    "radixserve_ingress_requests_in_flight": ("ingress_in_flight",
+                                              "HTTP requests the ingress replicas are serving (tokenizing, "
+                                              "waiting for a replica, streaming)."),
 }
 PER_REPLICA_ONLY = frozenset({"radixserve_first_request_cached_tokens"})  # a fleet sum would mean nothing
-FLEET_ONLY = frozenset({"radixserve_router_affinity_hits_total", "radixserve_router_cold_routes_total"})
+FLEET_ONLY = frozenset({"radixserve_router_affinity_hits_total", "radixserve_router_cold_routes_total",
+                        "radixserve_ingress_requests_in_flight"})
 ROUTER_KEYS = ("router_affinity_hits", "router_cold_routes")
 HISTOGRAMS = {
     "radixserve_time_to_first_token_seconds": ("ttft", "Time to first token.", TTFT_BUCKETS),
@@ -145,7 +151,7 @@ def render(snapshots: dict[str, dict[str, Any]], retired: dict[str, Any] | None 
     for name, (key, help_) in GAUGES.items():
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge"]
         lines += [f'{name}{{replica="{_esc(r)}"}} {float(s.get(key, 0))}' for r, s in snaps.items()
-                  if not (r == "all" and name in PER_REPLICA_ONLY)]
+                  if not (r == "all" and name in PER_REPLICA_ONLY) and (r == "all" or name not in FLEET_ONLY)]
     name = "radixserve_cache_hit_rate"
     lines += [f"# HELP {name} Token-weighted prefix cache hit rate since start.", f"# TYPE {name} gauge"]
     for r, s in snaps.items():
@@ -159,7 +165,9 @@ def render(snapshots: dict[str, dict[str, Any]], retired: dict[str, Any] | None 
     for name, (key, help_, buckets) in HISTOGRAMS.items():
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
         for r, s in snaps.items():
-            h = s.get(key) or {"counts": [0] * (len(buckets) + 1), "sum": 0.0}
+            h = s.get(key)
+            if not h or len(h["counts"]) != len(buckets) + 1:  # (none yet, or another release's buckets)
+                h = {"counts": [0] * (len(buckets) + 1), "sum": 0.0}
             cum = 0
             for b, c in zip((*buckets, float("inf")), h["counts"], strict=True):
                 cum += c
@@ -189,8 +197,11 @@ class SnapshotStore:
         self._draining_until = float("-inf")  # the CLI's drain, refreshed while it lasts (see drain)
         # ingress replica -> (when, requests in flight, whether it was told of the drain then)
         self._ingress: dict[str, tuple[float, int, bool]] = {}
-        # ingress replica -> its routers' counters (cumulative); those of ingress replicas gone, summed
+        # ingress replica -> its routers' counters (cumulative); those of ingress replicas gone quiet, kept
+        # apart for RETIRED_MERGE_S (one that polls again takes them back: its counters include them),
+        # then summed
         self._routing: dict[str, dict[str, int]] = {}
+        self._routing_retired: dict[str, tuple[float, dict[str, int]]] = {}
         self._routing_gone: dict[str, Any] = {}
         self._cut: set[str] = set()  # replicas told to end what still runs (see cut)
         self._block_size = 0  # the last one a replica reported, rendered while none is live
@@ -238,8 +249,9 @@ class SnapshotStore:
         _add(retired, self._merged)
         _add(retired, self._view_merged)
         _add(retired, self._routing_gone)
-        for counts in self._routing.values():
+        for counts in (*self._routing.values(), *(c for _, c in self._routing_retired.values())):
             _add(retired, counts)
+        retired["ingress_in_flight"] = sum(n for _, n, _ in self._ingress.values())
         for _, totals in self._retired.values():
             _add(retired, totals)
         if self._block_size:
@@ -256,6 +268,8 @@ class SnapshotStore:
         _add(merged, self._merged)  # a copy, histograms included
         _add(merged, self._view_merged)
         _add(merged, self._routing_gone)
+        for _, counts in self._routing_retired.values():  # (a restarted store keeps them summed)
+            _add(merged, counts)
         if self._block_size:
             merged["block_size"] = self._block_size
         merged["ingress_routing"] = {r: dict(c) for r, c in self._routing.items()}
@@ -296,7 +310,7 @@ class SnapshotStore:
             if r not in self._routing:  # one that polled since sent its own, newer counts
                 self._routing[r] = dict(counts)
                 view.ingresses.add(r)
-                # as just heard, so a dead one folds into _routing_gone after STALE_AFTER_S; nothing in
+                # as just heard, so a dead one retires after STALE_AFTER_S (its counts kept); nothing in
                 # flight and "told", so it never holds up a drain
                 self._ingress.setdefault(r, (now, 0, True))
         self._view_merged = {}
@@ -322,11 +336,15 @@ class SnapshotStore:
         self._ingress[replica] = (now, in_flight, told)
         if routing is not None:
             self._routing[replica] = {k: int(routing.get(k, 0)) for k in ROUTER_KEYS}
+            self._routing_retired.pop(replica, None)  # back after a gap: its own counts include these
             if self._view is not None:
                 self._view.ingresses.discard(replica)
         for r in [r for r, (at, *_) in self._ingress.items() if now - at >= STALE_AFTER_S]:
             del self._ingress[r]  # bounded: replicas gone long ago
-            _add(self._routing_gone, self._routing.pop(r, {}))  # its counts stay in the sums
+            if r in self._routing:  # its counts stay in the sums
+                self._routing_retired[r] = (now, self._routing.pop(r))
+        for r in [r for r, (at, _) in self._routing_retired.items() if now - at >= RETIRED_MERGE_S]:
+            _add(self._routing_gone, self._routing_retired.pop(r)[1])
         return told
 
     def ingress_heartbeat(self, replica: str, in_flight: int, routing: dict[str, int]) -> tuple[bool, str]:

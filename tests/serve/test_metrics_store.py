@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments.metrics import STALE_AFTER_S, SnapshotStore, render
+from deployments.metrics import RETIRED_MERGE_S, STALE_AFTER_S, SnapshotStore, render
 
 
 def values(text: str) -> dict[tuple[str, str], float]:
@@ -230,6 +230,35 @@ def test_router_counts_survive_a_hub_restart():
     again = SnapshotStore(clock=lambda: now[0])
     assert again.restore(live, by_replica, merged)
     assert routed(render(*again.export())) == (126, 10)
+
+
+def test_an_ingress_back_after_a_gap_takes_back_its_router_counts():
+    """An ingress replica quiet for STALE_AFTER_S (a stalled process) and back: its counts were summed
+    as gone, and its next report, which includes them, counted them again (100 then 101 rendered 201)."""
+    now = [0.0]
+    store = SnapshotStore(clock=lambda: now[0])
+    store.ingress_poll("a", 2, {"router_affinity_hits": 100, "router_cold_routes": 5})
+    store.ingress_poll("b", 1, {"router_affinity_hits": 1, "router_cold_routes": 0})
+    assert values(render(*store.export()))[("radixserve_ingress_requests_in_flight", "all")] == 3
+    now[0] = STALE_AFTER_S + 1
+    store.ingress_poll("b", 0, {"router_affinity_hits": 1, "router_cold_routes": 0})  # "a" quiet: retired
+    assert routed(render(*store.export())) == (101, 5)  # still counted
+    assert values(render(*store.export()))[("radixserve_ingress_requests_in_flight", "all")] == 0
+    store.ingress_poll("a", 0, {"router_affinity_hits": 101, "router_cold_routes": 5})
+    assert routed(render(*store.export())) == (102, 5)  # not 202
+    now[0] += STALE_AFTER_S  # quiet again, and for good: retired, then summed once
+    store.ingress_poll("b", 0, {"router_affinity_hits": 1, "router_cold_routes": 0})
+    now[0] += RETIRED_MERGE_S
+    store.ingress_poll("b", 0, {"router_affinity_hits": 1, "router_cold_routes": 0})
+    assert not store._routing_retired and routed(render(*store.export())) == (102, 5)
+    text = render(*store.export())
+    assert 'radixserve_ingress_requests_in_flight{replica="all"}' in text
+    assert text.count("radixserve_ingress_requests_in_flight{") == 1  # (fleet-wide only)
+
+
+def test_a_histogram_of_other_buckets_renders_empty_not_a_500():
+    text = render({"r1": {**snap(1), "ttft": {"counts": [1] * 3, "sum": 0.5}}})
+    assert 'radixserve_time_to_first_token_seconds_count{replica="r1"} 0.0' in text
 
 
 def test_a_state_exported_by_older_code_is_restored():
