@@ -144,10 +144,11 @@ def mask_disallowed(row: torch.Tensor, matcher) -> torch.Tensor:
     matcher writes one bit per token (32 to an int32) on the host; they are unpacked where the row is
     (llguidance's own unpacking goes through torch.compile, which a CPU replica would wait on)."""
     v = row.shape[-1]
-    bitmask = torch.full(((v + 31) // 32,), -1, dtype=torch.int32)
+    cuda = row.device.type == "cuda"  # (pinned: its copy to the GPU need not wait for the step's kernels)
+    bitmask = torch.full(((v + 31) // 32,), -1, dtype=torch.int32, pin_memory=cuda)
     matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
     shifts = _BITS.get(row.device)
     if shifts is None:
         shifts = _BITS[row.device] = torch.arange(32, dtype=torch.int32, device=row.device)
-    allowed = ((bitmask.to(row.device).unsqueeze(1) >> shifts) & 1).flatten()[:v].bool()
+    allowed = ((bitmask.to(row.device, non_blocking=cuda).unsqueeze(1) >> shifts) & 1).flatten()[:v].bool()
     return row.masked_fill_(~allowed, float("-inf"))

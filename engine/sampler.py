@@ -30,13 +30,15 @@ def _context_counts(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
         seq.context_counts = counts
     new = seq.token_range(seq.context_counted)
     if new:
-        idx = torch.tensor(new, dtype=torch.long, device=row.device)
+        idx = _to_device(torch.tensor(new, dtype=torch.long), row.device)
         counts.index_put_((idx,), torch.ones_like(idx, dtype=torch.int32), accumulate=True)
         seq.context_counted += len(new)
     return counts
 
 
 def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    # (the small index tensors go to the device pinned and asynchronous: made there from a list, each
+    # was a blocking copy that waited for the step's kernels, several per row on a GPU)
     p = seq.params
     row = row.clone()
     per_context = p.frequency_penalty_per_context
@@ -50,14 +52,14 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     frequency = 0.0 if per_context else p.frequency_penalty
     if (frequency or p.presence_penalty) and seq.output_ids:  # generated tokens only (OpenAI's)
         counts = Counter(seq.output_ids)
-        ids = torch.tensor(list(counts), dtype=torch.long, device=row.device)
-        n = torch.tensor(list(counts.values()), dtype=row.dtype, device=row.device)
+        ids = _to_device(torch.tensor(list(counts), dtype=torch.long), row.device)
+        n = _to_device(torch.tensor(list(counts.values()), dtype=row.dtype), row.device)
         row[ids] -= frequency * n + p.presence_penalty
     if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
-        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+        ids = _to_device(torch.tensor(list(p.logit_bias), dtype=torch.long), row.device)
+        row[ids] += _to_device(torch.tensor(list(p.logit_bias.values()), dtype=row.dtype), row.device)
     if p.allowed_token_ids:  # everything else becomes impossible
-        keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
+        keep = _to_device(torch.tensor(p.allowed_token_ids, dtype=torch.long), row.device)
         row = torch.full_like(row, float("-inf")).index_copy_(0, keep, row[keep])
     if seq.matcher is not None and seq.guide_wait != "marker":  # only what its guide allows next (not in thought)
         opener = p.guide_opener if seq.guide_wait == "opener" else None
@@ -66,14 +68,14 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         if kept is not None:  # (the first token may open the thinking instead)
             row[opener] = kept
     if banned := _bad_word_ends(seq):
-        ids = torch.tensor(banned, dtype=torch.long, device=row.device)
+        ids = _to_device(torch.tensor(banned, dtype=torch.long), row.device)
         before = row[ids].clone()
         row[ids] = float("-inf")
         if seq.matcher is not None and not torch.isfinite(row).any():  # the guide allows nothing else:
             row[ids] = before  # the structure wins (with no token left, the draw would be token 0)
     # too early to end (min_tokens), or still thinking before a guided answer: the ending tokens cannot win
     if seq.ends and (len(seq.output_ids) < p.min_tokens or seq.guide_wait == "marker"):
-        row[torch.tensor(seq.ends, dtype=torch.long, device=row.device)] = float("-inf")
+        row[_to_device(torch.tensor(seq.ends, dtype=torch.long), row.device)] = float("-inf")
     return row
 
 
