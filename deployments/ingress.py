@@ -172,6 +172,8 @@ class InFlight:
             if not counted and message["type"] == "http.request" and not message.get("more_body", False):
                 counted = True
                 InFlight.count += 1
+                # (the handler's task reads the body: the value is its own from here on)
+                in_process.REQUEST_START.set(time.monotonic())
             return message
 
         try:
@@ -720,8 +722,9 @@ class Ingress:
         hub's drain back."""
         while not self._stop.wait(HEARTBEAT_S):
             try:
+                counts = {**in_process.ROUTED, "ingress_ttft": in_process.INGRESS_TTFT.to_dict()}
                 told, incarnation = self._hub.call("ingress_heartbeat", self._replica_id, InFlight.count,
-                                                   dict(in_process.ROUTED), timeout=HEALTH_TIMEOUT_S, renew=False)
+                                                   counts, timeout=HEALTH_TIMEOUT_S, renew=False)
                 view = self._hub_view
                 if view is not None and incarnation not in (view[0], self._offered):
                     # the hub restarted: every ingress offers its view now (the newest stands), so no
@@ -823,6 +826,7 @@ class Ingress:
         """Start a request; returns its first event and an iterator over the rest. A refused
         request raises ``ApiError`` here, before any response byte is sent. ``aborts`` gets a call that
         ends the request while the rest is not being read yet (once; later, closing the rest does)."""
+        started = in_process.REQUEST_START.get() or time.monotonic()
         await self._refuse_past_context(len(ids), params.get("max_new_tokens"))
         for attempt in range(2):  # a replica or engine that fails before the first token: retry once
             request_id = uuid.uuid4().hex
@@ -857,6 +861,8 @@ class Ingress:
                     avoid_replica(first["replica"])  # until Serve's health check replaces it
                 continue
             break
+        if first.get("token_id") is not None:
+            in_process.INGRESS_TTFT.observe(time.monotonic() - started)
         if first.get("error"):
             cancel()
             status = 422 if first.get("error_kind") == "validation" else 503

@@ -23,7 +23,7 @@ RETIRED_MERGE_S = 600.0
 # after a hub restart, how long a newer view than the one taken back may still replace it (under
 # STALE_AFTER_S: the entries a view gave have not folded away yet)
 RESTORE_WINDOW_S = 20.0
-HUB_VERSION = 6  # in the hub's name: a detached hub of older code (without the routers' counts) is not reused
+HUB_VERSION = 7  # in the hub's name: a detached hub of older code (without the ingress TTFT) is not reused
 HUNG_AFTER_TIMEOUTS = 2  # calls in a row that time out before a client restarts the hub
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ GAUGES = {
 }
 PER_REPLICA_ONLY = frozenset({"radixserve_first_request_cached_tokens"})  # a fleet sum would mean nothing
 FLEET_ONLY = frozenset({"radixserve_router_affinity_hits_total", "radixserve_router_cold_routes_total",
-                        "radixserve_ingress_requests_in_flight"})
+                        "radixserve_ingress_requests_in_flight", "radixserve_ingress_time_to_first_token_seconds"})
 ROUTER_KEYS = ("router_affinity_hits", "router_cold_routes")
 HISTOGRAMS = {
     "radixserve_time_to_first_token_seconds": ("ttft", "Time to first token.", TTFT_BUCKETS),
@@ -85,6 +85,10 @@ HISTOGRAMS = {
     "radixserve_request_latency_seconds": ("e2e", "Time from a request's arrival at its replica to its end "
                                            "(waiting, prefill and generation; cancelled ones not counted).",
                                            E2E_BUCKETS),
+    # the ingress replicas' (replica="all" only)
+    "radixserve_ingress_time_to_first_token_seconds": (
+        "ingress_ttft", "Time to first token from the ingress's receipt of the request (tokenizing and the wait "
+        "for a replica included; each choice of a request counted).", TTFT_BUCKETS),
 }
 
 
@@ -165,6 +169,8 @@ def render(snapshots: dict[str, dict[str, Any]], retired: dict[str, Any] | None 
     for name, (key, help_, buckets) in HISTOGRAMS.items():
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
         for r, s in snaps.items():
+            if r != "all" and name in FLEET_ONLY:
+                continue
             h = s.get(key)
             if not h or len(h["counts"]) != len(buckets) + 1:  # (none yet, or another release's buckets)
                 h = {"counts": [0] * (len(buckets) + 1), "sum": 0.0}
@@ -336,6 +342,10 @@ class SnapshotStore:
         self._ingress[replica] = (now, in_flight, told)
         if routing is not None:
             self._routing[replica] = {k: int(routing.get(k, 0)) for k in ROUTER_KEYS}
+            ttft = routing.get("ingress_ttft")
+            if isinstance(ttft, dict) and len(ttft.get("counts") or ()) == len(TTFT_BUCKETS) + 1:
+                self._routing[replica]["ingress_ttft"] = {"counts": [int(c) for c in ttft["counts"]],
+                                                          "sum": float(ttft.get("sum", 0.0))}
             self._routing_retired.pop(replica, None)  # back after a gap: its own counts include these
             if self._view is not None:
                 self._view.ingresses.discard(replica)

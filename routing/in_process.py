@@ -5,7 +5,10 @@ this module, reached as an attribute of an imported module, is one object for bo
 
 from __future__ import annotations
 
+import contextvars
 import weakref
+
+from engine.latency import TTFT_BUCKETS, Histogram
 
 ROUTERS: weakref.WeakSet = weakref.WeakSet()  # live PrefixAwareRequestRouter instances
 # Replicas whose engine failed while their actor lives on: replica id -> time.monotonic() deadline.
@@ -13,3 +16,10 @@ FAILED: dict[str, float] = {}
 # What this process's prefix routers decided, cumulative (routers come and go with their handles): sent to
 # the metrics hub by the ingress heartbeat
 ROUTED: dict[str, int] = {"router_affinity_hits": 0, "router_cold_routes": 0}
+# When this process had the whole request now being served (a POST's last body byte, set by the
+# ingress): the user's time to first token counts from here, the tokenizing and the wait for a replica
+# included, which the replicas' own histogram (from the request's arrival there) leaves out
+REQUEST_START: contextvars.ContextVar[float | None] = contextvars.ContextVar("radixserve_request_start", default=None)
+# time to first token of each engine request (each choice) this process's ingress served, sent to the
+# metrics hub by its heartbeat (the event loop observes, the heartbeat thread copies)
+INGRESS_TTFT = Histogram(TTFT_BUCKETS)

@@ -877,6 +877,46 @@ def _metrics_after_a_hub_restart(client):
     return m
 
 
+def test_the_ingress_times_each_first_token_from_the_request_it_got(client):
+    key = ("radixserve_ingress_time_to_first_token_seconds_count", "all")
+    before = metrics(client).get(key, 0)
+    body = {"prompt": "time me", "max_tokens": 2, "n": 2}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 99}).status_code == 400
+    deadline = time.monotonic() + 10
+    while metrics(client).get(key, 0) < before + 2 and time.monotonic() < deadline:  # (the heartbeat's beat)
+        time.sleep(0.3)
+    m = metrics(client)
+    assert m.get(key, 0) == before + 2  # one per choice; the refused request has no first token
+    assert m[("radixserve_ingress_time_to_first_token_seconds_sum", "all")] > 0
+
+
+def test_a_handler_sees_when_its_request_body_came_in(monkeypatch):
+    """The ingress's time to first token counts from the request's last body byte (not from the replica's
+    start), which the in-flight middleware notes where the handler's task reads it."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from deployments.ingress import InFlight
+    from routing import in_process
+
+    async def t(request):
+        await request.body()
+        return JSONResponse({"start": in_process.REQUEST_START.get()})
+
+    monkeypatch.setattr(InFlight, "draining", False)  # (this process's: other tests drain it)
+    bare = Starlette(routes=[Route("/t", t, methods=["POST"])], middleware=[Middleware(InFlight)])
+
+    before = time.monotonic()
+    with TestClient(bare) as c:
+        r = c.post("/t", json={"x": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["start"] is not None and before <= r.json()["start"] <= time.monotonic()
+
+
 def test_health_and_metrics_come_back_when_the_metrics_hub_is_killed(client):
     """The hub is one small actor: if it is lost for good (ray.kill, a lost node), the ingress and the
     replicas find a new one; /health must not stay 503 and /metrics not fail until replicas restart."""

@@ -256,6 +256,39 @@ def test_an_ingress_back_after_a_gap_takes_back_its_router_counts():
     assert text.count("radixserve_ingress_requests_in_flight{") == 1  # (fleet-wide only)
 
 
+def test_the_ingress_time_to_first_token_is_fleet_wide_and_survives_a_gap_and_a_restart():
+    from engine.latency import TTFT_BUCKETS, Histogram
+
+    def ttft(*samples):
+        h = Histogram(TTFT_BUCKETS)
+        for x in samples:
+            h.observe(x)
+        return {"router_affinity_hits": 0, "router_cold_routes": 0, "ingress_ttft": h.to_dict()}
+
+    def count(text):
+        return values(text).get(("radixserve_ingress_time_to_first_token_seconds_count", "all"))
+
+    now = [0.0]
+    store = SnapshotStore(clock=lambda: now[0])
+    store.push("r1", snap(1))
+    store.ingress_poll("a", 0, ttft(0.2, 3.0))
+    store.ingress_poll("b", 0, ttft(0.04))
+    text = render(*store.export())
+    assert count(text) == 3 and 'radixserve_ingress_time_to_first_token_seconds_count{replica="r1"}' not in text
+    assert values(text)[("radixserve_ingress_time_to_first_token_seconds_bucket", "all")] == 3  # (the +Inf one)
+    now[0] = STALE_AFTER_S + 1
+    store.ingress_poll("b", 0, ttft(0.04, 0.05))  # "a" quiet: retired, its samples kept
+    assert count(render(*store.export())) == 4
+    store.ingress_poll("a", 0, ttft(0.2, 3.0, 0.3))  # back: its own counts include the kept ones
+    assert count(render(*store.export())) == 5
+    live, _, _, by_replica, merged = store.export_state()
+    restarted = SnapshotStore(clock=lambda: now[0])
+    assert restarted.restore(live, by_replica, merged)
+    assert count(render(*restarted.export())) == 5
+    store.ingress_poll("c", 0, {"router_affinity_hits": 0, "ingress_ttft": {"counts": [1, 2], "sum": 1.0}})
+    assert count(render(*store.export())) == 5  # (another release's buckets: left out)
+
+
 def test_a_histogram_of_other_buckets_renders_empty_not_a_500():
     text = render({"r1": {**snap(1), "ttft": {"counts": [1] * 3, "sum": 0.5}}})
     assert 'radixserve_time_to_first_token_seconds_count{replica="r1"} 0.0' in text
