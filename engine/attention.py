@@ -136,20 +136,12 @@ def like_length_runs(lengths: list[int], row_tokens: int = DECODE_ROW_TOKENS) ->
 
 
 def length_chunks(lengths: list[int], row_tokens: int = DECODE_ROW_TOKENS) -> list[list[int]]:
-    """Rows (indices into ``lengths``) grouped for decode attention: longest first, a row joining its
-    chunk while it is at least 1 / ``CHUNK_PAD_RATIO`` of the chunk's longest (so padding at most
-    doubles what a chunk gathers) and the chunk's rows x longest stay within ``row_tokens``. Rows of
-    like lengths make one chunk, as before."""
-    chunks: list[list[int]] = []
-    width = 0
-    for i in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
-        n = max(1, lengths[i])
-        if chunks and n * CHUNK_PAD_RATIO >= width and (len(chunks[-1]) + 1) * width <= row_tokens:
-            chunks[-1].append(i)
-        else:
-            chunks.append([i])
-            width = n
-    return chunks
+    """Rows (indices into ``lengths``) grouped for decode attention: ``like_length_runs`` over the rows
+    ordered longest first, so a row joins its chunk while it is at least 1 / ``CHUNK_PAD_RATIO`` of the
+    chunk's longest (padding at most doubles what a chunk gathers) within ``row_tokens``. Rows of like
+    lengths make one chunk, as before."""
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    return [[order[j] for j in run] for run in like_length_runs([lengths[i] for i in order], row_tokens)]
 
 
 def decode_chunks(decodes: list[tuple[torch.Tensor, None]], pad_slot: int, num_kv_heads: int,
