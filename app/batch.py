@@ -45,7 +45,7 @@ from typing import Any, BinaryIO
 import httpx
 from tqdm import tqdm
 
-from app.config import Settings
+from app.config import Settings, api_keys
 
 RETRY_STATUS = {408, 429, 502, 503, 504}  # a timeout, the service is busy or a replica is restarting: try again
 RETRY_WAITS_S = (1, 2, 4, 8, 16, 30)  # then 30 s each: the default 6 tries span a service restart
@@ -528,7 +528,7 @@ async def _run_input(args: argparse.Namespace, totals: dict, output: Path, done:
     # a local service not via an HTTP_PROXY (httpx would send 127.0.0.1 there unless NO_PROXY says not to)
     local = (httpx.URL(args.url).host or "") in LOOPBACK
     # (a service's key list, OLD,NEW while clients move to a new key: the newest, its last)
-    key = args.api_key.split(",")[-1].strip() if args.api_key else None
+    key = api_keys(args.api_key)[-1] if args.api_key else None
     auth = {"authorization": f"Bearer {key}"} if key else {}
     # (a connection that cannot be made takes at most 10 s a try, not the whole --request-timeout-s)
     timeout = httpx.Timeout(args.request_timeout_s, connect=min(CONNECT_TIMEOUT_S, args.request_timeout_s))
