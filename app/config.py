@@ -127,7 +127,7 @@ class Settings(BaseModel):
         "(default: none)")
     # serving
     host: str = Field("127.0.0.1", min_length=1)
-    port: int = Field(8000, ge=0, le=65535)
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port, 1-65535 (with 0 Serve would listen on a port it cannot tell you)")
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingSettings | None = None
     max_ongoing_requests: int = Field(64, gt=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -70,6 +71,17 @@ def resolve_device(device: str) -> torch.device:
     if not usable.get(dev.type, lambda: True)():
         raise ModelLoadError(f"device {device!r}: {dev.type.upper()} is not available to this torch")
     return dev
+
+
+def load_device_map(device: torch.device) -> dict[str, torch.device] | None:
+    """Where ``from_pretrained`` puts each tensor as it reads it: on the serving device, so a GPU replica
+    never holds a whole copy of the weights in host memory first (transformers does this through
+    ``accelerate``; without it, None: the weights load on the CPU and move after)."""
+    if importlib.util.find_spec("accelerate") is None:
+        return None
+    if device.type == "cuda" and device.index is None:  # (transformers wants the index)
+        device = torch.device("cuda", torch.cuda.current_device())
+    return {"": device}
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -225,7 +237,8 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto",
     dt = resolve_dtype(dtype, dev)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=dt, attn_implementation=attn_implementation, output_loading_info=True)
+            path, local_files_only=True, dtype=dt, attn_implementation=attn_implementation, output_loading_info=True,
+            device_map=load_device_map(dev))
         missing = sorted(info.get("missing_keys") or ())
         if missing:  # transformers would fill them with random values and serve that
             raise ModelLoadError(_missing_message(path, missing))

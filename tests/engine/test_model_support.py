@@ -291,3 +291,26 @@ def test_auto_dtype_is_bf16_only_where_the_gpu_computes_it(monkeypatch):
     assert resolve_dtype("auto", cuda) == torch.float16
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("bfloat16", cuda) == torch.bfloat16  # asked for: as asked
+
+
+def test_weights_are_read_straight_onto_the_serving_device(tiny_folder, monkeypatch):
+    """transformers places each tensor on the device as it reads it (a GPU replica holds no second copy
+    of the weights in host memory); without accelerate the weights load on the CPU and move after, and
+    serve the same."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    asked, load = [], AutoModelForCausalLM.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        asked.append(kwargs.get("device_map"))
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    placed = load_model(str(tiny_folder), device="cpu").model.state_dict()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else find_spec(name, *a))
+    moved = load_model(str(tiny_folder), device="cpu").model.state_dict()
+    assert asked == [{"": torch.device("cpu")}, None]
+    assert placed.keys() == moved.keys() and all(torch.equal(placed[k], moved[k]) for k in placed)

@@ -160,6 +160,14 @@ def test_a_deployment_name_serve_and_redis_can_use_is_checked_up_front():
     assert Settings(deployment_name="chat-v2.1_b").deployment_name == "chat-v2.1_b"
 
 
+def test_the_port_is_one_a_client_can_be_told():
+    # with 0, Serve's proxy listened on a port the OS picked, and the "is up" line said :0
+    for bad in (0, -1, 65536):
+        with pytest.raises(ValueError, match=r"port \(--port\)"):
+            Settings.from_sources(cli={"port": bad}, env={})
+    assert Settings.from_sources(cli={"port": 1}, env={}).port == 1
+
+
 def test_replicas_and_routers_hash_in_one_namespace_that_changes_with_the_tokenizer(model_dir, tmp_path):
     # the directory's entries and the block hashes were named by the served name alone: a model swapped
     # under the same name warmed its replicas up from the old tokenizer's ids (for up to an hour)
