@@ -126,8 +126,6 @@ def preflight(settings: Settings, local_ray: bool) -> str | None:
 
 
 def _port_problem(settings: Settings) -> str | None:
-    if not settings.port:
-        return None
     with socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET) as s:
         # SO_REUSEADDR (as uvicorn sets) so a port in TIME_WAIT passes; no SO_REUSEPORT, so a live
         # listener, even another Serve proxy that would share the port with us, makes this fail

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from app.local_redis import free_port
 from engine.config import ConfigError, EngineConfig
 from engine.kv_scales import KVScaleError, check_scale_names, read_kv_scales, scale_targets
 from engine.llm_engine import LLMEngine
@@ -131,6 +132,6 @@ def test_radixserve_serve_refuses_broken_scales_before_starting(model_dir, tmp_p
     from app.config import Settings
 
     partial = _scaled_copy(model_dir("tiny"), tmp_path / "partial", {"model.layers.1.self_attn.k_scale": torch.tensor(2.0)})
-    fp8 = Settings(model_id=str(partial), kv_cache_dtype="fp8_e4m3fn", port=0)  # (port 0: no port check)
+    fp8 = Settings(model_id=str(partial), kv_cache_dtype="fp8_e4m3fn", port=free_port())  # (a free port: the check passes)
     assert "K scales for 1 of 2 layers" in preflight(fp8, True)
-    assert preflight(Settings(model_id=str(partial), port=0), True) is None  # a float pool does not read them
+    assert preflight(Settings(model_id=str(partial), port=free_port()), True) is None  # a float pool does not read them

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
+from app.local_redis import free_port
 from engine.attention import paged_attention
 from engine.config import ConfigError, EngineConfig, request_limits
 from engine.model_loader import ModelLoadError, check_model_folder, load_model, resolve_device
@@ -225,18 +226,18 @@ def test_preflight_refuses_what_the_replicas_could_not_serve(tmp_path, tiny_fold
     gpt2 = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=320)).save_pretrained(gpt2)
     build_tokenizer(320).save_pretrained(gpt2)
-    assert "model type 'gpt2' is not supported" in preflight(Settings(model_id=str(gpt2), port=0), local_ray=True)
-    small = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512, max_total_tokens=1024)
+    assert "model type 'gpt2' is not supported" in preflight(Settings(model_id=str(gpt2), port=free_port()), local_ray=True)
+    small = Settings(model_id=str(tiny_folder), port=free_port(), max_batch_total_tokens=512, max_total_tokens=1024)
     assert "KV pool holds" in preflight(small, local_ray=True)
     # on the CPU: a GPU's pool is the replica's to check (the CLI holds no CUDA context)
-    huge = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=10**12, device="cpu")
+    huge = Settings(model_id=str(tiny_folder), port=free_port(), max_batch_total_tokens=10**12, device="cpu")
     assert "GiB free" in preflight(huge, local_ray=True)
-    assert preflight(Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512), local_ray=True) is None
+    assert preflight(Settings(model_id=str(tiny_folder), port=free_port(), max_batch_total_tokens=512), local_ray=True) is None
     # GPUs the replicas starting at once cannot find here: Ray left them pending and the start-up waited for good
     import torch
 
     have = torch.cuda.device_count()
-    many = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512, num_replicas=have + 1,
+    many = Settings(model_id=str(tiny_folder), port=free_port(), max_batch_total_tokens=512, num_replicas=have + 1,
                     replica_num_gpus=1)
     assert f"{have + 1} replica(s) x --replica-num-gpus 1 do not fit on this machine's {have} GPU(s)" in \
         preflight(many, local_ray=True)
@@ -252,7 +253,7 @@ def test_replicas_on_cuda_take_their_share_of_the_gpus_and_see_only_theirs(monke
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    one = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512)
+    one = Settings(model_id=str(tiny_folder), port=free_port(), max_batch_total_tokens=512)
     assert _share_gpus(one).replica_num_gpus == 1 and "takes 1 GPU" in capsys.readouterr().err
     assert _share_gpus(one.model_copy(update={"num_replicas": 4})).replica_num_gpus == 0.5
     # Ray puts a fraction of a GPU on one GPU: 2 GPUs x 0.67 held two replicas of three, and start-up waited
@@ -266,13 +267,13 @@ def test_replicas_on_cuda_take_their_share_of_the_gpus_and_see_only_theirs(monke
                                        (4, 0.5, 2, True), (5, 0.5, 2, False), (1, 2, 2, True), (2, 1.5, 3, False),
                                        (9, 0, 1, True)):
         assert gpus_hold(replicas, per, gpus) == holds, (replicas, per, gpus)
-    asked = Settings(model_id=str(tiny_folder), port=0, replica_num_gpus=0)  # (said: kept, a shared GPU)
+    asked = Settings(model_id=str(tiny_folder), port=free_port(), replica_num_gpus=0)  # (said: kept, a shared GPU)
     assert _share_gpus(asked).replica_num_gpus == 0
-    assert _share_gpus(Settings(model_id=str(tiny_folder), port=0, device="cpu")).replica_num_gpus == 0
+    assert _share_gpus(Settings(model_id=str(tiny_folder), port=free_port(), device="cpu")).replica_num_gpus == 0
     # Ray shows each replica only its own GPUs, from cuda:0: cuda:1 was "invalid device ordinal" there
     for gpus, device, said in ((1, "cuda:1", "sees only its own 1 GPU(s)"), (0.5, "cuda:1", "sees only its own 1"),
                                (2, "cuda:1", None), (2, "cuda:0", None), (1, "cuda", None)):
-        s = Settings(model_id=str(tiny_folder), port=0, max_batch_total_tokens=512, replica_num_gpus=gpus,
+        s = Settings(model_id=str(tiny_folder), port=free_port(), max_batch_total_tokens=512, replica_num_gpus=gpus,
                      device=device)
         problem = preflight(s, local_ray=True)
         assert (said in problem) if said else problem is None, (gpus, device, problem)
