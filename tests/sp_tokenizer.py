@@ -7,6 +7,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 VOCAB = ["<unk>", "<s>", "</s>", "▁The", "▁capital", "▁is", "▁Paris", ".", "▁a", "▁city", "a"]
+BYTE0 = len(VOCAB)  # then Llama 2's byte-fallback pieces <0x00>..<0xFF>: byte b is token BYTE0 + b
+VOCAB += [f"<0x{b:02X}>" for b in range(256)]
 
 
 def sentencepiece_like() -> PreTrainedTokenizerFast:

@@ -6,7 +6,7 @@ import pytest
 
 from engine.detokenizer import find_stop, flush_text, update_text
 from engine.sequence import SamplingParams, Sequence
-from tests.sp_tokenizer import sentencepiece_like
+from tests.sp_tokenizer import BYTE0, sentencepiece_like
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +49,33 @@ def test_a_prompt_that_ends_mid_character_leaves_the_output_its_bytes(loaded):
     for cut in range(2, len(ids)):
         seq = _generate(tok, ids[:cut], ids[cut:])
         assert seq.text == tok.decode(ids[cut:]), cut
+
+
+def _bytes(text: str) -> list[int]:
+    return [BYTE0 + b for b in text.encode()]
+
+
+def test_a_character_cut_short_renders_its_own_bytes_only(sp_tokenizer):
+    """Llama 2's byte-fallback decoder renders a byte run that holds an invalid byte as U+FFFD per byte,
+    the run's complete characters included: a request cut inside a second emoji ended "city😀�����" (the
+    sent emoji's four bytes again, as U+FFFD, and the cut one's two)."""
+    cut = _bytes("😀")[:2]
+    assert _generate(sp_tokenizer, [1], [9, *_bytes("😀"), *cut]).text == "city😀" + sp_tokenizer.decode(cut)
+    # mid-answer, followed by a piece with its own space
+    seq = _generate(sp_tokenizer, [1], [9, *_bytes("😀"), *cut, 9])
+    assert seq.text == "city😀" + sp_tokenizer.decode(cut) + " city"
+
+
+def test_a_prompt_window_that_starts_inside_a_character_still_gives_the_first_token_its_space(sp_tokenizer):
+    """The last five prompt tokens of "is€€" start inside the first €, and the byte-fallback decoder
+    rendered them all as U+FFFD: taken for a prompt that ends mid-character, the prompt was left out and
+    the first token lost its space ("Paris", and a stop string " Paris" missed)."""
+    prompt = [1, 5, *_bytes("€€")]
+    assert _generate(sp_tokenizer, prompt, [6, 6]).text == " Paris Paris"
+    seq = Sequence("r", prompt, SamplingParams(stop=[" Paris"]))
+    seq.output_ids.append(6)
+    update_text(sp_tokenizer, seq)
+    assert find_stop(seq, 0) and seq.text == ""
+    # a prompt that does end inside a character leaves its bytes out of the output's text, not the space
+    assert _generate(sp_tokenizer, [1, 5, *_bytes("€€")[:-1]], [6]).text == " Paris"
+    assert _generate(sp_tokenizer, [1, 5, *_bytes("€€")[:-1]], [_bytes("€")[-1], 6]).text == "\ufffd Paris"
