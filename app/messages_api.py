@@ -197,8 +197,8 @@ def _stop(finish: str | None, stop_reason: Any) -> tuple[str, str | None]:
 def _input(arguments: str) -> dict[str, Any]:
     try:
         value = json.loads(arguments)
-    except ValueError:
-        return {}  # (arguments cut short by max_tokens)
+    except (ValueError, RecursionError):  # (arguments cut short by max_tokens; nested past the recursion limit)
+        return {}
     return value if isinstance(value, dict) else {}
 
 

@@ -61,14 +61,19 @@ def required_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bo
     return json.dumps(root)
 
 
-def json_text(value: Any) -> str:
+def json_text(value: Any) -> str | None:
     """A value's JSON, its characters as they are; escaped where the model wrote a lone surrogate
-    (``"\\ud83d"``), which is no Unicode text and would fail the response's encoding."""
-    text = json.dumps(value, ensure_ascii=False)
+    (``"\\ud83d"``), which is no Unicode text and would fail the response's encoding. None where it has
+    none: a number past a float's range (``1e400`` reads as inf, which JSON cannot say), or nesting past
+    Python's recursion limit."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
+        return None
     try:
         text.encode()
     except UnicodeEncodeError:
-        return json.dumps(value)
+        return json.dumps(value, allow_nan=False)
     return text
 
 
@@ -80,7 +85,8 @@ def parse_required(text: str) -> list[ToolCall] | None:
         return None
     if not isinstance(items, list) or not all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items):
         return None
-    return [ToolCall(i["name"], json_text(i.get("parameters", {}))) for i in items]
+    calls = [_call({"name": i["name"], "arguments": i.get("parameters", {})}, None) for i in items]
+    return None if None in calls else calls
 
 
 def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
@@ -133,14 +139,23 @@ def _around_calls(kept: list[str]) -> str | None:
     return (content if kept[0].strip() else content.lstrip()) or None
 
 
-def _call(obj: Any, names: set[str], name: str | None = None) -> ToolCall | None:
-    """A call of a known tool from its JSON (``name`` given apart: Mistral's newer format), else None."""
+def _call(obj: Any, names: set[str] | None, name: str | None = None) -> ToolCall | None:
+    """A call of a known tool (``names``; None: any) from its JSON (``name`` given apart: Mistral's newer
+    format), else None. Its arguments must be an object, or JSON text of one (a client parses them into
+    its function's keyword arguments); none at all, or null, are no arguments."""
     if name is not None:
         obj = {"name": name, "arguments": obj}
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or (names is not None and obj["name"] not in names):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], _encodable(args) if isinstance(args, str) else json_text(args))
+    args = obj.get("arguments", obj.get("parameters"))
+    if isinstance(args, str):  # (written as a JSON string: its text, if it holds an object)
+        try:
+            parsed = json.loads(args)
+        except (ValueError, RecursionError):
+            return None
+        return ToolCall(obj["name"], _encodable(args)) if isinstance(parsed, dict) else None
+    text = json_text({} if args is None else args) if isinstance(args, (dict, type(None))) else None
+    return None if text is None else ToolCall(obj["name"], text)
 
 
 def _encodable(text: str) -> str:
@@ -198,7 +213,7 @@ def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall
         except (ValueError, RecursionError):
             return text, []
         if named:
-            calls.append(_call(json_text(value), names, named.group(1)))
+            calls.append(_call(value, names, named.group(1)))
         else:
             calls += [_call(v, names) for v in value] if isinstance(value, list) else [None]
         at = _skip_space(rest, at)

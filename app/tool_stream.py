@@ -54,9 +54,12 @@ class JsonEnd:
     def __init__(self, start: int, depth: int = 0):
         self.at, self.in_string, self.broken = start, False, False
         self.closers = ["}"] * depth  # (what is already open when it starts: the rest of a call's object)
+        self.end: int | None = None
 
     def feed(self, text: str) -> int | None:
         """Where in ``text`` the value ends (just past it), or None while it is open."""
+        if self.end is not None:
+            return self.end
         at = self.at
         while True:
             m = (self._INSIDE if self.in_string else self._OUTSIDE).search(text, at)
@@ -77,7 +80,7 @@ class JsonEnd:
                 self.broken = self.broken or c != self.closers[-1]
                 self.closers.pop()
                 if not self.closers:
-                    self.at = at
+                    self.at = self.end = at
                     return at
 
 
@@ -97,6 +100,7 @@ class ToolCallStream:
         self.first = True  # the next head is its region's first
         self.in_list = parser == "required"
         self.args: JsonEnd | None = None
+        self.held_object: JsonEnd | None = None  # where a held Hermes block's JSON ends
         self.calls = 0
         self.cut = False  # the last call's arguments never ended
         self.broken = False  # some call's arguments closed with the wrong bracket: not JSON
@@ -203,11 +207,16 @@ class ToolCallStream:
                     self.cut = final
                     return False
                 self.at, self.args = end, None
-            at = self.text.find(HERMES_CLOSE, self.at)
-            if at < 0:
-                self.at = max(self.at, len(self.text) - len(HERMES_CLOSE) + 1)
+            at = _SPACE.match(self.text, self.at).end()
+            tag = self.text[at:at + len(HERMES_CLOSE)]
+            if tag == HERMES_CLOSE:
+                self.sent = self.at = at + len(HERMES_CLOSE)
+                return self._to("text")
+            if HERMES_CLOSE.startswith(tag) and not final:  # (the tag may be coming)
                 return False
-            self.sent = self.at = at + len(HERMES_CLOSE)
+            # something else follows the call's object (prose, the next call's tag), as the whole parse
+            # reads it: the call ends with its object, and the answer's text goes on from there
+            self.sent = self.at
             return self._to("text")
         if self.parser == "mistral" and not self.in_list:
             self.sent = self.at
@@ -224,11 +233,7 @@ class ToolCallStream:
         """A call that is read whole: a Hermes block when it closes, the others' calls at the end."""
         end = len(self.text)
         if self.parser == "hermes":
-            at = self.text.find(HERMES_CLOSE, self.at)
-            if at >= 0:
-                end = at + len(HERMES_CLOSE)
-            elif not final:
-                self.at = max(self.at, len(self.text) - len(HERMES_CLOSE))
+            if (end := self._hermes_end(final)) is None:
                 return False
         elif not final:
             return False
@@ -243,11 +248,25 @@ class ToolCallStream:
                 self.said = True
         for call in calls:
             self._call_start(call.name, call.arguments)
-        self.at = end
+        self.at, self.held_object = end, None
         self.sent = end if calls else self.block
         if not calls and self.parser != "hermes":  # (no call after all: from where it began, the rest is content)
             self.opener = None
         return self._to("done" if calls and self.parser != "hermes" else "text")
+
+    def _hermes_end(self, final: bool) -> int | None:
+        """Where a held Hermes block ends: past the first closing tag after its JSON object (one inside the
+        object's strings is its text), or after the tag itself where the object never closes, or at the
+        answer's end; None while that is not known yet."""
+        if self.held_object is None:
+            self.held_object = JsonEnd(_SPACE.match(self.text, self.at).end())
+        closed = self.held_object.feed(self.text)
+        if closed is None and not final:
+            return None
+        at = self.text.find(HERMES_CLOSE, self.at if closed is None else closed)
+        if at >= 0:
+            return at + len(HERMES_CLOSE)
+        return len(self.text) if final else None
 
     def _to(self, state: str) -> bool:
         self.state = state
@@ -291,6 +310,24 @@ class ToolCallStream:
             last["function"]["arguments"] += text
         else:
             self.out.append({"tool_calls": [{"index": self.calls - 1, "function": {"arguments": text}}]})
+
+
+def read_answer(parser: str, text: str, names: set[str]) -> tuple[str | None, list[ToolCall], bool]:
+    """A whole answer read as its stream is (so a client gets the same calls either way): its content
+    (None: nothing but calls), its calls, and whether they are complete (False: the last was cut short, or
+    some call's arguments broke; the finish reason then stays the engine's, as the stream's does)."""
+    reader = ToolCallStream(parser, names)
+    calls: list[ToolCall] = []
+    content: list[str] = []
+    for delta in reader.feed(text) + reader.finish():
+        content.append(delta.get("content", ""))
+        for c in delta.get("tool_calls", ()):
+            if c["index"] == len(calls):
+                calls.append(ToolCall(c["function"]["name"], ""))
+            calls[c["index"]].arguments += c["function"]["arguments"]
+    if not calls:
+        return text, [], True
+    return "".join(content) or None, calls, reader.finish_reason("") == "tool_calls"
 
 
 def _json_string(raw: str) -> str | None:

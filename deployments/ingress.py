@@ -60,8 +60,8 @@ from app.schemas import (
     TokenizeRequest,
     WarmupRequest,
 )
-from app.tool_calls import PARSERS, ToolCall, new_call_id, parse_required
-from app.tool_stream import ToolCallStream
+from app.tool_calls import ToolCall, new_call_id
+from app.tool_stream import ToolCallStream, read_answer
 from cache.hashing import block_hashes
 from deployments.cors import Cors
 from deployments.logs import show_our_info_logs
@@ -1414,20 +1414,19 @@ class Ingress:
         mode = req.tool_mode()
         content: str | None = text
         calls: list[ToolCall] = []
+        complete = True
         if mode == "named":  # the answer is the arguments (cut short only by max_tokens; none: it never
             content, calls = None, [ToolCall(req.named_tool().name, text)] if text else []  # ended thinking)
-        elif mode == "required":
-            calls = parse_required(text) or []
-            content = None if calls else text
-        elif mode == "auto" and self.settings.tool_call_parser != "none":
-            content, calls = PARSERS[self.settings.tool_call_parser](text, {t.function.name for t in req.tools})
+        elif mode == "required" or (mode == "auto" and self.settings.tool_call_parser != "none"):
+            parser = "required" if mode == "required" else self.settings.tool_call_parser
+            content, calls, complete = read_answer(parser, text, {t.function.name for t in req.tools})
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if thinking:
             message["reasoning_content"] = thinking
             message["content"] = content or None  # (all thinking: no answer yet, as vLLM says it)
         if calls:
             message["tool_calls"] = [c.as_openai() for c in calls]
-        return message, "tool_calls" if calls and mode != "named" else None
+        return message, "tool_calls" if calls and complete and mode != "named" else None
 
     async def _tool_stream(self, req: ChatRequest, jobs, rid: str, created: int, top: int,
                            thinking_mode: str | None = None) -> StreamingResponse:

@@ -8,6 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from app.messages_api import _input as message_input
 from app.schemas import ChatRequest
 from app.tool_calls import parse_hermes, parse_required, required_schema, template_tool_calls
 from engine.guided import grammar_text
@@ -148,9 +149,26 @@ def test_what_a_model_or_client_could_send_never_raises():
     assert template_tool_calls([{"function": {"name": "add", "arguments": deep}}])[0]["function"]["arguments"] == deep
     with pytest.raises(ValueError, match="must be an object"):
         required_schema([("add", {"type": "object", "$defs": [1]})], parallel=True)
-    # Mistral's newer format with arguments that are not an object: still JSON text
-    _, calls = parse_mistral('[TOOL_CALLS]add[ARGS]"x"', NAMES)
-    assert json.loads(calls[0].arguments) == "x"
+    # JSON that decodes but does not encode again (nesting just under the decoder's limit) is no call
+    nested = "[" * 991 + "]" * 991
+    assert parse_hermes('<tool_call>{"name": "add", "arguments": {"a": ' + nested + "}}</tool_call>", NAMES)[1] == []
+    assert message_input('{"a": ' * 2000) == {}
+
+
+def test_arguments_that_are_not_an_object_make_no_call():
+    """A client parses a call's arguments into its function's keyword arguments: a string that is not JSON,
+    a list or a number reached it as they were (``"not json"``), and ``1e400`` as ``Infinity``, no JSON."""
+    from app.tool_calls import parse_mistral
+
+    for args in ('"not json"', "[1, 2]", "3", '"[1]"', "{\"a\": 1e400}"):
+        text = f'<tool_call>{{"name": "add", "arguments": {args}}}</tool_call>'
+        assert parse_hermes(text, NAMES) == (text, []), args
+    assert parse_mistral('[TOOL_CALLS]add[ARGS]"x"', NAMES)[1] == []
+    # no arguments, or null: none; an object written as a JSON string: its text as written
+    for args, expected in (("null", "{}"), ('"{\\"a\\": 1}"', '{"a": 1}')):
+        _, calls = parse_hermes(f'<tool_call>{{"name": "add", "arguments": {args}}}</tool_call>', NAMES)
+        assert [c.arguments for c in calls] == [expected], args
+    assert [c.arguments for c in parse_hermes('<tool_call>{"name": "add"}</tool_call>', NAMES)[1]] == ["{}"]
 
 
 def test_a_lone_surrogate_a_model_escapes_in_its_arguments_stays_escaped():

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.tool_calls import PARSERS, parse_required
-from app.tool_stream import JsonEnd, ToolCallStream
+from app.tool_stream import JsonEnd, ToolCallStream, read_answer
 
 NAMES = {"get_weather", "add", "write_file"}
 
@@ -205,3 +205,43 @@ def test_where_json_values_end():
     assert JsonEnd(0).feed('{"a": "b\\') is None
     mismatched = JsonEnd(0)
     assert mismatched.feed('{"a": 1]') == 8 and mismatched.broken and not JsonEnd(0).broken
+
+
+@pytest.mark.parametrize("parser,text,content,calls", [
+    # a held call (its arguments first) whose strings hold the closing tag: the block ends after its object
+    ("hermes", '<tool_call>{"arguments": {"x": "</tool_call>"}, "name": "add"}</tool_call>', None,
+     [("add", '{"x": "</tool_call>"}')]),
+    # no closing tag after a call's object: the call ends there (the next call, or prose, was swallowed)
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}}\n<tool_call>{"name": "get_weather", '
+     '"arguments": {"c": "x"}}</tool_call>', None, [("add", '{"a": 1}'), ("get_weather", '{"c": "x"}')]),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}}\nNow I wait.', "Now I wait.", [("add", '{"a": 1}')]),
+    # prose after a Llama call (the whole parse made it all text, where the stream had sent the call)
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1}}\n\nI called add.', "I called add.", [("add", '{"a": 1}')]),
+    # arguments as the model wrote them (read and written again, 1e400 was "Infinity", no JSON)
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1e400, "b": 0.30000000000000000004}}</tool_call>',
+     None, [("add", '{"a": 1e400, "b": 0.30000000000000000004}')]),
+])
+def test_a_whole_answer_makes_the_calls_its_stream_makes(parser, text, content, calls):
+    got_content, got_calls, complete = read_answer(parser, text, NAMES)
+    assert (got_content, [(c.name, c.arguments) for c in got_calls], complete) == (content, calls, True)
+    for pieces in (list(text), [text]):
+        assert streamed(parser, pieces)[:2] == (content, calls)
+
+
+fragments = st.sampled_from(['<tool_call>', '</tool_call>', '{"name": "add", "arguments": ', '{"arguments": {"a": 1}, '
+                             '"name": "add"}', '{"a": 1}', "}", "{", "]", "[", '"', "\\", " ", "\n", "text", ";", ",",
+                             "[TOOL_CALLS]", "add[ARGS]", "<|python_tag|>", '"</tool_call>"', "1e400",
+                             '{"name": "get_weather", "parameters": {"c": "x"}}'])
+
+
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "llama3_json", "required"])
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(fragments, max_size=10), cuts=st.lists(st.integers(0, 200), max_size=8))
+def test_whatever_a_model_writes_its_stream_in_any_pieces_says_what_the_whole_answer_says(parser, parts, cuts):
+    text = "".join(parts)
+    content, calls, _ = read_answer(parser, text, NAMES)
+    for pieces in (chunked(text, cuts), list(text)):
+        got_content, got_calls, _ = streamed(parser, pieces)
+        assert got_calls == [(c.name, c.arguments) for c in calls]
+        if calls:
+            assert got_content == content

@@ -159,3 +159,28 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(tools):
     plain = [e for e in _events(asyncio.run(Cls._openai_stream(counting(), jobs, "chat-1", 0, "chat.completion.chunk",
                                                                 req, [""]))) if e != "[DONE]"]
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("finish", ["length", "eos"])
+def test_a_chat_answer_and_its_stream_make_the_same_calls_with_the_same_finish(finish):
+    # the whole answer was read by other rules than the stream: a call cut by max_tokens gave finish
+    # "tool_calls" (Messages: tool_use) where the stream said "length" (max_tokens), and a second call
+    # after a first whose closing tag never came was the stream's alone
+    texts = ['<tool_call>{"name": "save", "arguments": {"a": 1}}', "\n<tool_call>", '{"name": "save", "arguments": ',
+             '{"b": "Par']
+    if finish == "eos":
+        texts += ['is"}}', "</tool_call>"]
+    tools = [{"type": "function", "function": {"name": "save", "parameters": {"type": "object"}}}]
+    req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True, tools=tools)
+    chunks = [e for e in _events(asyncio.run(Cls._tool_stream(_Answering(texts, finish), req, [([1], {})], "c", 0, 0)))
+              if e != "[DONE]"]
+    streamed_calls: list = []
+    for c in chunks:
+        for call in c["choices"][0]["delta"].get("tool_calls") or ():
+            if call["index"] == len(streamed_calls):
+                streamed_calls.append([call["function"]["name"], ""])
+            streamed_calls[call["index"]][1] += call["function"]["arguments"]
+    message, said = Cls._assistant_message(FakeIngress(), req, _Answering(texts, finish).events)
+    whole_calls = [[c["function"]["name"], c["function"]["arguments"]] for c in message["tool_calls"]]
+    assert whole_calls == streamed_calls and len(whole_calls) == 2
+    assert (said or finish) == chunks[-1]["choices"][0]["finish_reason"] == ("tool_calls" if finish == "eos" else "length")
