@@ -7,7 +7,8 @@ A call in a shape the head rules do not know (its arguments before its name, its
 string, a tool that does not exist) is held and read whole when it ends, by the parsers of
 ``app.tool_calls``: for the calls a model writes well-formed, what the stream says is what the whole
 answer's parse says. What it cannot take back: a call whose head was read is a call, even if what follows
-breaks it (cut by max_tokens: its arguments stay unfinished, and the finish reason says so).
+breaks it (cut by max_tokens: its arguments stay unfinished, and the finish reason says so). An answer that
+is not streamed is read by the same rules (``read_answer``), so a client gets the same calls either way.
 Pure logic: no HTTP here."""
 
 from __future__ import annotations
