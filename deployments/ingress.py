@@ -955,8 +955,11 @@ class Ingress:
         events = [first]
         async for ev in rest:
             events.append(ev)
-        if events[-1].get("error"):  # it failed while running: its engine, or its replica's process
-            raise ApiError(503, events[-1]["error"], "generation", code=ENGINE_FAILURE)
+        last = events[-1]
+        if last.get("error_kind") == "validation":  # its own guide broke off while it ran
+            raise ApiError(422, last["error"], "validation")
+        if last.get("error"):  # it failed while running: its engine, or its replica's process
+            raise ApiError(503, last["error"], "generation", code=ENGINE_FAILURE)
         return events
 
     def _check_model(self, name: str | None, placeholders: bool = True) -> None:

@@ -43,6 +43,8 @@ def grammar_text(kind: str, text: str) -> str:
             value = json.loads(text)
         except ValueError as e:
             raise GuideError(f"the {kind} guide is not JSON: {e}") from None
+        except RecursionError:
+            raise GuideError(f"the {kind} guide is nested too deeply") from None
         if kind == "choice" and (not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value)):
             raise GuideError("the choice guide must be a non-empty list of strings")
         if kind == "json" and not isinstance(value, dict):
@@ -94,9 +96,14 @@ class Guides:
         grammar = grammar_text(kind, text)
         if self._ll_tokenizer is None:
             raise GuideError(self._problem)
-        problem = _llguidance().LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
+        llg = _llguidance()
+        problem = llg.LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
         if problem:
             raise GuideError(f"the {kind} guide cannot be used: {_first_line(problem)}")
+        first = llg.LLMatcher(self._ll_tokenizer, grammar)
+        first.compute_bitmask()  # a guide whose language is empty says so at its first mask
+        if first.is_error():  # (it would allow only the end: an empty answer, finish "stop")
+            raise GuideError(f"the {kind} guide matches no text (llguidance: {first.get_error().strip().splitlines()[0]})")
         if len(self._checked) >= CHECKED_GUIDES:
             self._checked.pop(next(iter(self._checked)), None)  # (the oldest; a dict keeps its order)
         self._checked[(kind, text)] = grammar
@@ -119,14 +126,17 @@ class Guides:
         return ids is not None
 
     def step(self, matcher, token: int) -> bool:
-        """Advance a request's guide past ``token``; True once the guide is complete (or broken: a token it
-        did not allow, which only a row with no allowed token at all can give). An added token (Qwen's
-        ``<think>``, ``<tool_call>``) is read by its text: where a guide's text is such a token's,
+        """Advance a request's guide past ``token``; True once the guide is complete. ``GuideError`` where
+        its parser broke off (a grammar whose strings never end, ``a: "x" a``, runs into llguidance's limits
+        only as it goes): the request ends with that error, not as a complete answer. An added token
+        (Qwen's ``<think>``, ``<tool_call>``) is read by its text: where a guide's text is such a token's,
         llguidance's mask allows that token, but its parser takes only the spelling."""
         if not (self._ll_tokenizer.is_special_token(token) and not matcher.validate_tokens([token])
                 and self.consume_text(matcher, self._tokenizer.decode([token]))):
             matcher.consume_token(token)
-        return matcher.is_stopped() or matcher.is_error()
+        if matcher.is_error():
+            raise GuideError(f"the guide cannot go on: {_first_line(matcher.get_error())}")
+        return matcher.is_stopped()
 
     def matcher(self, kind: str, text: str):
         """A fresh parser state for one request's guide."""

@@ -212,6 +212,14 @@ class LLMEngine:
                 self.guides.check(*params.guide)  # (a bad one is refused before it is queued)
             except GuideError as e:
                 raise RequestError(str(e)) from None
+        if params.allowed_token_ids:  # (with none left the sampler would draw token 0, allowed or not)
+            left = set(params.allowed_token_ids) - {w[0] for w in params.bad_words_ids if len(w) == 1}
+            if params.min_tokens:  # the ending tokens wait for min_tokens
+                left -= set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+            if not left:
+                raise RequestError("allowed_token_ids leave no token to generate once one-token bad_words"
+                                   + (" and, before min_tokens, the ending tokens" if params.min_tokens else "")
+                                   + " are taken out")
         if params.guide_opener is not None and (params.guide_opener >= self.vocab_size
                                                 or not self.tokenizer.decode([params.guide_opener],
                                                                              skip_special_tokens=True)):
@@ -360,9 +368,13 @@ class LLMEngine:
     def _fail(self, seq: Sequence, e: Exception) -> TokenEvent:
         """End a request whose own step work (its sampling, text, guide) raised: it gets the error, its
         blocks go back, and the other requests of the step go on (a replica restart would lose them all)."""
-        log.error("request %s failed in a step, the others go on", seq.request_id, exc_info=e)
         self.stats.requests_failed += 1
         ev = self._finish(seq, "error")
+        if isinstance(e, GuideError):  # its own guide broke off: the request's fault, not the engine's
+            log.warning("request %s: %s", seq.request_id, e)
+            ev.error, ev.error_kind = str(e), "validation"
+            return ev
+        log.error("request %s failed in a step, the others go on", seq.request_id, exc_info=e)
         ev.error, ev.error_kind = f"engine failure: {type(e).__name__}: {e}", "engine"
         return ev
 

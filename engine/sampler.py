@@ -240,7 +240,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
     if greedy:
         chosen[greedy] = _argmax(torch.stack([rows[i] for i in greedy]))
     if drawn:
-        temps = _to_device(torch.tensor([seqs[i].params.temperature for i in drawn], dtype=logits.dtype), logits.device)
+        # (a temperature past the dtype's range would be inf, and the row NaN: greedy, not uniform)
+        top = torch.finfo(logits.dtype).max
+        temps = _to_device(torch.tensor([min(seqs[i].params.temperature, top) for i in drawn], dtype=logits.dtype),
+                           logits.device)
         dists = _filter(torch.stack([rows[i] for i in drawn]) / temps.unsqueeze(1),
                         [seqs[i].params.top_k for i in drawn], [seqs[i].params.top_p for i in drawn],
                         [seqs[i].params.min_p for i in drawn], [seqs[i].params.typical_p for i in drawn])

@@ -61,7 +61,10 @@ def test_any_json_object_regex_choice_and_grammar(make_engine):
 @pytest.mark.parametrize("guide,needle", [(("json", "{not json"), "not JSON"), (("json", "[1]"), "must be an object"),
                                           (("regex", "[a-"), "cannot be compiled"), (("choice", "[]"), "non-empty list"),
                                           (("grammar", "start: missing_rule"), "cannot be compiled"),
-                                          (("xml", "<a/>"), "unknown guide kind")])
+                                          (("xml", "<a/>"), "unknown guide kind"),
+                                          # a RecursionError reached the ingress as a replica failure (503)
+                                          (("json", '{"default": ' + "[" * 30000 + "]" * 30000 + "}"), "nested too deeply"),
+                                          (("choice", "[" * 30000 + "]" * 30000), "nested too deeply")])
 def test_bad_guides_are_refused_with_the_reason(make_engine, guide, needle):
     with pytest.raises(GuideError, match=needle):
         grammar_text(*guide)
@@ -158,3 +161,26 @@ def test_a_guide_reads_an_added_token_by_its_text(make_engine):
     seq = eng.generate([PROMPT], SamplingParams(max_new_tokens=30, guide=("regex", r"<think>[a-z]{2}</think>!")))[0]
     assert re.fullmatch(r"<think>[a-z]{2}</think>!", eng.tokenizer.decode(seq.output_ids)), seq.output_ids
     assert eng.tokenizer.convert_tokens_to_ids("<think>") in seq.output_ids and seq.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("guide", [("json", '{"$ref": "#"}'), ("regex", "[^\\x00-\\U0010FFFF]")])
+def test_a_guide_that_matches_no_text_is_refused(make_engine, guide):
+    # it allowed only the end: an empty answer, finish "eos", as if complete
+    eng = make_engine("tiny")
+    with pytest.raises(RequestError, match="matches no text"):
+        eng.add_request(PROMPT, SamplingParams(guide=guide))
+    assert not eng.has_work()
+
+
+def test_a_guide_that_breaks_off_ends_its_request_with_the_error_and_the_others_go_on(make_engine):
+    # strings that never end: llguidance gives up as it goes; the answer ended "x", finish "stop", no error
+    eng = make_engine("tiny")
+    broken = eng.add_request(PROMPT, SamplingParams(max_new_tokens=20, guide=("grammar", 'start: a\na: "x" a')))
+    other = eng.add_request(PROMPT, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    ends = {}
+    while eng.has_work():
+        ends.update((ev.request_id, ev) for ev in eng.step() if ev.finished)
+    assert ends[broken].finish_reason == "error" and ends[broken].error_kind == "validation"
+    assert ends[broken].error.startswith("the guide cannot go on")
+    assert ends[other].finish_reason == "length" and ends[other].error is None
+    eng.check_invariants()

@@ -363,3 +363,25 @@ def test_out_of_vocabulary_allowed_and_bad_word_ids_are_refused(make_engine):
     for kw in (dict(allowed_token_ids=[3, eng.vocab_size]), dict(bad_words_ids=[[3, eng.vocab_size + 5]])):
         with pytest.raises(RequestError, match="outside the vocabulary"):
             eng.add_request(PROMPT, SamplingParams(**kw))
+
+
+def test_allowed_token_ids_that_bans_leave_empty_are_refused(make_engine):
+    # with no token left the sampler drew token 0, allowed or not: [0, 0, 0, 257] for these
+    eng = make_engine("tiny")
+    eos = min(eng.eos_ids)
+    for kw in (dict(min_tokens=3, allowed_token_ids=[eos]), dict(allowed_token_ids=[50, 60], bad_words_ids=[[50], [60]]),
+               dict(min_tokens=1, allowed_token_ids=[50, 60], bad_words_ids=[[50]], stop_token_ids=[60])):
+        with pytest.raises(RequestError, match="leave no token to generate"):
+            eng.add_request(PROMPT, SamplingParams(max_new_tokens=4, **kw))
+    # what is left is generated: a longer bad word bans its last token only after the rest of it
+    ok = dict(min_tokens=3, allowed_token_ids=[eos, 50], bad_words_ids=[[60, 50]])
+    assert eng.generate([PROMPT], SamplingParams(max_new_tokens=4, **ok))[0].output_ids[:3] == [50, 50, 50]
+    assert eng.generate([PROMPT], SamplingParams(max_new_tokens=2, min_tokens=2, ignore_eos=True,
+                                                 allowed_token_ids=[eos]))[0].output_ids == [eos, eos]
+
+
+def test_a_temperature_past_the_dtypes_range_still_draws_uniformly():
+    # 1e39 became inf in float32, every row NaN, and the draw fell back to the first allowed token
+    logits = torch.randn(1, 10)
+    drawn = seq(temperature=1e39, allowed_token_ids=[3, 5, 7])
+    assert {sample(logits, [drawn])[0].token for _ in range(100)} == {3, 5, 7}

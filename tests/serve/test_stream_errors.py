@@ -184,3 +184,16 @@ def test_a_chat_answer_and_its_stream_make_the_same_calls_with_the_same_finish(f
     whole_calls = [[c["function"]["name"], c["function"]["arguments"]] for c in message["tool_calls"]]
     assert whole_calls == streamed_calls and len(whole_calls) == 2
     assert (said or finish) == chunks[-1]["choices"][0]["finish_reason"] == ("tool_calls" if finish == "eos" else "length")
+
+
+@pytest.mark.parametrize("kind,status", [("validation", 422), ("engine", 503)])
+def test_an_answer_that_ends_in_an_error_is_the_clients_only_when_its_request_caused_it(kind, status):
+    # a guide that broke off while it ran (a grammar whose strings never end) is the request's fault
+    from deployments.ingress import ApiError
+
+    async def rest():
+        yield {**FAILED, "error": "the guide cannot go on", "error_kind": kind}
+
+    with pytest.raises(ApiError) as raised:
+        asyncio.run(Cls._drain(None, dict(TOKEN), rest()))
+    assert raised.value.status == status and raised.value.message == "the guide cannot go on"
