@@ -73,7 +73,9 @@ def sse_event(kind: str, data: dict[str, Any]) -> str:
 class ChunkEvents:
     """A chat stream's chunks as another API's events: ``start`` before the first chunk, ``chunk`` for each
     (its choice's delta goes to ``_delta``, its usage to ``usage`` through ``_usage``), ``end`` after the last,
-    or ``fail``; ``PING`` keeps an idle stream open."""
+    or ``fail``; ``PING`` keeps an idle stream open. ``final`` (after ``end``) is the whole answer as the API
+    gives it unstreamed: an answer that is not streamed is made from its chat stream too, so it says what
+    the stream says (the blocks after a tool call in their order, the log-probs of the text alone)."""
 
     usage: dict[str, Any] | None = None  # the answer's, in the API's own terms (``_usage`` of the chat route's)
     PING = ": ping\n\n"  # (an SSE comment: clients skip it)
@@ -86,6 +88,9 @@ class ChunkEvents:
     def _delta(self, choice: dict[str, Any], delta: dict[str, Any]) -> list[str]:
         raise NotImplementedError
 
+    def final(self) -> dict[str, Any]:
+        raise NotImplementedError
+
     def chunk(self, chunk: dict[str, Any]) -> list[str]:
         out: list[str] = []
         if chunk.get("usage"):
@@ -95,10 +100,10 @@ class ChunkEvents:
         return out
 
 
-async def with_pings(items: AsyncIterator[Any], every_s: float, ping: Any) -> AsyncIterator[Any]:
+async def with_pings(items: AsyncIterator[Any], every_s: float | None, ping: Any) -> AsyncIterator[Any]:
     """``items``, with ``ping`` put in whenever none came for ``every_s`` (a long prefill, text held back
-    while a tool call may be starting): proxies that cut idle streams keep them. The pending item is
-    awaited on, never cancelled: cancelling it would close ``items`` mid-answer."""
+    while a tool call may be starting; None: never): proxies that cut idle streams keep them. The pending
+    item is awaited on, never cancelled: cancelling it would close ``items`` mid-answer."""
     pending: asyncio.Future | None = None
     try:
         while True:

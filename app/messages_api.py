@@ -1,7 +1,7 @@
 """Anthropic's Messages API (``POST /v1/messages``, what Anthropic's SDKs and Claude Code send) as a view of
 the chat route, as ``app.responses_api`` is of OpenAI's Responses API: a request becomes a chat request
-(``MessagesRequest.chat_body``), the chat answer a message (``message_from_chat``), or its stream of chunks
-the Messages API's events (``MessageEvents``)."""
+(``MessagesRequest.chat_body``), and the chat stream's chunks the Messages API's events (``MessageEvents``),
+or, unstreamed, the message they add up to."""
 
 from __future__ import annotations
 
@@ -195,11 +195,49 @@ def _stop(finish: str | None, stop_reason: Any) -> tuple[str, str | None]:
 
 
 def _input(arguments: str) -> dict[str, Any]:
+    """A tool_use block's input: its arguments' object; of arguments cut short by max_tokens, what they
+    hold so far, as Anthropic's SDKs read a stream's ``input_json_delta``s."""
     try:
         value = json.loads(arguments)
-    except (ValueError, RecursionError):  # (arguments cut short by max_tokens; nested past the recursion limit)
+    except RecursionError:  # (nested past Python's recursion limit)
         return {}
+    except ValueError:
+        value = _partial_json(arguments)
     return value if isinstance(value, dict) else {}
+
+
+def _partial_json(text: str) -> Any:
+    """JSON cut short as a partial parser reads it: the longest prefix that ends after a whole value, with
+    its open objects and arrays closed (an unfinished string or key is left out); None: no such prefix."""
+    closers: list[str] = []
+    cuts: list[tuple[int, str]] = []  # (a prefix's end, what closes it)
+    in_string = escaped = False
+    for i, c in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+                cuts.append((i + 1, "".join(reversed(closers))))
+            continue
+        if c == '"':
+            in_string = True
+            continue
+        if c in "{[":
+            closers.append("}" if c == "{" else "]")
+        elif c in "}]" and closers:
+            closers.pop()
+        elif not (c.isdigit() or c in "el") or text[i + 1:i + 2] in tuple("0123456789.eE+-"):
+            continue  # (a number, true, false or null may end here; one that goes on does not)
+        cuts.append((i + 1, "".join(reversed(closers))))
+    for end, close in reversed(cuts[-64:]):  # (a key's end fails, and the value before it is tried)
+        try:
+            return json.loads(text[:end] + close)
+        except (ValueError, RecursionError):
+            continue
+    return None
 
 
 def message_object(rid: str, model: str, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
@@ -215,25 +253,6 @@ def _cut(stop: tuple[str, str | None], usage: dict[str, Any], asked: int) -> tup
     return stop
 
 
-def message_from_chat(answer: dict[str, Any], rid: str, model: str, asked: int) -> dict[str, Any]:
-    """The message of a whole chat answer (one choice)."""
-    choice = answer["choices"][0]
-    msg = choice["message"]
-    content: list[dict[str, Any]] = []
-    if msg.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
-    if msg.get("content"):
-        content.append({"type": "text", "text": msg["content"]})
-    for call in msg.get("tool_calls") or ():
-        content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                        "input": _input(call["function"]["arguments"])})
-    stop = _stop(choice.get("finish_reason"), choice.get("stop_reason"))
-    if msg.get("tool_calls") and stop[0] != "max_tokens":
-        stop = ("tool_use", None)  # (a named tool's call too: the chat route's finish is "stop" there)
-    usage = _usage(answer.get("usage"))
-    return message_object(rid, model, content, _cut(stop, usage, asked), usage)
-
-
 class MessageEvents(ChunkEvents):
     """A chat stream's chunks as the Messages API's events: ``start`` before the first chunk, ``chunk`` for
     each, ``end`` after the last (or ``fail``). Content blocks come one after another, each stopped before
@@ -247,6 +266,9 @@ class MessageEvents(ChunkEvents):
         self.kind: str | None = None  # its type, while open
         self.calls: dict[int, int] = {}  # the chat delta's tool call index -> block index
         self.stop: tuple[str, str | None] = ("end_turn", None)
+        self.content: list[dict[str, Any]] = []  # the blocks so far, as the whole message has them
+        self.arguments: dict[int, list[str]] = {}  # a tool_use block's arguments as they came
+        self.message: dict[str, Any] | None = None
 
     @staticmethod
     def _event(kind: str, **fields: Any) -> str:
@@ -266,6 +288,7 @@ class MessageEvents(ChunkEvents):
         self.index += 1
         self.kind = block["type"]
         out.append(self._event("content_block_start", index=self.index, content_block=block))
+        self.content.append(dict(block))
         return out
 
     def _close(self) -> list[str]:
@@ -286,6 +309,7 @@ class MessageEvents(ChunkEvents):
                 out += self._open({"type": kind, field: "", **({"signature": ""} if kind == "thinking" else {})})
             out.append(self._event("content_block_delta", index=self.index,
                                    delta={"type": f"{kind}_delta", field: text}))
+            self.content[self.index][field] += text
         for call in delta.get("tool_calls") or ():
             k = call.get("index", 0)
             fn = call.get("function") or {}
@@ -296,6 +320,7 @@ class MessageEvents(ChunkEvents):
             if fn.get("arguments"):
                 out.append(self._event("content_block_delta", index=self.calls[k],
                                        delta={"type": "input_json_delta", "partial_json": fn["arguments"]}))
+                self.arguments.setdefault(self.calls[k], []).append(fn["arguments"])
         if choice.get("finish_reason"):
             self.stop = _stop(choice["finish_reason"], choice.get("stop_reason"))
         return out
@@ -308,7 +333,14 @@ class MessageEvents(ChunkEvents):
         stop = _cut(self.stop, usage, self.asked)
         out.append(self._event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]}, usage=usage))
         out.append(self._event("message_stop"))
+        for at, pieces in self.arguments.items():
+            self.content[at]["input"] = _input("".join(pieces))
+        self.message = message_object(self.rid, self.model, self.content, stop, usage)
         return out
+
+    def final(self) -> dict[str, Any]:
+        assert self.message is not None, "final() comes after end()"
+        return self.message
 
     def fail(self, message: str) -> list[str]:
         return [self._event("error", error={"type": "api_error", "message": message})]

@@ -1,6 +1,6 @@
 """OpenAI's Responses API (``POST /v1/responses``) as a view of the chat route: a request becomes a chat
-request (``ResponsesRequest.chat_body``), and the chat answer becomes a response object
-(``response_from_chat``), or its stream of chunks the Responses API's events (``ResponseEvents``).
+request (``ResponsesRequest.chat_body``), and the chat stream's chunks the Responses API's events
+(``ResponseEvents``), or, unstreamed, the response object they add up to.
 Nothing is stored: ``previous_response_id`` is refused, and a client sends the whole conversation as
 ``input`` (function calls and their outputs included), as it does with ``store: false``."""
 
@@ -241,29 +241,11 @@ class _AfterThinking:
         return []
 
 
-def response_from_chat(req: ResponsesRequest, answer: dict[str, Any], rid: str, model: str) -> dict[str, Any]:
-    """The response object of a whole chat answer (one choice)."""
-    choice = answer["choices"][0]
-    message = choice["message"]
-    calls = message.get("tool_calls") or []
-    logprobs = (choice.get("logprobs") or {}).get("content") or []
-    output = []
-    if message.get("reasoning_content"):
-        output.append(_reasoning_item(message["reasoning_content"]))
-        logprobs = _AfterThinking().keep(logprobs)
-    if message.get("content") or not calls:
-        output.append(_message_item(message.get("content") or "", logprobs))
-    output += [_call_item(c) for c in calls]
-    status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
-    output[-1]["status"] = status  # (cut short: the last item, a call's arguments too, may be unfinished)
-    return response_object(req, rid, answer["created"], model, status, output, _usage(answer.get("usage")))
-
-
 class ResponseEvents(ChunkEvents):
     """A chat stream's chunks as the Responses API's events (server-sent, each named by its type and
     numbered): ``start`` before the first chunk, ``chunk`` for each, ``end`` after the last (or ``fail``).
-    Items come one after another: each is done before the next is added. (Text that a model writes
-    after a tool call is a message of its own here, where the whole answer has one message first.)"""
+    Items come one after another: each is done before the next is added (text that a model writes after a
+    tool call is a message of its own)."""
 
     def __init__(self, req: ResponsesRequest, rid: str, created: int, model: str):
         self.req, self.rid, self.created, self.model = req, rid, created, model
@@ -278,6 +260,7 @@ class ResponseEvents(ChunkEvents):
         # log-probs of tokens whose text has not come yet (a character's first bytes, a stop string in the
         # making, the ending token): they go with the next text, or into the message when it closes
         self.held: list[dict[str, Any]] = []
+        self.response: dict[str, Any] | None = None
 
     def _event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
@@ -405,8 +388,13 @@ class ResponseEvents(ChunkEvents):
         # an answer with no text (only thinking, or nothing) still has its message
         out = [] if any(item["type"] != "reasoning" for item in self.output) else self._open(_message_item("", [], "in_progress"))
         out += self._close(status)
-        out.append(self._event(f"response.{status}", response=self._response(status)))
+        self.response = self._response(status)
+        out.append(self._event(f"response.{status}", response=self.response))
         return out
+
+    def final(self) -> dict[str, Any]:
+        assert self.response is not None, "final() comes after end()"
+        return self.response
 
     def fail(self, message: str) -> list[str]:
         """The events that end a stream whose request failed (a server error: the API's code for it)."""

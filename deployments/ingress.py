@@ -36,17 +36,16 @@ from ray.exceptions import TaskCancelledError
 from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.chat_view import with_pings
+from app.chat_view import ChunkEvents, with_pings
 from app.config import Settings, api_keys
 from app.messages_api import (
     MessageEvents,
     MessagesCountRequest,
     MessagesRequest,
     error_body,
-    message_from_chat,
 )
 from app.reasoning import CONTENT, END, START, TAGGED, ReasoningStream, reasoning_tokens, split, start_mode
-from app.responses_api import ResponseEvents, ResponsesRequest, response_from_chat
+from app.responses_api import ResponseEvents, ResponsesRequest
 from app.sampling_defaults import read_sampling_defaults
 from app.schemas import (
     TGI_FINISH,
@@ -532,10 +531,14 @@ def _continuous_usage(req) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage and req.stream_options.continuous_usage_stats)
 
 
-def _oai_stream_error(message: str) -> str:
-    """How an OpenAI stream ends when its engine failed mid-answer: the error, then ``[DONE]`` as every
-    stream ends (as vLLM's do), so a client reading to ``[DONE]`` knows the stream is over."""
-    error = {"message": message, "type": "server_error", "param": None, "code": ENGINE_FAILURE}
+def _oai_stream_error(ev: dict) -> str:
+    """How an OpenAI stream ends when its request failed mid-answer (the error event ``ev``): the error,
+    then ``[DONE]`` as every stream ends (as vLLM's do), so a client reading to ``[DONE]`` knows the stream
+    is over. Its engine's failure is a server error; a guide that broke off, the request's own."""
+    if ev.get("error_kind") == "validation":
+        error = {"message": ev["error"], "type": "invalid_request_error", "param": None, "code": None}
+    else:
+        error = {"message": ev["error"], "type": "server_error", "param": None, "code": ENGINE_FAILURE}
     return _sse({"error": error}) + "data: [DONE]\n\n"
 
 
@@ -1320,7 +1323,6 @@ class Ingress:
         rid = f"resp_{uuid.uuid4().hex}"
         # without max_output_tokens, as OpenAI's: up to the room the context leaves (or the model's own default)
         return await self._chat_view(req.chat(), self.sampling_defaults.get("max_new_tokens", sys.maxsize),
-                                     lambda answer: response_from_chat(req, answer, rid, self.model_name),
                                      ResponseEvents(req, rid, int(time.time()), self.model_name), req.stream)
 
     @app.post("/v1/messages")
@@ -1328,9 +1330,8 @@ class Ingress:
         """Anthropic's Messages API, answered by the chat route (``app.messages_api``)."""
         self._check_model(req.model)
         rid = f"msg_{uuid.uuid4().hex}"
-        return await self._chat_view(req.chat(), req.max_tokens,
-                                     lambda answer: message_from_chat(answer, rid, self.model_name, req.max_tokens),
-                                     MessageEvents(rid, self.model_name, req.max_tokens), req.stream)
+        return await self._chat_view(req.chat(), req.max_tokens, MessageEvents(rid, self.model_name, req.max_tokens),
+                                     req.stream)
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(self, req: MessagesCountRequest):
@@ -1339,22 +1340,21 @@ class Ingress:
         chat = _validated_chat({**req.chat(), "stream": False})
         return {"input_tokens": len(await self._chat_ids(chat, overlong=False))}
 
-    async def _chat_view(self, body: dict[str, Any], default: int, whole, events, stream: bool):
-        """The chat route's answer to ``body`` in another API's shape: ``whole`` makes it of a chat answer,
-        ``events`` (``start``, ``chunk``, ``end``, ``fail``) its stream of a chat stream's chunks.
-        ``default``: max_tokens when the body sets none."""
+    async def _chat_view(self, body: dict[str, Any], default: int, events: ChunkEvents, stream: bool):
+        """The chat route's answer to ``body`` in another API's shape: ``events`` (``start``, ``chunk``,
+        ``end``, ``fail``) makes its stream of the chat stream's chunks; unstreamed, the answer is what they
+        add up to (``final``), so both say the same. ``default``: max_tokens when the body sets none."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         answer = await self._chat(_validated_chat(body), default)  # (refusals raise here, before any byte)
         replica = {k: v for k, v in answer.headers.items() if k == "x-radixserve-replica"}
-        if not stream:
-            return _EscapedJSON(whole(json.loads(answer.body)), headers=replica)
-
         events.prompt_tokens(int(answer.headers.get("x-radixserve-prompt-tokens", 0)),
                              int(answer.headers.get("x-radixserve-cached-tokens", 0)))
+        failed: list[dict[str, Any]] = []
 
         async def translated():
             # (closing the chunks ends the requests; the pings' reader closes first, with what it awaits)
             async with contextlib.aclosing(answer.body_iterator) as chunks, \
-                    contextlib.aclosing(with_pings(chunks, PING_EVERY_S, None)) as pinged:
+                    contextlib.aclosing(with_pings(chunks, PING_EVERY_S if stream else None, None)) as pinged:
                 for ev in events.start():
                     yield ev
                 try:
@@ -1369,6 +1369,7 @@ class Ingress:
                                 break
                             chunk = json.loads(data)
                             if chunk.get("error"):
+                                failed.append(chunk["error"])
                                 for ev in events.fail(chunk["error"].get("message") or "the request failed"):
                                     yield ev
                                 return
@@ -1378,13 +1379,24 @@ class Ingress:
                             break
                 except Exception as e:  # noqa: BLE001 - a client waits for the stream's last event: it gets one
                     log.exception("stream of %s failed", type(events).__name__)
+                    failed.append({"message": _error_text(e), "code": ENGINE_FAILURE})
                     for ev in events.fail(_error_text(e)):
                         yield ev
                     return
             for ev in events.end():
                 yield ev
 
-        return StreamingResponse(translated(), media_type="text/event-stream", headers={**replica, **UNBUFFERED})
+        if stream:
+            return StreamingResponse(translated(), media_type="text/event-stream", headers={**replica, **UNBUFFERED})
+        async with contextlib.aclosing(translated()) as unsent:
+            async for _ in unsent:
+                pass
+        if failed:  # (nothing was sent: the API's error, as the chat route's whole answer gives it)
+            error = failed[0]
+            if error.get("type") == "invalid_request_error":
+                raise ApiError(422, error.get("message") or "the request failed", "validation")
+            raise ApiError(503, error.get("message") or "the request failed", "generation", code=error.get("code"))
+        return _EscapedJSON(events.final(), headers=replica)
 
     def _thinking_mode(self, ids: list[int], params: dict[str, Any]) -> str | None:
         """How a chat answer starts (app.reasoning.start_mode) under the reasoning parser, from the end of
@@ -1468,7 +1480,7 @@ class Ingress:
             async with contextlib.aclosing(_merged([_chain(first, rest) for first, rest in started])) as events:
                 async for i, ev in events:
                     if ev.get("error"):
-                        yield _oai_stream_error(ev["error"])
+                        yield _oai_stream_error(ev)
                         return
                     latest[i] = ev
                     if ev.get("token_id") is not None:
@@ -1669,7 +1681,7 @@ class Ingress:
             async with contextlib.aclosing(_merged([_chain(first, rest) for first, rest in started])) as events:
                 async for i, ev in events:
                     if ev.get("error"):  # one choice failed: the others end with it (closing the merge)
-                        yield _oai_stream_error(ev["error"])
+                        yield _oai_stream_error(ev)
                         return
                     st = states[i]
                     st.latest = ev

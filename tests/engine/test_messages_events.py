@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from app.messages_api import MessageEvents, MessagesRequest, message_from_chat
+from app.messages_api import MessageEvents, MessagesRequest
 from app.schemas import ChatRequest
 
 
@@ -68,31 +68,47 @@ def test_malformed_requests_are_refused(body):
         MessagesRequest.model_validate(body)
 
 
-def _answer(message: dict, finish: str, stop_reason=None) -> dict:
-    return {"created": 0, "choices": [{"message": message, "finish_reason": finish, "stop_reason": stop_reason}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
-                      "prompt_tokens_details": {"cached_tokens": 8}}}
+def _whole(deltas: list[dict], finish: str, stop_reason=None, asked: int = 3) -> dict:
+    """The message a chat stream of ``deltas`` adds up to (what an unstreamed answer is)."""
+    ev = MessageEvents("msg_1", "m", asked)
+    ev.prompt_tokens(10, 8)
+    ev.start()
+    for delta in deltas:
+        ev.chunk({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    ev.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": finish, "stop_reason": stop_reason}]})
+    ev.chunk({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                                       "prompt_tokens_details": {"cached_tokens": 8}}})
+    ev.end()
+    return ev.final()
 
 
 @pytest.mark.parametrize("finish, stop_reason, expected", [
     ("stop", None, ("end_turn", None)), ("stop", "\n\n", ("stop_sequence", "\n\n")), ("stop", 7, ("end_turn", None)),
     ("length", None, ("max_tokens", None))])
 def test_why_a_message_stopped(finish, stop_reason, expected):
-    m = message_from_chat(_answer({"role": "assistant", "content": "Hi"}, finish, stop_reason), "msg_1", "m", 3)
+    m = _whole([{"content": "Hi"}], finish, stop_reason)
     assert (m["stop_reason"], m["stop_sequence"]) == expected
     assert m["usage"] == {"input_tokens": 2, "cache_read_input_tokens": 8, "cache_creation_input_tokens": 0,
                           "output_tokens": 3}
     # cut short by the room the context left, not by max_tokens (3 tokens of the 4 asked)
-    cut = message_from_chat(_answer({"role": "assistant", "content": "Hi"}, finish, stop_reason), "msg_1", "m", 4)
+    cut = _whole([{"content": "Hi"}], finish, stop_reason, asked=4)
     assert cut["stop_reason"] == ("model_context_window_exceeded" if finish == "length" else expected[0])
 
 
 def test_a_named_tools_call_stops_for_tool_use():
-    call = {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{\"a\": 1}"}}
-    m = message_from_chat(_answer({"role": "assistant", "content": None, "tool_calls": [call],
-                                   "reasoning_content": "Hm"}, "stop"), "msg_1", "m", 3)
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{\"a\": 1}"}}
+    m = _whole([{"reasoning_content": "Hm"}, {"tool_calls": [call]}], "stop")
     assert [b["type"] for b in m["content"]] == ["thinking", "tool_use"] and m["content"][1]["input"] == {"a": 1}
     assert m["stop_reason"] == "tool_use"
+
+
+def test_a_whole_message_keeps_its_blocks_in_the_order_the_model_wrote_them():
+    # text after a tool call: the whole answer joined it into one text block before the call, where
+    # the stream had a text block after it
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{\"a\": 1}"}}
+    m = _whole([{"content": "A."}, {"tool_calls": [call]}, {"content": " B."}], "tool_calls")
+    assert [(b["type"], b.get("text")) for b in m["content"]] == [("text", "A."), ("tool_use", None), ("text", " B.")]
+    assert m["content"][1] == {"type": "tool_use", "id": "call_1", "name": "w", "input": {"a": 1}}
 
 
 def _events(lines: list[str]) -> list[dict]:
@@ -122,3 +138,17 @@ def test_a_stream_of_thinking_text_and_a_call():
     assert "".join(d.get("partial_json", "") for d in deltas) == "{\"a\": 1}"
     assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert events[-2]["usage"]["output_tokens"] == 9
+
+
+def test_a_tool_use_cut_short_keeps_the_input_it_has_as_the_sdk_reads_the_stream():
+    # unstreamed its input was {} where Anthropic's SDK, reading the stream's partial JSON, had {"a": 1}
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "w", "arguments": '{"a": 1, "b": "x'}}
+    m = _whole([{"tool_calls": [call]}], "length")
+    assert m["content"][0]["input"] == {"a": 1} and m["stop_reason"] == "max_tokens"
+    jiter = pytest.importorskip("jiter")  # (the SDK's own partial parser)
+    from app.messages_api import _input
+
+    whole = '{"path": "a.py", "n": [1, 2.5, -3e2, true, null], "o": {"k": "v\\"w", "e": {}}, "z": false, "q": [[1], [2]]}'
+    for cut in range(len(whole) + 1):
+        expected = jiter.from_json(whole[:cut].encode(), partial_mode=True) if cut else {}
+        assert _input(whole[:cut]) == (expected if isinstance(expected, dict) else {}), whole[:cut]

@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from app.responses_api import ResponseEvents, ResponsesRequest, response_from_chat
+from app.responses_api import ResponseEvents, ResponsesRequest
 from app.schemas import ChatRequest
 
 
@@ -152,10 +152,6 @@ def test_a_reasoning_item_goes_back_with_the_turn_after_it_and_logprobs_are_the_
     # the answer's log-probs are its content's, whole or streamed: not the thinking's, nor its tags'
     tokens = ["<think>", "Hm", "</think>", "\n\n", "Hi", "."]
     entries = [{"token": t, "logprob": -1.0, "bytes": [], "top_logprobs": []} for t in tokens]
-    answer = {"created": 0, "choices": [{"finish_reason": "stop", "logprobs": {"content": entries},
-                                         "message": {"role": "assistant", "content": "Hi.", "reasoning_content": "Hm"}}]}
-    whole = response_from_chat(req, answer, "resp_1", "m")["output"][1]["content"][0]["logprobs"]
-    assert [e["token"] for e in whole] == ["\n\n", "Hi", "."]
     ev = ResponseEvents(req, "resp_2", 0, "m")
     lines = ev.start()
     for delta, ents in (({}, entries[:1]), ({"reasoning_content": "Hm"}, entries[1:2]),
@@ -163,7 +159,8 @@ def test_a_reasoning_item_goes_back_with_the_turn_after_it_and_logprobs_are_the_
         lines += ev.chunk({"choices": [{"index": 0, "delta": delta, "finish_reason": None,
                                         "logprobs": {"content": ents}}]})
     streamed = _events(lines + ev.end())[-1]["response"]["output"][1]["content"][0]["logprobs"]
-    assert streamed == whole
+    assert [e["token"] for e in streamed] == ["\n\n", "Hi", "."]
+    assert ev.final()["output"][1]["content"][0]["logprobs"] == streamed  # (unstreamed: what the stream adds up to)
 
 
 def test_streamed_logprobs_keep_the_tokens_whose_text_came_later_as_the_whole_answer_has_them():
@@ -172,10 +169,6 @@ def test_streamed_logprobs_keep_the_tokens_whose_text_came_later_as_the_whole_an
     req = ResponsesRequest.model_validate({"input": "x"})
     entries = [{"token": t, "logprob": -1.0, "bytes": b, "top_logprobs": []}
                for t, b in (("\ufffd", [240, 159]), ("\ufffd", [152, 128]), ("!", [33]), ("<|eos|>", []))]
-    answer = {"created": 0, "choices": [{"finish_reason": "stop", "logprobs": {"content": entries},
-                                         "message": {"role": "assistant", "content": "\U0001F600!"}}]}
-    whole = response_from_chat(req, answer, "resp_1", "m")["output"][0]["content"][0]["logprobs"]
-    assert whole == entries
     ev = ResponseEvents(req, "resp_2", 0, "m")
     lines = ev.start()
     for delta, ents, finish in (({"role": "assistant", "content": ""}, [], None), ({}, entries[:1], None),
@@ -188,7 +181,7 @@ def test_streamed_logprobs_keep_the_tokens_whose_text_came_later_as_the_whole_an
     assert [d["logprobs"] for d in deltas] == [entries[:2], entries[2:3]]  # each with its text
     assert bytes(b for d in deltas for e in d["logprobs"] for b in e["bytes"]).decode() == "\U0001F600!"
     done = next(e for e in events if e["type"] == "response.output_text.done")
-    assert done["logprobs"] == whole and events[-1]["response"]["output"][0]["content"][0]["logprobs"] == whole
+    assert done["logprobs"] == entries and events[-1]["response"]["output"][0]["content"][0]["logprobs"] == entries
 
 
 def test_the_final_response_is_what_the_openai_sdk_types_require():
@@ -205,12 +198,9 @@ def test_an_answer_without_text_keeps_its_eos_log_prob_streamed_as_whole():
     # the message opened at the end (no text came) cleared the held entries first: logprobs [] streamed
     req = ResponsesRequest.model_validate({"input": "x"})
     eos = [{"token": "<|eos|>", "logprob": -0.5, "bytes": [], "top_logprobs": []}]
-    answer = {"created": 0, "choices": [{"finish_reason": "stop", "logprobs": {"content": eos},
-                                         "message": {"role": "assistant", "content": ""}}]}
-    whole = response_from_chat(req, answer, "resp_1", "m")["output"][0]["content"][0]["logprobs"]
     ev = ResponseEvents(req, "resp_2", 0, "m")
     lines = ev.start() + ev.chunk({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                 "finish_reason": None, "logprobs": {"content": []}}]})
     lines += ev.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "logprobs": {"content": eos}}]})
     streamed = _events(lines + ev.end())[-1]["response"]["output"][0]["content"][0]["logprobs"]
-    assert streamed == whole == eos
+    assert streamed == eos

@@ -107,7 +107,7 @@ def test_a_translated_stream_whose_engine_fails_ends_with_the_engines_error(api,
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
     events = (MessageEvents("msg_1", "m", 10) if api == "messages" else
               ResponseEvents(ResponsesRequest.model_validate({"input": "hi", "stream": True}), "resp_1", 0, "m"))
-    response = asyncio.run(Cls._chat_view(Chatting(), body, 10, None, events, True))
+    response = asyncio.run(Cls._chat_view(Chatting(), body, 10, events, True))
     sent = [e for e in _events(response) if e != "[DONE]"]
     errors = [e for e in sent if e["type"] == "error"]
     assert len(errors) == 1, sent
@@ -118,6 +118,15 @@ def test_a_translated_stream_whose_engine_fails_ends_with_the_engines_error(api,
         assert sent[-1]["type"] == "response.failed"
         assert sent[-1]["response"]["error"]["message"] == FAILED["error"]
     assert "stream of" not in caplog.text  # no traceback: an engine failure is not the stream's
+    # unstreamed (made from the same stream): the engine's failure, as the chat route's whole answer says it
+    from deployments.ingress import ApiError
+
+    events = (MessageEvents("msg_1", "m", 10) if api == "messages" else
+              ResponseEvents(ResponsesRequest.model_validate({"input": "hi"}), "resp_1", 0, "m"))
+    with pytest.raises(ApiError) as raised:
+        asyncio.run(Cls._chat_view(Chatting(), {**body, "stream": False}, 10, events, False))
+    assert raised.value.status == 503 and raised.value.message == FAILED["error"]
+    assert raised.value.code == "engine_failure"
 
 
 def test_a_streamed_chats_reasoning_tokens_count_the_tokens_whose_text_was_held_back():
