@@ -158,7 +158,7 @@ class TGIParameters(_Strict):
         """Whether the request samples: asked to, or any of TGI's filters set (a temperature too small to
         divide by is greedy in the engine)."""
         sample = (self.do_sample or self.temperature not in (None, 1.0) or self.top_k is not None
-                  or self.top_p is not None or self.typical_p not in (None, 1.0))
+                  or self.top_p not in (None, 1.0) or self.typical_p not in (None, 1.0))
         return sample and (self.temperature or 1.0) >= GREEDY_BELOW
 
     @model_validator(mode="after")

@@ -48,6 +48,7 @@ from app.reasoning import CONTENT, END, START, TAGGED, ReasoningStream, reasonin
 from app.responses_api import ResponseEvents, ResponsesRequest
 from app.sampling_defaults import read_sampling_defaults
 from app.schemas import (
+    MAX_BEST_OF,
     TGI_FINISH,
     ChatPrompt,
     ChatRequest,
@@ -65,6 +66,7 @@ from cache.hashing import block_hashes
 from deployments.cors import Cors
 from deployments.logs import show_our_info_logs
 from deployments.metrics import HubClient, render
+from engine.sequence import MAX_STOP_STRINGS
 from routing import in_process
 from routing.prefix_router import avoid_replica, request_ended
 
@@ -980,6 +982,19 @@ class Ingress:
         t = req.parameters.truncate
         return ids[-t:] if t else ids  # TGI's truncate keeps the end of the prompt
 
+    async def _tgi_default_tokens(self, ids: list[int]) -> int:
+        """``max_new_tokens`` when a TGI request sets none: the default, cut to the room the context leaves
+        (TGI takes the room: a long prompt without it is not an error)."""
+        room = (await self.info_cached())["max_total_tokens"] - len(ids)
+        return max(1, min(DEFAULT_MAX_NEW_TOKENS, room))
+
+    def _tgi_finish(self, ev: dict) -> str:
+        """TGI's finish reason of a request's last event: a complete guide ended it as its EOS would (TGI's
+        grammars only mask tokens, and the end is the model's EOS), not as a stop sequence."""
+        if ev["finish_reason"] == "stop" and ev.get("stop_reason") is None:
+            return "eos_token"
+        return TGI_FINISH.get(ev["finish_reason"], "length")
+
     def _tgi_token(self, ev: dict) -> dict:
         """A TGI token entry of a token event, the same in ``details.tokens`` and in stream events: its
         text is the event's, so the texts of the entries that are not ``special`` add up to
@@ -1010,7 +1025,7 @@ class Ingress:
         ``best_of``, the likeliest of that many sampled sequences is the answer and, with ``details``, the
         others come in ``details.best_of_sequences``, as TGI gives them."""
         ids = await self._tgi_ids(req)
-        params = _seeded(req.sampling(DEFAULT_MAX_NEW_TOKENS))
+        params = _seeded(req.sampling(await self._tgi_default_tokens(ids)))
         best_of = req.parameters.best_of or 1
         if best_of == 1:
             events = await self._collect(ids, params)
@@ -1034,7 +1049,7 @@ class Ingress:
         if req.parameters.details:
             toks = [ev for ev in events if ev.get("token_id") is not None]
             out["details"] = {
-                "finish_reason": TGI_FINISH.get(events[-1]["finish_reason"], "length"),
+                "finish_reason": self._tgi_finish(events[-1]),
                 "generated_tokens": len(toks), "seed": seed, "prefill": self._tgi_prefill(ids, events),
                 **({"cached_tokens": events[-1]["num_cached_tokens"]} if answer else {}),
                 "tokens": [self._tgi_token(ev) for ev in toks]}
@@ -1064,14 +1079,15 @@ class Ingress:
         if (req.parameters.best_of or 1) > 1:
             raise ApiError(422, "`best_of` != 1 is not allowed for this endpoint", param="best_of")
         ids = await self._tgi_ids(req)
-        params = _seeded(req.sampling(DEFAULT_MAX_NEW_TOKENS))
+        params = _seeded(req.sampling(await self._tgi_default_tokens(ids)))
         first, rest = await self._stream(ids, params)
 
         async def body():
             text, n = "", 1  # (TGI numbers a stream's tokens from 1)
             async for ev in _chain(first, rest):
-                if ev.get("error"):
-                    yield _sse({"error": ev["error"], "error_type": "generation"})
+                if ev.get("error"):  # (a guide that broke off is the request's: validation, as unstreamed)
+                    kind = "validation" if ev.get("error_kind") == "validation" else "generation"
+                    yield _sse({"error": ev["error"], "error_type": kind})
                     return
                 if ev.get("token_id") is None and not ev["finished"]:
                     continue
@@ -1083,7 +1099,7 @@ class Ingress:
                 if ev["finished"]:
                     msg["generated_text"] = (req.inputs + text) if req.parameters.return_full_text else text
                     if req.parameters.details:  # TGI sends them only when asked
-                        msg["details"] = {"finish_reason": TGI_FINISH.get(ev["finish_reason"], "length"),
+                        msg["details"] = {"finish_reason": self._tgi_finish(ev),
                                           "generated_tokens": ev["num_output_tokens"], "seed": params["seed"],
                                           "input_length": ev["num_prompt_tokens"]}
                 yield _sse(msg)
@@ -1095,9 +1111,13 @@ class Ingress:
         i = await self.info_cached()
         # the model and limits, shared by every replica; not one replica's own (its id, its warm-up
         # report: /metrics has those per replica), which this cache would keep after the replica is gone
+        # (with the fields of TGI's own /info that its clients read; "router" is TGI's name for its router)
         return {**{k: v for k, v in i.items() if k not in ("replica", "warmup")}, "served_model_name": self.model_name,
-                "router": self.settings.router, "version": VERSION, "sha": None,
-                "max_ongoing_requests_per_replica": self.settings.max_ongoing_requests,
+                "router": "text-generation-router", "request_router": self.settings.router, "version": VERSION,
+                "sha": None, "model_sha": None, "model_pipeline_tag": "text-generation", "docker_label": None,
+                "max_concurrent_requests": self.settings.max_ongoing_requests * self.settings.num_replicas,
+                "max_best_of": MAX_BEST_OF, "max_stop_sequences": MAX_STOP_STRINGS, "validation_workers": 1,
+                "max_client_batch_size": 1, "max_ongoing_requests_per_replica": self.settings.max_ongoing_requests,
                 "sampling_defaults": self.sampling_defaults}
 
     @app.api_route("/health", methods=["GET", "HEAD"])

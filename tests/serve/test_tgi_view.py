@@ -1,0 +1,115 @@
+"""TGI's routes against what TGI does and its clients read, without Serve: a stand-in for the ingress's
+engine side (its ``_stream``, its cached ``/info``), the route methods themselves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from app.schemas import TGIRequest
+from deployments.ingress import Ingress
+
+Cls = Ingress.func_or_class
+
+
+class FakeTGI:
+    """What the TGI routes touch: the model's limits, a tokenizer stand-in, an engine that answers these events."""
+
+    model_name = "m"
+    sampling_defaults: dict = {}
+    _special: set = set()
+    _anchor = None
+
+    class settings:  # noqa: N801 - stands in for the Settings instance
+        router, max_ongoing_requests, num_replicas = "prefix", 64, 2
+
+    _tgi_default_tokens = Cls._tgi_default_tokens
+    _tgi_finish = Cls._tgi_finish
+    _tgi_token = Cls._tgi_token
+    _tgi_sequence = Cls._tgi_sequence
+    _tgi_prefill = Cls._tgi_prefill
+
+    def __init__(self, events: list[dict] | None = None, max_total_tokens: int = 100):
+        self.events, self.asked = events or [], []
+        self.max_total_tokens = max_total_tokens
+        self._text_cache: dict = {}
+
+    def _token_text(self, tid: int) -> str:
+        return f"<{tid}>"
+
+    async def info_cached(self) -> dict:
+        return {"model_id": "/models/m", "max_total_tokens": self.max_total_tokens,
+                "max_input_tokens": self.max_total_tokens - 1}
+
+    async def _tgi_ids(self, req) -> list[int]:
+        return [1] * len(req.inputs)
+
+    async def _stream(self, ids, params):
+        self.asked.append(params)
+
+        async def rest():
+            for ev in self.events[1:]:
+                yield ev
+        return self.events[0], rest()
+
+    async def _collect(self, ids, params):
+        first, rest = await self._stream(ids, params)
+        return [first] + [ev async for ev in rest]
+
+
+def _token(i: int, text: str, finish: str | None = None, stop_reason=None) -> dict:
+    return {"token_id": 10 + i, "text": text, "logprob": -0.5, "finished": finish is not None, "finish_reason": finish,
+            "stop_reason": stop_reason, "num_output_tokens": i + 1, "num_prompt_tokens": 3, "num_cached_tokens": 0}
+
+
+def _sse(response) -> list[dict]:
+    async def read():
+        return "".join([piece async for piece in response.body_iterator])
+    return [json.loads(line[6:]) for line in asyncio.run(read()).split("\n") if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("finish,stop_reason,expected", [
+    ("stop", None, "eos_token"),  # a complete grammar: TGI's ends with the EOS it then allows
+    ("stop", "END", "stop_sequence"), ("stop", 7, "stop_sequence"), ("eos", None, "eos_token"), ("length", None, "length")])
+def test_the_finish_reason_is_tgis(finish, stop_reason, expected):
+    fake = FakeTGI([_token(0, "{"), _token(1, "}", finish, stop_reason)])
+    req = TGIRequest.model_validate({"inputs": "hi", "parameters": {"details": True, "max_new_tokens": 5}})
+    out, _ = asyncio.run(Cls._tgi_answer(fake, req))
+    assert out["details"]["finish_reason"] == expected
+    last = _sse(asyncio.run(Cls.generate_stream(fake, req)))[-1]
+    assert last["details"]["finish_reason"] == expected and last["generated_text"] == "{}"
+
+
+def test_without_max_new_tokens_a_long_prompt_gets_the_room_it_leaves():
+    # 64 by default: a prompt within 64 tokens of the limit was refused for a max_new_tokens never sent
+    fake = FakeTGI([_token(0, "a", "length")], max_total_tokens=100)
+    for prompt, expected in (("x" * 90, 10), ("x" * 10, 64)):
+        asyncio.run(Cls._tgi_answer(fake, TGIRequest.model_validate({"inputs": prompt})))
+        assert fake.asked[-1]["max_new_tokens"] == expected
+    asyncio.run(Cls._tgi_answer(fake, TGIRequest.model_validate({"inputs": "x" * 90, "parameters": {"max_new_tokens": 30}})))
+    assert fake.asked[-1]["max_new_tokens"] == 30  # (asked for: the engine refuses what does not fit)
+
+
+def test_an_error_mid_stream_says_whose_it_is():
+    for kind, error_type in (("validation", "validation"), ("engine", "generation")):
+        fake = FakeTGI([_token(0, "a"), {"token_id": None, "text": "", "finished": True, "finish_reason": "error",
+                                         "error": "broke", "error_kind": kind}])
+        req = TGIRequest.model_validate({"inputs": "hi", "parameters": {"max_new_tokens": 5}})
+        assert _sse(asyncio.run(Cls.generate_stream(fake, req)))[-1] == {"error": "broke", "error_type": error_type}
+
+
+def test_top_p_of_one_filters_nothing_and_keeps_a_request_greedy():
+    assert not TGIRequest.model_validate({"inputs": "x", "parameters": {"top_p": 1.0}}).parameters.samples()
+    assert TGIRequest.model_validate({"inputs": "x", "parameters": {"top_p": 0.9}}).parameters.samples()
+
+
+def test_info_has_the_fields_tgis_clients_read():
+    info = asyncio.run(Cls.info(FakeTGI()))
+    for key in ("model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of",
+                "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers",
+                "max_client_batch_size", "router", "version", "sha", "docker_label"):
+        assert key in info, key
+    assert info["router"] == "text-generation-router" and info["request_router"] == "prefix"
+    assert info["max_concurrent_requests"] == 128 and info["max_best_of"] == 16 and info["max_stop_sequences"] == 16
