@@ -109,7 +109,6 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "documents": ("chat documents", _OFF),
     "mm_processor_kwargs": ("multimodal inputs", _OFF),
     "audio": ("audio output", _OFF),
-    "prediction": ("predicted outputs", _OFF),
     "web_search_options": ("web search", _OFF),
     "return_tokens_as_token_ids": ("return_tokens_as_token_ids", _OFF),
     "lora_request": ("LoRA adapters", _OFF),
@@ -467,6 +466,8 @@ class HistoryToolCall(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None  # none: an assistant turn of tool calls
+    name: str | None = None  # the participant's (templates that know it render it)
+    refusal: str | None = None  # an assistant answer that refused, as OpenAI sent it back: its text
     tool_calls: list[HistoryToolCall] | None = None
     tool_call_id: str | None = None  # a tool's answer: to which call
     # an earlier answer's thinking, as the reasoning parser gave it (vLLM's field; templates such as Qwen3's
@@ -482,17 +483,21 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _content_or_calls(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
             raise ValueError(f"a {self.role} message needs content")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         return self
 
-    def for_template(self) -> dict[str, Any]:
+    def for_template(self, where: str = "content") -> dict[str, Any]:
         """The message as chat templates read it ("developer" is OpenAI's newer name for the system role,
         which templates know: one they do not know is dropped (Qwen's) or rendered as a role the model
-        never saw (Llama 3's))."""
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        never saw (Llama 3's)). ``where``: how an error names its content."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text(where)}
+        if self.content is None and self.refusal is not None:
+            out["content"] = self.refusal
+        if self.name is not None:
+            out["name"] = self.name
         if self.tool_calls:
             out["tool_calls"] = template_tool_calls([c.model_dump() for c in self.tool_calls])
         if self.tool_call_id is not None:
@@ -501,17 +506,10 @@ class ChatMessage(_Strict):
             out["reasoning_content"] = self.reasoning_content
         return out
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+    def text(self, where: str = "content") -> str:
+        """Its text: a string, or its text parts (a refusal sent back counts as text) joined by a newline, as
+        vLLM joins them; other parts are refused, naming the part."""
+        return content_text(self.content, where, {"text": "text", "refusal": "refusal"}, "\n")
 
 
 # what chat_template_kwargs may not set: apply_chat_template's own arguments, the request's fields, the
@@ -520,7 +518,7 @@ TEMPLATE_RESERVED = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens", "raise_exception",
-    "strftime_now", "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
+    "strftime_now", "conversations", "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
     "additional_special_tokens"})
 
 
@@ -648,9 +646,10 @@ class TokenizeRequest(_Strict):
 
 
 class ChatTokenizeRequest(ChatPrompt):
-    """vLLM's ``/tokenize`` of a chat, rendered as ``/v1/chat/completions`` renders it."""
+    """vLLM's ``/tokenize`` of a chat, rendered as ``/v1/chat/completions`` renders it (its tools too)."""
 
     model: str | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     return_token_strs: bool = False
 
 

@@ -1455,6 +1455,8 @@ class Ingress:
         elif mode == "required" or (mode == "auto" and self.settings.tool_call_parser != "none"):
             parser = "required" if mode == "required" else self.settings.tool_call_parser
             content, calls, complete = read_answer(parser, text, {t.function.name for t in req.tools})
+            if req.parallel_tool_calls is False:  # one call at most (the required guide allows only one)
+                calls = calls[:1]
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if thinking:
             message["reasoning_content"] = thinking
@@ -1517,6 +1519,8 @@ class Ingress:
                         named_sent[i] = named_sent[i] or bool(deltas)
                     elif calls[i] is not None:
                         deltas = calls[i].feed(piece) + (calls[i].finish() if ev["finished"] else [])
+                        if req.parallel_tool_calls is False:  # one call at most: the later ones are not sent
+                            deltas = [d for d in deltas if all(c["index"] == 0 for c in d.get("tool_calls", ()))]
                     else:
                         deltas = [{"content": piece}] if piece else []
                     for delta in deltas:
@@ -1597,14 +1601,14 @@ class Ingress:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         try:
-            msgs = [m.for_template() for m in req.messages]
+            msgs = [m.for_template(f"messages[{i}].content") for i, m in enumerate(req.messages)]
             if overlong:
                 await self._refuse_overlong(sum(len(m["content"]) for m in msgs), "messages")
         except ValueError as e:
             raise ApiError(422, str(e), param="messages") from None
-        # the tools the model may call, through its template (as vLLM, not with tool_choice none)
-        tools = ({"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
-                 if isinstance(req, ChatRequest) and req.tool_mode() != "none" else {})
+        # the tools, through its template: with tool_choice none too (as vLLM by default), so the model
+        # knows them and the prompt starts as the turns that may call them (one cached prefix)
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if getattr(req, "tools", None) else {}
         try:
             enc = await self._off_loop(self.tokenizer.apply_chat_template, msgs, tokenize=True,
                                        add_generation_prompt=req.add_generation_prompt,

@@ -206,3 +206,18 @@ def test_an_answer_that_ends_in_an_error_is_the_clients_only_when_its_request_ca
     with pytest.raises(ApiError) as raised:
         asyncio.run(Cls._drain(None, dict(TOKEN), rest()))
     assert raised.value.status == status and raised.value.message == "the guide cannot go on"
+
+
+def test_parallel_tool_calls_false_keeps_one_call_streamed_or_not():
+    # it held only the required guide: with tool_choice auto both calls went out (Messages'
+    # disable_parallel_tool_use too), where vLLM keeps the first
+    texts = ['<tool_call>{"name": "save", "arguments": {"a": 1}}</tool_call>',
+             '\n<tool_call>{"name": "save", "arguments": {"b": 2}}</tool_call>']
+    tools = [{"type": "function", "function": {"name": "save", "parameters": {"type": "object"}}}]
+    req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True, tools=tools, parallel_tool_calls=False)
+    message, finish = Cls._assistant_message(FakeIngress(), req, _Answering(texts, "eos").events)
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"a": 1}'] and finish == "tool_calls"
+    chunks = [e for e in _events(asyncio.run(Cls._tool_stream(_Answering(texts, "eos"), req, [([1], {})], "c", 0, 0)))
+              if e != "[DONE]"]
+    indexes = {call["index"] for c in chunks for call in c["choices"][0]["delta"].get("tool_calls") or ()}
+    assert indexes == {0} and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -1,0 +1,83 @@
+"""How a chat becomes a prompt, without Serve: the ingress's own rendering (``_chat_ids``) over a template
+that shows what it is given (names, tools), and a chat's parts, refusals and tool-call limits."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import pytest
+
+from app.schemas import ChatRequest, ChatTokenizeRequest
+from deployments.ingress import ApiError, Ingress, _sanitize_option
+from engine.model_init import build_tokenizer
+
+Cls = Ingress.func_or_class
+TEMPLATE = ("{% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
+            "{% for m in messages %}<|{{ m.role }}|>{% if m.name %}[{{ m.name }}]{% endif %}{{ m.content }}<|end|>"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "save", "parameters": {"type": "object"}}}]
+
+
+class Rendering:
+    """What ``_chat_ids`` touches: the tokenizer, its thread, the limits."""
+
+    _chat_ids, _off_loop, _refuse_overlong = Cls._chat_ids, Cls._off_loop, Cls._refuse_overlong
+
+    def __init__(self):
+        self.tokenizer = build_tokenizer(300)
+        self.tokenizer.chat_template = TEMPLATE
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1)
+        self._sanitize = _sanitize_option(self.tokenizer)
+        self._max_token_chars = 16
+
+    async def info_cached(self) -> dict:
+        return {"max_input_tokens": 4096, "max_total_tokens": 8192, "vocab_size": 300}
+
+    def text(self, req) -> str:
+        return self.tokenizer.decode(asyncio.run(self._chat_ids(req)), skip_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return Rendering()
+
+
+def test_names_parts_and_refusals_reach_the_template(chat):
+    # a message's name was dropped; text parts were joined with nothing between them (vLLM: a newline);
+    # an assistant's refusal, sent back as OpenAI gives it, was refused
+    body = {"messages": [
+        {"role": "user", "name": "alice", "content": [{"type": "text", "text": "Line one."},
+                                                      {"type": "text", "text": "Line two."}]},
+        {"role": "assistant", "content": None, "refusal": "I cannot."},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "Nor that."}]},
+        {"role": "user", "content": "ok"}]}
+    assert chat.text(ChatRequest.model_validate(body)) == (
+        "<|user|>[alice]Line one.\nLine two.<|end|><|assistant|>I cannot.<|end|><|assistant|>Nor that.<|end|>"
+        "<|user|>ok<|end|><|assistant|>")
+
+
+def test_a_part_it_cannot_read_is_refused_by_its_place_and_type(chat):
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": [
+        {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]}
+    with pytest.raises(ApiError, match=r"messages\[1\]\.content\[1\]: only text parts .* got 'image_url'"):
+        chat.text(ChatRequest.model_validate(body))
+
+
+def test_tools_reach_the_template_with_tool_choice_none_and_in_tokenize(chat):
+    # tool_choice none left them out (vLLM renders them), and /tokenize of a chat with tools counted a
+    # prompt without them: another count, and another prefix, than the chat's
+    messages = [{"role": "user", "content": "hi"}]
+    auto = chat.text(ChatRequest.model_validate({"messages": messages, "tools": TOOLS}))
+    assert auto.startswith("<|tools|>save;")
+    assert chat.text(ChatRequest.model_validate({"messages": messages, "tools": TOOLS, "tool_choice": "none"})) == auto
+    assert chat.text(ChatTokenizeRequest.model_validate({"messages": messages, "tools": TOOLS})) == auto
+
+
+def test_predicted_outputs_are_taken_and_conversations_is_reserved():
+    # prediction only makes an answer faster where a server uses it: taken, as vLLM takes it
+    ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                "prediction": {"type": "content", "content": "hello"}})
+    with pytest.raises(ValueError, match="conversations"):
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                    "chat_template_kwargs": {"conversations": 1}})
