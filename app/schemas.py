@@ -77,6 +77,7 @@ def content_text(content: Any, where: str, fields: Mapping[str, str], sep: str =
     texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        kind = kind if isinstance(kind, str) else None  # (a list or an object is no type name)
         if kind in fields and isinstance(part.get(fields[kind]), str):
             texts.append(part[fields[kind]])
         elif kind in fields:

@@ -62,6 +62,10 @@ def test_a_part_it_cannot_read_is_refused_by_its_place_and_type(chat):
         {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]}
     with pytest.raises(ApiError, match=r"messages\[1\]\.content\[1\]: only text parts .* got 'image_url'"):
         chat.text(ChatRequest.model_validate(body))
+    for odd in ([], {"a": 1}, None, 5):  # (a list for a type was a TypeError: a 500 the HTTP fuzz found)
+        body["messages"][1]["content"][1] = {"type": odd}
+        with pytest.raises(ApiError, match=r"messages\[1\]\.content\[1\]: only text parts"):
+            chat.text(ChatRequest.model_validate(body))
 
 
 def test_tools_reach_the_template_with_tool_choice_none_and_in_tokenize(chat):
