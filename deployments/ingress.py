@@ -9,6 +9,7 @@ mid-stream cancels its request, which aborts it in the engine and frees its bloc
 
 
 import asyncio
+import codecs
 import concurrent.futures
 import contextlib
 import functools
@@ -500,11 +501,13 @@ def _error_text(e: BaseException) -> str:
     return rest if sep and "." in head and " " not in head else text
 
 
-def _usage(finals: list[dict], n: int = 1, reasoning: list[int] | None = None) -> dict:
+def _usage(finals: list[dict], n: int = 1, reasoning: list[int] | None = None, firsts: list[dict] | None = None
+           ) -> dict:
     """OpenAI ``usage`` of the last events of a request's choices, ``n`` per prompt in prompt order: each
     prompt counts once, and its cached part is what its first choice found (the others then find what
-    that one computed). ``reasoning``: each choice's thinking tokens, under a reasoning parser."""
-    firsts = finals[::n]
+    that one computed; ``firsts``: the last events of the choices started first, where the answer ordered
+    them otherwise). ``reasoning``: each choice's thinking tokens, under a reasoning parser."""
+    firsts = finals[::n] if firsts is None else firsts
     p, c = sum(ev["num_prompt_tokens"] for ev in firsts), sum(ev["num_output_tokens"] for ev in finals)
     out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
            "prompt_tokens_details": {"cached_tokens": sum(ev["num_cached_tokens"] for ev in firsts)}}
@@ -1232,15 +1235,18 @@ class Ingress:
         """Completions' ``logprobs`` lists of an echoed prompt, from the engine's ``prompt_logprobs`` (on
         its first token's event): the first token has none. A token's ``text_offset`` is where its text
         starts in the echoed prompt of ``length`` characters: ``offsets`` (the tokenizer's, for a text),
-        else counted from the tokens' own texts (special tokens have none there; a leading space the
+        else counted from the tokens' own bytes (special tokens have none there; a leading space the
         decoded prompt does not start with, SentencePiece's, neither)."""
         plps = _engine_prompt_logprobs(events, len(ids))
-        if offsets is None:
-            offsets, at = [], 0
+        if offsets is None:  # counted in characters of the tokens' bytes: a token inside a character
+            offsets, at = [], 0  # starts where that character does
+            text = codecs.getincrementaldecoder("utf-8")("replace")
             for t in ids:
                 offsets.append(min(at, length))
-                own = "" if t in self._special else self._token_text(t)
-                at += len(own) - (at == 0 and own.startswith(" ") and not self._detok([t]).startswith(" "))
+                own = b"" if t in self._special else bytes(self._token_bytes(t))
+                if at == 0 and own.startswith(b" ") and not self._detok([t]).startswith(" "):
+                    own = own[1:]  # (SentencePiece's: the decoded prompt does not start with its space)
+                at += len(text.decode(own))
         return {"tokens": [self._listed_token(t) for t in ids],
                 "token_logprobs": [None if e is None else e[0] for e in plps],
                 "top_logprobs": [None if e is None else self._alternatives(t, e[0], e[2], top)
@@ -1296,9 +1302,10 @@ class Ingress:
             for _, params in jobs:
                 params["logprobs"] = True  # (to rank them; left out of the answer unless asked for)
         runs = await self._choices(jobs, drawn, stream=False)
+        firsts = [runs[k * drawn][-1] for k in range(len(jobs))]  # (what each prompt's first draw found cached)
         if drawn > req.n:
             runs = [run for k in range(len(jobs)) for run in _likeliest(runs[k * drawn:(k + 1) * drawn], req.n)]
-        return self._openai_answer(runs, req.n, rid, created, "text_completion", choice)
+        return self._openai_answer(runs, req.n, rid, created, "text_completion", choice, firsts=firsts)
 
     @app.post("/v1/chat/completions")
     async def chat(self, req: ChatRequest):
@@ -1544,7 +1551,8 @@ class Ingress:
                      "usage": _usage(finals, n, reasoning)})
 
     def _openai_answer(self, runs: list[list[dict]], n: int, rid: str, created: int, obj: str, choice,
-                       extra: dict | None = None, reasoning: list[int] | None = None) -> JSONResponse:
+                       extra: dict | None = None, reasoning: list[int] | None = None,
+                       firsts: list[dict] | None = None) -> JSONResponse:
         """A whole OpenAI answer of its choices' events (``n`` per prompt): ``choice(i, events)`` gives the
         API's own fields of choice ``i``, ``extra`` its own top-level ones; the index, the finish reason and
         the envelope are the same."""
@@ -1553,7 +1561,7 @@ class Ingress:
             c["finish_reason"] = c.pop("finish_reason", None) or _oai_finish(events[-1]["finish_reason"])
             c["stop_reason"] = events[-1].get("stop_reason")  # vLLM's: the stop string or token id that ended it
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                             "choices": choices, "usage": _usage([events[-1] for events in runs], n, reasoning),
+                             "choices": choices, "usage": _usage([events[-1] for events in runs], n, reasoning, firsts),
                              **(extra or {})},
                             headers=_replica_header(runs[0]))
 
@@ -1694,7 +1702,7 @@ class Ingress:
             for st in states:
                 if chat:
                     yield _sse(chunk(st, "", None, role=True))
-                elif st.prefix:
+                elif st.prefix or (want_logprobs and echo_ids):  # (an echo of no text still has its tokens)
                     c = chunk(st, st.prefix, None)
                     if want_logprobs and echo_ids:  # the echoed prompt's own log-probabilities
                         c["choices"][0]["logprobs"] = self._prompt_logprobs(

@@ -1,0 +1,92 @@
+"""The completions route without Serve: the ingress's own method over fake engine events and the tiny
+model's byte-level tokenizer (byte b is token b), for what only shows with odd prompts: echoed offsets
+inside characters, an echo with no text, best_of's usage."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import threading
+
+from app.config import Settings
+from app.schemas import CompletionRequest
+from deployments.ingress import Ingress, _anchor_token
+from engine.model_init import build_tokenizer
+
+Cls = Ingress.func_or_class
+TOK = build_tokenizer(320)
+
+
+class _Ingress(Cls):
+    def __del__(self):  # (Serve's wrapper closes an ASGI app that a stand-in never started)
+        pass
+
+BOS = TOK.convert_tokens_to_ids("<|bos|>")
+
+
+def ingress(cached: list[int] | None = None):
+    """The route's ingress, whose engine answers "ok" to every choice (choice j of a prompt found
+    ``cached[j]`` of its tokens cached; its tokens likelier the later it was drawn)."""
+    ing = object.__new__(_Ingress)
+    ing._stop, ing.settings, ing.model_name, ing.tokenizer = threading.Event(), Settings(), "m", TOK
+    ing.sampling_defaults, ing._tokenizer_thread, ing._max_token_chars = {}, concurrent.futures.ThreadPoolExecutor(1), 20
+    ing._info = {"max_total_tokens": 4096, "max_input_tokens": 4000, "vocab_size": 320, "block_size": 16}
+    ing._text_cache, ing._bytes_cache, ing._special = {}, {}, frozenset(TOK.all_special_ids)
+    ing._byte_level = True
+    ing._anchor = _anchor_token(TOK, True)
+
+    async def choices(jobs, n, stream):
+        out = []
+        for ids, params in jobs:
+            for j in range(n):
+                events = [{"token_id": t, "text": chr(t), "logprob": -1.0 + j * 0.1, "top_logprobs": [], "text_offset": i,
+                           "finished": i == 1, "finish_reason": "length" if i == 1 else None, "stop_reason": None,
+                           "num_prompt_tokens": len(ids), "num_cached_tokens": (cached or [0] * n)[j],
+                           "num_output_tokens": i + 1, "replica": "A"} for i, t in enumerate(b"ok")]
+                if params.get("prompt_logprobs") is not None:
+                    events[0]["prompt_logprobs"] = [None] + [(-2.0, 1, []) for _ in ids[1:]]
+                if stream:
+                    async def rest(events=events):
+                        for ev in events[1:]:
+                            yield ev
+                    out.append((events[0], rest()))
+                else:
+                    out.append(events)
+        return out
+    ing._choices = choices
+    return ing
+
+
+def complete(ing, body: dict) -> dict:
+    return json.loads(asyncio.run(Cls.completions(ing, CompletionRequest.model_validate(body))).body)
+
+
+def test_an_echoed_token_inside_a_character_starts_where_the_character_does():
+    # token-id prompts (no tokenizer offsets) counted each byte of a character as one: "x" pointed at "€",
+    # and the prompt's "y" shared its offset with the answer's "o"
+    for prompt in (list("éx€y".encode()), "éx€y"):
+        choice = complete(ingress(), {"prompt": prompt, "logprobs": 0, "echo": True, "max_tokens": 2})["choices"][0]
+        assert choice["text"] == "éx€yok"
+        assert choice["logprobs"]["text_offset"] == [0, 0, 1, 2, 2, 2, 3, 4, 5], prompt
+
+
+def test_an_echo_of_a_prompt_with_no_text_streams_its_tokens_too():
+    # ([BOS] alone decodes to ""): the stream left out the echo chunk, and the prompt's log-probs with it
+    body = {"prompt": [BOS], "logprobs": 1, "echo": True, "max_tokens": 2}
+    whole = complete(ingress(), body)["choices"][0]["logprobs"]["tokens"]
+    response = asyncio.run(Cls.completions(ingress(), CompletionRequest.model_validate({**body, "stream": True})))
+
+    async def read():
+        return "".join([piece async for piece in response.body_iterator])
+    chunks = [json.loads(line[6:]) for line in asyncio.run(read()).split("\n")
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = [t for c in chunks for ch in c["choices"] if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
+    assert streamed == whole == ["<|bos|>", "o", "k"]
+
+
+def test_best_of_counts_the_cache_its_first_draw_found():
+    # the draws after the first find the prompt that one computed: usage took the likeliest draw's count
+    body = {"prompt": "a prompt", "best_of": 3, "n": 1, "temperature": 1.0}
+    usage = complete(ingress(cached=[0, 7, 7]), body)["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0 and usage["completion_tokens"] == 2
