@@ -67,6 +67,7 @@ from cache.hashing import block_hashes
 from deployments.cors import Cors
 from deployments.logs import show_our_info_logs
 from deployments.metrics import HubClient, render
+from engine.detokenizer import guard_ids
 from engine.sequence import MAX_STOP_STRINGS
 from routing import in_process
 from routing.prefix_router import avoid_replica, request_ended
@@ -128,10 +129,7 @@ def _anchor_token(tokenizer, byte_level: bool) -> int | None:
     alone is exact (byte-level BPE) or no one-token text is at hand."""
     if byte_level:
         return None
-    try:
-        ids = tokenizer.encode("a", add_special_tokens=False)
-    except Exception:  # noqa: BLE001 - an odd tokenizer: texts as decoded alone
-        return None
+    ids = guard_ids(tokenizer)
     return ids[0] if len(ids) == 1 else None
 
 

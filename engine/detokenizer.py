@@ -44,8 +44,9 @@ def flush_text(tokenizer, seq: Sequence, upto: int) -> int | None:
 def _prompt_context(tokenizer, prompt: list[int], skip: bool) -> int:
     """How far back in the prompt the first output text is decoded from (``-k``), or 0 when the prompt
     ends mid-character (a token-id prompt cut anywhere): its bytes would merge with the output's, and the
-    output's text would lose them (it is then decoded after a guard token). A window that starts inside a character renders U+FFFD there (a
-    byte-fallback decoder: for its whole byte run), so it moves back to the character's start first."""
+    output's text would lose them (it is then decoded after a guard token). A window that starts inside a
+    character renders U+FFFD there (a byte-fallback decoder: for its whole byte run), so it moves back to
+    the character's start first."""
     k = min(PROMPT_CONTEXT, len(prompt))
     text = _decode(tokenizer, prompt[-k:], skip)
     while text.startswith("\ufffd") and k < min(PROMPT_CONTEXT + 3, len(prompt)):  # (a character: 4 bytes at most)
@@ -54,10 +55,14 @@ def _prompt_context(tokenizer, prompt: list[int], skip: bool) -> int:
     return 0 if text.endswith("\ufffd") else -k
 
 
-def _guard(tokenizer) -> list[int]:
-    """Token ids of a plain letter, to decode other tokens after (the text they render there starts
-    with the letter's); none where the tokenizer renders it otherwise."""
-    ids = tokenizer.encode("a", add_special_tokens=False)
+def guard_ids(tokenizer) -> list[int]:
+    """Token ids of a plain letter, to decode other tokens after (the text they render there starts with
+    the letter's: SentencePiece decoders strip a text's leading space, so a token decoded alone loses its
+    own); none where the tokenizer renders it otherwise."""
+    try:
+        ids = tokenizer.encode("a", add_special_tokens=False)
+    except Exception:  # noqa: BLE001 - an odd tokenizer: texts as decoded alone
+        return []
     return ids if _decode(tokenizer, ids + ids).startswith(_decode(tokenizer, ids) or "\ufffd") else []
 
 
@@ -68,7 +73,7 @@ def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> int | None:
     if seq.read_offset == 0 and seq.prefix_offset == 0 and seq.prompt_ids:
         seq.prefix_offset = _prompt_context(tokenizer, seq.prompt_ids, skip)
     if seq.read_offset == seq.prefix_offset == 0 and seq.prompt_ids:  # a prompt that ends mid-character
-        lead = _guard(tokenizer)  # (decoded alone, a SentencePiece text loses its first space)
+        lead = guard_ids(tokenizer)  # (decoded alone, a SentencePiece text loses its first space)
     else:
         lead = _window(seq, seq.prefix_offset, seq.read_offset)
     prefix_text = _decode(tokenizer, lead, skip)
@@ -77,7 +82,7 @@ def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> int | None:
         # a byte-fallback decoder (SentencePiece: Llama 2, Mistral) renders a run of byte pieces that holds
         # an invalid byte as U+FFFD per byte, the characters of the run already sent included: render the
         # new tokens after a guard token instead, which no byte run reaches
-        lead = _guard(tokenizer)
+        lead = guard_ids(tokenizer)
         prefix_text = _decode(tokenizer, lead, skip)
         new_text = _decode(tokenizer, lead + seq.output_ids[seq.read_offset:upto], skip)
     if not (final or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"))):
