@@ -519,8 +519,8 @@ TEMPLATE_RESERVED = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens", "raise_exception",
-    "strftime_now", "conversations", "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
-    "additional_special_tokens"})
+    "strftime_now", "conversations", "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+    "mask_token", "additional_special_tokens"})
 
 
 class ChatPrompt(_Strict):

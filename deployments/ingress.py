@@ -534,6 +534,16 @@ def _continuous_usage(req) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage and req.stream_options.continuous_usage_stats)
 
 
+def _failed(ev: dict, running: bool) -> ApiError:
+    """The error of a request whose event ``ev`` says it failed: the request's own (refused, or its guide
+    broke off) is a 422; any other a 503, said to be an engine failure where the engine had taken it
+    (``running``, or an engine that failed at its first token), so it is not retried: it may be the cause."""
+    if ev.get("error_kind") == "validation":
+        return ApiError(422, ev["error"], "validation")
+    engine = running or ev.get("error_kind") == "engine"
+    return ApiError(503, ev["error"], "generation", code=ENGINE_FAILURE if engine else None)
+
+
 def _oai_stream_error(ev: dict) -> str:
     """How an OpenAI stream ends when its request failed mid-answer (the error event ``ev``): the error,
     then ``[DONE]`` as every stream ends (as vLLM's do), so a client reading to ``[DONE]`` knows the stream
@@ -871,9 +881,7 @@ class Ingress:
             in_process.INGRESS_TTFT.observe(time.monotonic() - started)
         if first.get("error"):
             cancel()
-            status = 422 if first.get("error_kind") == "validation" else 503
-            raise ApiError(status, first["error"], "validation" if status == 422 else "generation",
-                           code=ENGINE_FAILURE if first.get("error_kind") == "engine" else None)
+            raise _failed(first, running=False)
 
         started = False
 
@@ -961,11 +969,8 @@ class Ingress:
         events = [first]
         async for ev in rest:
             events.append(ev)
-        last = events[-1]
-        if last.get("error_kind") == "validation":  # its own guide broke off while it ran
-            raise ApiError(422, last["error"], "validation")
-        if last.get("error"):  # it failed while running: its engine, or its replica's process
-            raise ApiError(503, last["error"], "generation", code=ENGINE_FAILURE)
+        if events[-1].get("error"):  # it failed while running: its guide, its engine, or its replica's process
+            raise _failed(events[-1], running=True)
         return events
 
     def _check_model(self, name: str | None, placeholders: bool = True) -> None:
@@ -982,12 +987,6 @@ class Ingress:
         ids = await self._tokenize(req.inputs)
         t = req.parameters.truncate
         return ids[-t:] if t else ids  # TGI's truncate keeps the end of the prompt
-
-    async def _tgi_default_tokens(self, ids: list[int]) -> int:
-        """``max_new_tokens`` when a TGI request sets none: the default, cut to the room the context leaves
-        (TGI takes the room: a long prompt without it is not an error)."""
-        room = (await self.info_cached())["max_total_tokens"] - len(ids)
-        return max(1, min(DEFAULT_MAX_NEW_TOKENS, room))
 
     def _tgi_finish(self, ev: dict) -> str:
         """TGI's finish reason of a request's last event: a complete guide ended it as its EOS would (TGI's
@@ -1026,7 +1025,7 @@ class Ingress:
         ``best_of``, the likeliest of that many sampled sequences is the answer and, with ``details``, the
         others come in ``details.best_of_sequences``, as TGI gives them."""
         ids = await self._tgi_ids(req)
-        params = _seeded(req.sampling(await self._tgi_default_tokens(ids)))
+        params = _seeded(req.sampling(await self._within_room(ids, DEFAULT_MAX_NEW_TOKENS)))
         best_of = req.parameters.best_of or 1
         if best_of == 1:
             events = await self._collect(ids, params)
@@ -1080,7 +1079,7 @@ class Ingress:
         if (req.parameters.best_of or 1) > 1:
             raise ApiError(422, "`best_of` != 1 is not allowed for this endpoint", param="best_of")
         ids = await self._tgi_ids(req)
-        params = _seeded(req.sampling(await self._tgi_default_tokens(ids)))
+        params = _seeded(req.sampling(await self._within_room(ids, DEFAULT_MAX_NEW_TOKENS)))
         first, rest = await self._stream(ids, params)
 
         async def body():
@@ -1192,8 +1191,13 @@ class Ingress:
         asked = req.requested_max_tokens()
         if asked:
             return asked
+        return await self._within_room(ids, max(default, req.min_tokens))  # (a min_tokens past it: the engine says so)
+
+    async def _within_room(self, ids: list[int], tokens: int) -> int:
+        """``tokens`` new tokens, cut to the room the context leaves after the prompt ``ids`` (at least one:
+        a prompt that leaves none is refused, saying so)."""
         room = (await self.info_cached())["max_total_tokens"] - len(ids)
-        return max(1, min(max(default, req.min_tokens), room))  # (a min_tokens past the room: the engine says so)
+        return max(1, min(tokens, room))
 
     def _oai_logprobs(self, events: list[dict], chat: bool, top: int, prefix: int = 0, end: int | None = None
                       ) -> dict | None:

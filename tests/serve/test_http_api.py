@@ -854,6 +854,8 @@ def test_default_max_tokens_fits_what_the_context_leaves():
     from deployments.ingress import Ingress
 
     class Fake:
+        _within_room = Ingress.func_or_class._within_room
+
         async def info_cached(self):
             return {"max_total_tokens": 100}
 

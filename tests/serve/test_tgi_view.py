@@ -25,7 +25,7 @@ class FakeTGI:
     class settings:  # noqa: N801 - stands in for the Settings instance
         router, max_ongoing_requests, num_replicas = "prefix", 64, 2
 
-    _tgi_default_tokens = Cls._tgi_default_tokens
+    _within_room = Cls._within_room
     _tgi_finish = Cls._tgi_finish
     _tgi_token = Cls._tgi_token
     _tgi_sequence = Cls._tgi_sequence
