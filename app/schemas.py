@@ -402,11 +402,21 @@ class CompletionRequest(_OpenAICommon):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(...)
     logprobs: int | None = Field(None, ge=0, le=5)  # with this many alternatives per token
     echo: bool = False
+    # 0 with echo: the prompt alone, scored (its log-probs), nothing generated (OpenAI's legacy scoring)
+    max_tokens: int | None = Field(None, ge=0)
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # sequences drawn; the n likeliest are the choices
     add_special_tokens: bool = True  # extension (vLLM's): false leaves out the BOS a text prompt gets
 
+    def echo_only(self) -> bool:
+        """Whether the answer is the echoed prompt alone (``max_tokens: 0`` with ``echo``)."""
+        return self.max_tokens == 0 and not self.max_completion_tokens
+
     @model_validator(mode="after")
     def _best_of_n(self):
+        if self.echo_only() and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it is only taken with echo: true (the prompt, scored)")
+        if self.echo_only() and self.min_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is more than max_tokens (0)")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
         if (self.best_of or 1) > 1 and self.stream:

@@ -444,6 +444,20 @@ async def _chain(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
         yield ev
 
 
+def _prompt_only(ev: dict) -> dict:
+    """An event of a request run only to score its prompt (completions' ``max_tokens: 0`` with ``echo``:
+    the engine generates one token, which the answer leaves out): its token, as if none was drawn."""
+    if ev.get("error"):
+        return ev
+    return {**ev, "token_id": None, "text": "", "logprob": None, "top_logprobs": None, "text_offset": 0,
+            "num_output_tokens": 0, "stop_reason": None, "finish_reason": "length" if ev["finished"] else None}
+
+
+async def _prompt_only_rest(rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    async for ev in rest:
+        yield _prompt_only(ev)
+
+
 def _replica_header(events: list[dict]) -> dict[str, str]:
     """Which replica served the request (debugging, and the routing tests)."""
     return {"x-radixserve-replica": str(events[-1].get("replica", ""))}
@@ -928,13 +942,14 @@ class Ingress:
     async def _collect(self, ids: list[int], params: dict[str, Any]) -> list[dict]:
         return await self._drain(*await self._stream(ids, params))
 
-    async def _choices(self, jobs: list[tuple[list[int], dict[str, Any]]], n: int, stream: bool
-                       ) -> list[tuple[dict, AsyncIterator[dict]]] | list[list[dict]]:
+    async def _choices(self, jobs: list[tuple[list[int], dict[str, Any]]], n: int, stream: bool,
+                       prompt_only: bool = False) -> list[tuple[dict, AsyncIterator[dict]]] | list[list[dict]]:
         """``n`` choices of each prompt of ``jobs`` (its ids and sampling parameters), one engine request
         each, prompt by prompt: started (``stream``: their first events and the rest) or run to the end
         (their events). A prompt's first choice starts before its others, so the prompt is cached (and
         the router knows where) when they start, side by side: they find it there and compute only its
-        last block. A choice that fails or is refused ends them all."""
+        last block. A choice that fails or is refused ends them all. ``prompt_only``: the requests score
+        their prompts, and their events leave out the token each generates (``_prompt_only``)."""
         most = self.settings.max_ongoing_requests
         if len(jobs) * n > most:  # the rest would queue in Serve, and a stream's headers wait for every first token
             what = f"n ({n})" if len(jobs) == 1 else f"{len(jobs)} prompts x n ({n})"
@@ -954,6 +969,8 @@ class Ingress:
                 abort()
             raise
         started = [s for first in firsts for s in (first, *(next(others) for _ in range(n - 1)))]
+        if prompt_only:
+            started = [(_prompt_only(first), _prompt_only_rest(rest)) for first, rest in started]
         return started if stream else await _all(self._drain(first, rest) for first, rest in started)
 
     async def _stream_alone(self, ids: list[int], params: dict[str, Any], aborts: list
@@ -1276,8 +1293,9 @@ class Ingress:
             full = p if isinstance(p, list) else await self._tokenize(p, req.add_special_tokens)
             ids = await self._truncated(full, req.truncate_prompt_tokens)
             whole_text = isinstance(p, str) and len(ids) == len(full)  # (not cut: the text is the prompt)
-            params = req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs is not None,
-                                  top_logprobs=top, defaults=self.sampling_defaults)
+            # (scoring the prompt alone: the engine generates one token, which the answer leaves out)
+            params = req.sampling(1 if req.echo_only() else await self._max_tokens(req, ids, default),
+                                  logprobs=req.logprobs is not None, top_logprobs=top, defaults=self.sampling_defaults)
             params["bad_words_ids"] = await self._bad_words_ids(req.bad_words)
             if req.echo and req.logprobs is not None:  # the echoed prompt's tokens come with theirs
                 params["prompt_logprobs"] = max(top, req.prompt_logprobs or 0)
@@ -1288,7 +1306,8 @@ class Ingress:
                            if req.echo and req.logprobs is not None and whole_text else None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return await self._openai_stream(jobs, rid, created, "text_completion", req, prefixes, top, offsets)
+            return await self._openai_stream(jobs, rid, created, "text_completion", req, prefixes, top, offsets,
+                                             prompt_only=req.echo_only())
         def choice(i: int, events: list[dict]) -> dict:  # n per prompt, in prompt order (as OpenAI numbers them)
             prefix = prefixes[i // req.n]
             text = prefix + "".join(ev["text"] for ev in events)
@@ -1303,7 +1322,7 @@ class Ingress:
         if drawn > req.n:  # the likeliest n of best_of, each prompt's in its own order
             for _, params in jobs:
                 params["logprobs"] = True  # (to rank them; left out of the answer unless asked for)
-        runs = await self._choices(jobs, drawn, stream=False)
+        runs = await self._choices(jobs, drawn, stream=False, prompt_only=req.echo_only())
         firsts = [runs[k * drawn][-1] for k in range(len(jobs))]  # (what each prompt's first draw found cached)
         if drawn > req.n:
             runs = [run for k in range(len(jobs)) for run in _likeliest(runs[k * drawn:(k + 1) * drawn], req.n)]
@@ -1660,10 +1679,10 @@ class Ingress:
         return {"prompt": await self._off_loop(self.tokenizer.decode, req.tokens, skip_special_tokens=False)}
 
     async def _openai_stream(self, jobs, rid, created, obj, req, prefixes: list[str], top: int = 0,
-                             offsets: list | None = None, thinking: str | None = None):
+                             offsets: list | None = None, thinking: str | None = None, prompt_only: bool = False):
         """An OpenAI stream (completions, or chat without tools); ``thinking``: how a chat answer starts
-        under the reasoning parser (app.reasoning), None without one."""
-        started = await self._choices(jobs, req.n, stream=True)
+        under the reasoning parser (app.reasoning), None without one; ``prompt_only``: as ``_choices``."""
+        started = await self._choices(jobs, req.n, stream=True, prompt_only=prompt_only)
         chat = obj == "chat.completion.chunk"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         want_logprobs = jobs[0][1]["logprobs"]

@@ -7,10 +7,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import re
 import threading
 
+import pytest
+from pydantic import ValidationError
+
 from app.config import Settings
-from app.schemas import CompletionRequest
+from app.schemas import ChatRequest, CompletionRequest
 from deployments.ingress import Ingress, _anchor_token
 from engine.model_init import build_tokenizer
 
@@ -26,8 +30,8 @@ BOS = TOK.convert_tokens_to_ids("<|bos|>")
 
 
 def ingress(cached: list[int] | None = None):
-    """The route's ingress, whose engine answers "ok" to every choice (choice j of a prompt found
-    ``cached[j]`` of its tokens cached; its tokens likelier the later it was drawn)."""
+    """The route's ingress, whose engine answers "ok" (cut to max_new_tokens) to every choice (choice j of
+    a prompt found ``cached[j]`` of its tokens cached; its tokens likelier the later it was drawn)."""
     ing = object.__new__(_Ingress)
     ing._stop, ing.settings, ing.model_name, ing.tokenizer = threading.Event(), Settings(), "m", TOK
     ing.sampling_defaults, ing._tokenizer_thread, ing._max_token_chars = {}, concurrent.futures.ThreadPoolExecutor(1), 20
@@ -36,25 +40,23 @@ def ingress(cached: list[int] | None = None):
     ing._byte_level = True
     ing._anchor = _anchor_token(TOK, True)
 
-    async def choices(jobs, n, stream):
-        out = []
-        for ids, params in jobs:
-            for j in range(n):
-                events = [{"token_id": t, "text": chr(t), "logprob": -1.0 + j * 0.1, "top_logprobs": [], "text_offset": i,
-                           "finished": i == 1, "finish_reason": "length" if i == 1 else None, "stop_reason": None,
-                           "num_prompt_tokens": len(ids), "num_cached_tokens": (cached or [0] * n)[j],
-                           "num_output_tokens": i + 1, "replica": "A"} for i, t in enumerate(b"ok")]
-                if params.get("prompt_logprobs") is not None:
-                    events[0]["prompt_logprobs"] = [None] + [(-2.0, 1, []) for _ in ids[1:]]
-                if stream:
-                    async def rest(events=events):
-                        for ev in events[1:]:
-                            yield ev
-                    out.append((events[0], rest()))
-                else:
-                    out.append(events)
-        return out
-    ing._choices = choices
+    drawn: dict[tuple, int] = {}  # choices started per prompt so far
+
+    async def stream(ids, params, aborts=None):  # (Serve's calls; _choices is the ingress's own)
+        j = drawn[tuple(ids)] = drawn.get(tuple(ids), -1) + 1
+        events = [{"token_id": t, "text": chr(t), "logprob": -1.0 + j * 0.1, "top_logprobs": [], "text_offset": i,
+                   "finished": i == last, "finish_reason": "length" if i == last else None, "stop_reason": None,
+                   "num_prompt_tokens": len(ids), "num_cached_tokens": (cached or [0] * (j + 1))[j],
+                   "num_output_tokens": i + 1, "replica": "A"}
+                  for last in [min(params["max_new_tokens"], 2) - 1] for i, t in enumerate(b"ok"[:last + 1])]
+        if params.get("prompt_logprobs") is not None:
+            events[0]["prompt_logprobs"] = [None] + [(-2.0, 1, []) for _ in ids[1:]]
+
+        async def rest():
+            for ev in events[1:]:
+                yield ev
+        return events[0], rest()
+    ing._stream = ing._stream_alone = stream
     return ing
 
 
@@ -90,3 +92,40 @@ def test_best_of_counts_the_cache_its_first_draw_found():
     body = {"prompt": "a prompt", "best_of": 3, "n": 1, "temperature": 1.0}
     usage = complete(ingress(cached=[0, 7, 7]), body)["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0 and usage["completion_tokens"] == 2
+
+
+def read_stream(response) -> list[dict]:
+    async def read():
+        return "".join([piece async for piece in response.body_iterator])
+    return [json.loads(line[6:]) for line in asyncio.run(read()).split("\n")
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_max_tokens_zero_answers_the_echoed_prompt_scored_and_nothing_more():
+    # OpenAI's legacy scoring (and vLLM's): the engine runs one token for the prompt's log-probs; the
+    # answer leaves it out, in its text, its log-probs, its usage and its finish reason
+    body = {"prompt": "hi", "max_tokens": 0, "echo": True, "logprobs": 1, "n": 2}
+    answer = complete(ingress(), body)
+    assert [c["text"] for c in answer["choices"]] == ["hi", "hi"]
+    assert {c["finish_reason"] for c in answer["choices"]} == {"length"}
+    lp = answer["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["h", "i"] and lp["token_logprobs"] == [None, -2.0]  # (the byte tokenizer: no BOS)
+    assert answer["usage"]["completion_tokens"] == 0 and answer["usage"]["prompt_tokens"] == 2
+    chunks = read_stream(asyncio.run(Cls.completions(ingress(), CompletionRequest.model_validate(
+        {**body, "n": 1, "stream": True, "stream_options": {"include_usage": True}}))))
+    choices = [ch for c in chunks for ch in c["choices"]]
+    assert "".join(ch["text"] for ch in choices) == "hi" and choices[-1]["finish_reason"] == "length"
+    assert [t for ch in choices if ch["logprobs"] for t in ch["logprobs"]["tokens"]] == lp["tokens"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+
+
+def test_max_tokens_zero_is_taken_only_to_score_an_echoed_prompt():
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": 0, "echo": True}).echo_only()
+    assert not CompletionRequest.model_validate({"prompt": "x", "max_tokens": 1, "echo": True}).echo_only()
+    for body, says in (({"prompt": "x", "max_tokens": 0}, "only taken with echo"),
+                       ({"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 1}, "more than max_tokens (0)"),
+                       ({"prompt": "x", "max_tokens": -1, "echo": True}, "greater than or equal to 0")):
+        with pytest.raises(ValidationError, match=re.escape(says)):
+            CompletionRequest.model_validate(body)
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):  # (chat has no such use for it)
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})

@@ -1257,6 +1257,17 @@ def test_an_echoed_prompt_comes_with_its_log_probabilities(client):
         chunks = [e for e in sse_events(r) if e != "[DONE]"]
     first = chunks[0]["choices"][0]
     assert first["text"] == text and first["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"][:n])
+    # max_tokens 0 (OpenAI's legacy scoring, and vLLM's): the prompt alone, with the same log-probs
+    scored = client.post("/v1/completions", json={**body, "max_tokens": 0}).json()
+    (only,) = scored["choices"]
+    assert only["text"] == text and only["finish_reason"] == "length"
+    assert only["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"][:n], abs=1e-4)
+    assert only["logprobs"]["tokens"] == lp["tokens"][:n] and only["logprobs"]["text_offset"] == lp["text_offset"][:n]
+    assert scored["usage"]["completion_tokens"] == 0 and scored["usage"]["prompt_tokens"] == n
+    with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 0, "stream": True}) as r:
+        streamed = [e["choices"][0] for e in sse_events(r) if e != "[DONE]"]
+    assert "".join(c["text"] for c in streamed) == text and streamed[-1]["finish_reason"] == "length"
+    assert [t for c in streamed if c["logprobs"] for t in c["logprobs"]["tokens"]] == lp["tokens"][:n]
     # TGI's decoder_input_details: details.prefill, each prompt token with its log-probability
     tgi = client.post("/generate", json={"inputs": text, "parameters": {
         "max_new_tokens": 1, "details": True, "decoder_input_details": True}}).json()["details"]
