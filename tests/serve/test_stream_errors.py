@@ -29,7 +29,7 @@ class FakeIngress:
     class settings:  # noqa: N801 - stands in for the Settings instance
         tool_call_parser = "hermes"
 
-    async def _choices(self, jobs, n, stream):
+    async def _choices(self, jobs, n, stream, prompt_only=False):
         return [(dict(TOKEN), _rest())]
 
 
@@ -45,7 +45,7 @@ class _Answering(FakeIngress):
                         else None, "replica": "A", "num_prompt_tokens": 3, "num_cached_tokens": 0,
                         "num_output_tokens": i + 1} for i, t in enumerate(texts)]
 
-    async def _choices(self, jobs, n, stream):
+    async def _choices(self, jobs, n, stream, prompt_only=False):
         async def rest():
             for ev in self.events[1:]:
                 yield ev
