@@ -6,6 +6,7 @@ its grammar is complete."""
 from __future__ import annotations
 
 import json
+import threading
 
 import torch
 
@@ -82,6 +83,8 @@ class Guides:
         # guides checked lately -> their grammar: a request's is checked as it arrives and again as its
         # matcher is made, and clients send the same schema request after request
         self._checked: dict[tuple[str, str], str] = {}
+        # checks run in the replica's validation threads and in the engine's thread: one at a time in here
+        self._checked_lock = threading.Lock()
         try:
             ends = sorted(t for t in eos_ids if t < len(tokenizer))  # (ids past the tokenizer's vocabulary: no text)
             self._ll_tokenizer = _llguidance().hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=ends or None)
@@ -91,8 +94,11 @@ class Guides:
     def check(self, kind: str, text: str) -> str:
         """The guide's grammar, checked against this model's tokenizer (``GuideError``: why it cannot be
         used). Reads only: safe beside the engine's thread, so a bad guide is refused before it is queued."""
-        if (kind, text) in self._checked:
-            return self._checked[(kind, text)]
+        key = (kind, text)
+        with self._checked_lock:
+            if (known := self._checked.pop(key, None)) is not None:
+                self._checked[key] = known  # (to the newest end: the guides in use are the ones kept)
+                return known
         grammar = grammar_text(kind, text)
         if self._ll_tokenizer is None:
             raise GuideError(self._problem)
@@ -104,9 +110,10 @@ class Guides:
         first.compute_bitmask()  # a guide whose language is empty says so at its first mask
         if first.is_error():  # (it would allow only the end: an empty answer, finish "stop")
             raise GuideError(f"the {kind} guide matches no text (llguidance: {first.get_error().strip().splitlines()[0]})")
-        if len(self._checked) >= CHECKED_GUIDES:
-            self._checked.pop(next(iter(self._checked)), None)  # (the oldest; a dict keeps its order)
-        self._checked[(kind, text)] = grammar
+        with self._checked_lock:  # (compiled outside it: two threads may check one new guide at once)
+            if key not in self._checked and len(self._checked) >= CHECKED_GUIDES:
+                self._checked.pop(next(iter(self._checked)))  # (the least recently used; a dict keeps its order)
+            self._checked[key] = grammar
         return grammar
 
     def _spelt(self, matcher, text: str) -> list[int] | None:

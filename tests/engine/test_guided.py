@@ -3,11 +3,17 @@ of choices or a grammar, greedy and sampled, ending where the guide is complete;
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import sys
+import threading
+import time
+import types
 
 import pytest
 
+from engine import guided
 from engine.guided import GuideError, grammar_text
 from engine.llm_engine import RequestError
 from engine.sequence import SamplingParams
@@ -184,3 +190,61 @@ def test_a_guide_that_breaks_off_ends_its_request_with_the_error_and_the_others_
     assert ends[broken].error.startswith("the guide cannot go on")
     assert ends[other].finish_reason == "length" and ends[other].error is None
     eng.check_invariants()
+
+
+def _stub_guides(monkeypatch, size: int):
+    """Guides whose compile step is free (llguidance stubbed out): only the cache of checked guides runs."""
+    class Matcher:
+        def __init__(self, *a):
+            pass
+
+        def compute_bitmask(self):
+            pass
+
+        def is_error(self):
+            return False
+
+        @staticmethod
+        def validate_grammar(*a):
+            return None
+    monkeypatch.setattr(guided, "CHECKED_GUIDES", size)
+    monkeypatch.setattr(guided, "_llguidance", lambda: types.SimpleNamespace(LLMatcher=Matcher))
+    monkeypatch.setattr(guided, "grammar_text", lambda kind, text: text)
+    g = object.__new__(guided.Guides)
+    g._checked, g._checked_lock, g._ll_tokenizer, g._problem = {}, threading.Lock(), object(), None
+    return g
+
+
+def test_the_checked_guides_keep_the_ones_in_use(monkeypatch):
+    g = _stub_guides(monkeypatch, 3)
+    for text in ("a", "b", "c", "a", "d"):  # "a" used again: "b" is the least recently used
+        g.check("regex", text)
+    assert list(g._checked) == [("regex", "c"), ("regex", "a"), ("regex", "d")]
+
+
+def test_guides_checked_from_several_threads_at_once_never_fail(monkeypatch):
+    # a replica checks guides in its validation threads while its engine thread makes matchers: the
+    # shared cache of checked guides raised "dictionary changed size during iteration" (a 503)
+    g = _stub_guides(monkeypatch, 64)
+    errors: list[BaseException] = []
+    counter = itertools.count()
+    stop = time.monotonic() + 1.5
+
+    def run(calls) -> None:
+        while time.monotonic() < stop:
+            try:
+                calls(next(counter))
+            except Exception as e:  # noqa: BLE001 - what the test looks for
+                errors.append(e)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, to meet the interleavings
+    try:
+        threads = [threading.Thread(target=run, args=(lambda i: g.check("regex", f"y{i}"),)) for _ in range(2)]
+        threads.append(threading.Thread(target=run, args=(lambda i: g.matcher("regex", f"y{max(0, i - 62)}"),)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:3]
