@@ -13,6 +13,7 @@ import array
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -104,7 +105,8 @@ class LLMServer:
         self._pending_records: collections.OrderedDict[bytes, list] = collections.OrderedDict()
         self._records_lock = threading.Lock()
         self._pending_tokens = 0
-        self._recorded: set[int] = set()  # prefix hashes this replica put in the directory
+        # prefix hashes this replica put in the directory, least recently recorded first
+        self._recorded: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.directory: HotPrefixDirectory | None = None
         if (url := self.settings.directory_url()) and self.engine.kv.cache is not None:
             self.directory = HotPrefixDirectory(url, self.settings.deployment_name,
@@ -370,7 +372,8 @@ class LLMServer:
         # bounded: a slow Redis (inside its timeouts) writes fewer records a second than requests make, and
         # this thread also pushes the metrics that /health reads; the rest waits for the next flush
         until = time.monotonic() + FLUSH_BUDGET_S
-        while self.directory.available and time.monotonic() < until:
+        # (not once the replica is stopping: its holdings are forgotten then, and a late write would undo it)
+        while self.directory.available and time.monotonic() < until and not self._stop.is_set():
             with self._records_lock:
                 if not self._pending_records:
                     break
@@ -378,7 +381,8 @@ class LLMServer:
                 self._pending_tokens -= len(toks)
             h = self.directory.record(self.replica_id, toks, hits=hits)
             if h is not None:
-                self._recorded.add(h)
+                self._recorded[h] = None
+                self._recorded.move_to_end(h)
             elif not self.directory.available:  # Redis failed this write (a timeout): keep its hits
                 # (a write that timed out may still have landed: its hits may then count twice, a smaller
                 # error in a popularity hint than losing them)
@@ -391,8 +395,15 @@ class LLMServer:
         # computed again since is held
         with self._events_lock:
             gone = [h for h in self._recorded if self._last_event.get(h) is False]
-        if gone and self.directory.drop_holder(self.replica_id, gone):  # else tried again at the next flush
-            self._recorded.difference_update(gone)
+        # bounded: a record whose eviction left the event window before a flush judged it (Redis slow or
+        # down meanwhile) would be kept for good; the pool holds no more prefixes than it has blocks, so
+        # past that many the least recently recorded go too (one still cached is recorded at its next hit)
+        if (over := len(self._recorded) - len(gone) - self.engine.kv.allocator.num_blocks) > 0:
+            dead = set(gone)
+            gone += itertools.islice((h for h in self._recorded if h not in dead), over)
+        if gone and not self._stop.is_set() and self.directory.drop_holder(self.replica_id, gone):  # else tried again at the next flush
+            for h in gone:
+                del self._recorded[h]
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: its engine thread died, or hangs in a step."""

@@ -18,9 +18,9 @@ def _replica(engine) -> LLMServer:
     r.engine, r.aengine = engine, AsyncEngine(engine)
     r._events_lock = threading.Lock()
     r._route_events, r._records_lock = collections.OrderedDict(), threading.Lock()
-    r._overflow, r._recorded, r._stats_seq = False, set(), 0
+    r._overflow, r._recorded, r._stats_seq = False, collections.OrderedDict(), 0
     r._pending_records, r._pending_tokens, r._last_event = collections.OrderedDict(), 0, collections.OrderedDict()
-    r._cut, r.directory, r.replica_id = False, None, "A"
+    r._cut, r.directory, r.replica_id, r._stop = False, None, "A", threading.Event()
     return r
 
 
@@ -82,7 +82,7 @@ def test_a_prefix_evicted_before_its_record_reaches_the_directory_is_taken_back(
         eng.generate([prompt], SamplingParams(max_new_tokens=1))
         r._queue_record(prompt[:64])
         r._flush_directory()
-        assert len(r._recorded) == 1 and r.directory.held == r._recorded
+        assert len(r._recorded) == 1 and r.directory.held == set(r._recorded)
         _evict_all(r)
         r._flush_directory()
         assert not r._recorded and not r.directory.held
@@ -94,7 +94,7 @@ def test_a_prefix_evicted_before_its_record_reaches_the_directory_is_taken_back(
         eng.generate([prompt], SamplingParams(max_new_tokens=1))
         r._queue_record(prompt[:64])
         r._flush_directory()
-        assert len(r._recorded) == 1 and r.directory.held == r._recorded
+        assert len(r._recorded) == 1 and r.directory.held == set(r._recorded)
     finally:
         r.aengine.shutdown()
 
@@ -389,6 +389,34 @@ def test_a_holder_removal_redis_did_not_run_is_tried_again(make_engine):
         r.directory.available = True
         r._flush_directory()
         assert not r._recorded and not r.directory.held
+    finally:
+        r.aengine.shutdown()
+
+
+def test_the_replicas_record_of_its_directory_holdings_is_bounded_by_its_pool(make_engine):
+    # a record whose eviction had left the event window before a flush judged it (Redis slow or down
+    # meanwhile) stayed in the replica's bookkeeping, and its holder in Redis, for good
+    eng, r = _recording(make_engine, directory=True)
+    try:
+        cap = eng.kv.allocator.num_blocks
+        prefixes = [list(range(1000 + 16 * i, 1016 + 16 * i)) for i in range(3 * cap)]
+        for p in prefixes:
+            r._queue_record(p)
+        r._flush_directory()
+        assert len(r._recorded) == cap and r.directory.held == set(r._recorded)
+        r._queue_record(prefixes[0])  # recorded again: the newest, kept over the least recently recorded
+        r._queue_record(list(range(5000, 5016)))
+        r._flush_directory()
+        newest = list(r._recorded)[-2:]
+        assert len(r._recorded) == cap and r.directory.held == set(r._recorded)
+        assert newest == [block_hashes(p, 16, eng.kv.cache.model_id)[-1] for p in (prefixes[0], list(range(5000, 5016)))]
+        # a replica that is stopping writes nothing more: its holdings are forgotten as it goes, and a
+        # flush still running past that would name it a holder again
+        r._stop.set()
+        writes = len(r.directory.writes)
+        r._queue_record(list(range(6000, 6016)))
+        r._flush_directory()
+        assert len(r.directory.writes) == writes
     finally:
         r.aengine.shutdown()
 
