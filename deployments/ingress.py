@@ -716,6 +716,8 @@ class Ingress:
         # CLI's drain reaches all of them, not only the one a handle call lands on
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._drained_until = float("-inf")  # Ingress.drain's own word, kept for one lease
+        # drain() runs in Serve's threads, the heartbeat in its own: one must not overwrite the other's word
+        self._drain_lock = threading.Lock()
         self._hub_view: tuple | None = None  # the hub's state at the last /metrics (restored if it restarts)
         self._offered = ""  # the hub incarnation the heartbeat last offered that view to
         self._metrics_settle_until = 0.0  # (monotonic) /metrics waits for the other ingresses' views
@@ -743,8 +745,9 @@ class Ingress:
     def drain(self) -> bool:
         """Stop taking new requests (503, "shutting down") while those in flight finish: ``radixserve
         serve`` calls this on Ctrl-C (after telling the hub, which tells the other ingress replicas)."""
-        InFlight.draining = True
-        self._drained_until = time.monotonic() + DRAIN_LEASE_S  # a hub that restarts forgets the drain
+        with self._drain_lock:
+            InFlight.draining = True
+            self._drained_until = time.monotonic() + DRAIN_LEASE_S  # a hub that restarts forgets the drain
         return True
 
     def _heartbeat(self) -> None:
@@ -763,7 +766,8 @@ class Ingress:
                     self._metrics_settle_until = time.monotonic() + METRICS_SETTLE_S
                     self._hub.call("restore", *view[1:], timeout=HEALTH_TIMEOUT_S, renew=False)
                 # the hub's word (a drain whose CLI died ends when its renewals lapse), or drain()'s own
-                InFlight.draining = bool(told) or time.monotonic() < self._drained_until
+                with self._drain_lock:
+                    InFlight.draining = bool(told) or time.monotonic() < self._drained_until
             except Exception as e:  # noqa: BLE001 - the hub is restarting: keep the last word
                 log.debug("ingress heartbeat failed: %s", e)
 
