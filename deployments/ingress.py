@@ -1700,8 +1700,9 @@ class Ingress:
             st.sent += len(text or "")
             if want_logprobs and st.unsent:  # the last chunk knows the text's length: a stop string left out
                 # a token goes with the chunk that sends the start of its text (a stop string cuts at or
-                # after what was sent, so its text_offset is final then); later ones wait for their text
-                ready = len(st.unsent) if chat or finish else next(
+                # after what was sent, so its text_offset is final then); later ones wait for their text.
+                # (Under a reasoning parser a chat's content is not its whole text: its tokens go as they come)
+                ready = len(st.unsent) if st.thinking is not None or finish else next(
                     (i for i, ev in enumerate(st.unsent) if len(st.prefix) + ev["text_offset"] >= st.sent), len(st.unsent))
                 if ready:
                     c["choices"][0]["logprobs"] = self._oai_logprobs(st.unsent[:ready], chat, top, len(st.prefix),

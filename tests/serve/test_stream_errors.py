@@ -221,3 +221,27 @@ def test_parallel_tool_calls_false_keeps_one_call_streamed_or_not():
               if e != "[DONE]"]
     indexes = {call["index"] for c in chunks for call in c["choices"][0]["delta"].get("tool_calls") or ()}
     assert indexes == {0} and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_streamed_chats_log_probs_go_with_the_chunk_that_sends_their_tokens_text():
+    # a chunk carried the log-probs of every token so far, also of one whose text was held back (it might
+    # begin a stop string) and came in a later chunk; completions already waited for a token's text
+    class Aligned(_Answering):
+        TEXT = {10: "He", 11: " wo", 12: "rld", 13: "?"}
+        _oai_logprobs = Cls._oai_logprobs
+
+        def _token_text(self, t):
+            return self.TEXT[t]
+
+        def _token_bytes(self, t):
+            return list(self.TEXT[t].encode())
+
+    fake = Aligned(["He", "", " wo", "rld?"], "eos")  # " wo" held one token, "rld" the next
+    for ev, offset in zip(fake.events, (0, 2, 5, 8), strict=True):
+        ev.update(logprob=-0.5, top_logprobs=[], text_offset=offset)
+    req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True, logprobs=True)
+    response = asyncio.run(Cls._openai_stream(fake, [([1, 2, 3], {"logprobs": True})], "chat-1", 0,
+                                              "chat.completion.chunk", req, [""]))
+    sent = [(c["choices"][0]["delta"].get("content"), [e["token"] for e in c["choices"][0]["logprobs"]["content"]])
+            for c in _events(response)[1:] if c != "[DONE]" and c["choices"][0]["logprobs"]]
+    assert sent == [("He", ["He"]), (" wo", [" wo"]), ("rld?", ["rld", "?"])]
