@@ -6,6 +6,7 @@ or, unstreamed, the message they add up to."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -194,11 +195,23 @@ def _stop(finish: str | None, stop_reason: Any) -> tuple[str, str | None]:
     return "end_turn", None
 
 
+def _finite(text: str) -> float | None:
+    """A JSON number as a float; None past a float's range (``1e400``): JSON has no inf to answer with."""
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
+def _loads(text: str) -> Any:
+    """JSON as an answer can carry it again: numbers past a float's range, and the NaN and Infinity
+    that Python's parser takes, read as null (the answer would fail to render: a 500)."""
+    return json.loads(text, parse_float=_finite, parse_constant=lambda _: None)
+
+
 def _input(arguments: str) -> dict[str, Any]:
     """A tool_use block's input: its arguments' object; of arguments cut short by max_tokens, what they
     hold so far, as Anthropic's SDKs read a stream's ``input_json_delta``s."""
     try:
-        value = json.loads(arguments)
+        value = _loads(arguments)
     except RecursionError:  # (nested past Python's recursion limit)
         return {}
     except ValueError:
@@ -234,7 +247,7 @@ def _partial_json(text: str) -> Any:
         cuts.append((i + 1, "".join(reversed(closers))))
     for end, close in reversed(cuts[-64:]):  # (a key's end fails, and the value before it is tried)
         try:
-            return json.loads(text[:end] + close)
+            return _loads(text[:end] + close)
         except (ValueError, RecursionError):
             continue
     return None

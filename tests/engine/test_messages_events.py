@@ -152,3 +152,14 @@ def test_a_tool_use_cut_short_keeps_the_input_it_has_as_the_sdk_reads_the_stream
     for cut in range(len(whole) + 1):
         expected = jiter.from_json(whole[:cut].encode(), partial_mode=True) if cut else {}
         assert _input(whole[:cut]) == (expected if isinstance(expected, dict) else {}), whole[:cut]
+
+
+@pytest.mark.parametrize("finish", ["tool_calls", "length"])
+def test_a_tool_use_whose_numbers_json_cannot_carry_reads_them_as_null(finish):
+    # a model's 1e400 (or NaN, which Python's parser takes) became inf in the input, and the unstreamed
+    # answer failed to render: a 500
+    args = '{"a": 1e400, "b": NaN, "c": [-Infinity, 2.5], "d": 7' + ("}" if finish == "tool_calls" else ', "e": "cu')
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "w", "arguments": args}}
+    m = _whole([{"tool_calls": [call]}], finish)
+    assert m["content"][0]["input"] == {"a": None, "b": None, "c": [None, 2.5], "d": 7}
+    json.dumps(m, allow_nan=False)  # (as the answer renders)
