@@ -28,7 +28,7 @@ from engine.layer_probe import layer_problem
 from engine.model_loader import LoadedModel, load_model, weight_files
 from engine.model_runner import ModelRunner
 from engine.model_support import UnsupportedModel, serving_limits
-from engine.sampler import Sampled, finite_logprob, make_generator, sample, top_alternatives
+from engine.sampler import NoTokenLeft, Sampled, finite_logprob, make_generator, sample, top_alternatives
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingError, SamplingParams, Sequence, Status, TokenEvent
 
@@ -224,7 +224,7 @@ class LLMEngine:
                                                 or not self.tokenizer.decode([params.guide_opener],
                                                                              skip_special_tokens=True)):
             raise RequestError(f"guide_opener {params.guide_opener} is not a token with text")
-        bad_bias = next((t for t in params.logit_bias if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        bad_bias = next((t for t in params.logit_bias if type(t) is not int or not 0 <= t < self.vocab_size), None)
         if bad_bias is not None:
             raise RequestError(f"logit_bias token id {bad_bias!r} is outside the vocabulary (0..{self.vocab_size - 1})")
         for name, ids in (("stop token", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
@@ -370,7 +370,7 @@ class LLMEngine:
         blocks go back, and the other requests of the step go on (a replica restart would lose them all)."""
         self.stats.requests_failed += 1
         ev = self._finish(seq, "error")
-        if isinstance(e, GuideError):  # its own guide broke off: the request's fault, not the engine's
+        if isinstance(e, (GuideError, NoTokenLeft)):  # its own guide or constraints: its fault, not the engine's
             log.warning("request %s: %s", seq.request_id, e)
             ev.error, ev.error_kind = str(e), "validation"
             return ev

@@ -3,7 +3,6 @@ penalties, logit bias, per-request seeds, log-probabilities with the most likely
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections import Counter
 from dataclasses import dataclass
@@ -12,6 +11,11 @@ import torch
 
 from engine.guided import mask_disallowed
 from engine.sequence import Sequence
+
+
+class NoTokenLeft(Exception):
+    """A request's own constraints left its step no token to draw (the draw would be token 0, allowed or
+    not): the request ends with this error, the others go on."""
 
 
 @dataclass(slots=True)
@@ -46,7 +50,8 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         counts = _context_counts(seq, row)
         if p.repetition_penalty != 1.0:  # every token seen, prompt included (as HF's processor does)
             penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            row = torch.where(counts > 0, penalized, row)
+            big = torch.finfo(row.dtype).max  # (a penalty near 0 or past 1e38 overflows: inf, then NaN)
+            row = torch.where(counts > 0, penalized.clamp(-big, big), row)
         if p.frequency_penalty and per_context:  # TGI's: the whole context's counts over its length
             row -= p.frequency_penalty * counts.to(row.dtype) / seq.num_tokens
     frequency = 0.0 if per_context else p.frequency_penalty
@@ -188,8 +193,9 @@ def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def finite_logprob(x: float) -> float:
-    """JSON has no -inf or NaN: an impossible token's log-probability is reported as -9999 (as vLLM does)."""
-    return x if math.isfinite(x) else -9999.0
+    """JSON has no -inf or NaN: an impossible token's log-probability is reported as -9999 (as vLLM does),
+    and so is any below it (a possible token must not rank under an impossible one)."""
+    return x if x >= -9999.0 else -9999.0  # (NaN compares False: -9999 too)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -222,9 +228,10 @@ def _draw(dists: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
     return torch.where(ok, ids, _argmax(torch.nan_to_num(dists, nan=float("-inf"))))
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled | NoTokenLeft]:
     """One token per row of ``logits`` ``[N, V]`` (float32) for ``seqs``. Rows are batched by kind
-    (plain greedy, other greedy, sampled) so a step syncs with the device a few times, not per row."""
+    (plain greedy, other greedy, sampled) so a step syncs with the device a few times, not per row. A row
+    whose request's adjustments leave no token possible gets a ``NoTokenLeft`` instead."""
     if not seqs:
         return []
     plain = [s.params.greedy and not _adjusts(s) and not s.params.logprobs for s in seqs]
@@ -248,7 +255,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
                         [seqs[i].params.top_k for i in drawn], [seqs[i].params.top_p for i in drawn],
                         [seqs[i].params.min_p for i in drawn], [seqs[i].params.typical_p for i in drawn])
         chosen[drawn] = _draw(dists, [seqs[i].generator for i in drawn])
-    out = [Sampled(t) for t in chosen.tolist()]
+    adjusted = [i for i in rest if _adjusts(seqs[i])]
+    if adjusted:  # (brought over with the tokens: no sync of its own)
+        none_left = (torch.stack([rows[i] for i in adjusted]) == float("-inf")).all(dim=-1)
+        host = torch.cat([chosen, none_left.long()]).tolist()
+    else:
+        host = chosen.tolist()
+    out: list = [Sampled(t) for t in host[:len(seqs)]]
     want = [i for i in rest if seqs[i].params.logprobs]
     if want:
         # the model's distribution after penalties and bias, before temperature and top-k/top-p: what
@@ -261,6 +274,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
             out[i].logprob = finite_logprob(picked[n])
             if top := seqs[i].params.top_logprobs:
                 out[i].top = best[n][:top]
+    for i, empty in zip(adjusted, host[len(seqs):], strict=True):
+        if empty:
+            out[i] = NoTokenLeft(
+                f"no token is left to generate at output token {len(seqs[i].output_ids) + 1}: the request's "
+                "allowed_token_ids and bad_words, with the ending tokens held back before min_tokens (or before "
+                "a guided answer), exclude every token")
     return out
 
 

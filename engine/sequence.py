@@ -106,6 +106,10 @@ class SamplingParams:
                      "presence_penalty"):
             if not _is_number(getattr(self, name)):
                 raise SamplingError(f"{name} must be a number, got {getattr(self, name)!r}")
+            try:  # (as a float: an int past int64, say 10**30, fails to convert inside a step)
+                setattr(self, name, float(getattr(self, name)))
+            except OverflowError:
+                raise SamplingError(f"{name} must be a finite number, got {getattr(self, name)!r}") from None
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "logprobs",
                      "frequency_penalty_per_context"):
             if not isinstance(getattr(self, name), bool):

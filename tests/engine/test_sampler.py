@@ -385,3 +385,50 @@ def test_a_temperature_past_the_dtypes_range_still_draws_uniformly():
     logits = torch.randn(1, 10)
     drawn = seq(temperature=1e39, allowed_token_ids=[3, 5, 7])
     assert {sample(logits, [drawn])[0].token for _ in range(100)} == {3, 5, 7}
+
+
+def test_a_step_whose_constraints_leave_no_token_ends_that_request_with_the_reason(make_engine):
+    # bans that only bite as the output grows (a longer bad word, stop tokens covering the vocabulary
+    # before min_tokens) passed validation, and each such step drew token 0: [300, 0, 300, 0, 300, 0]
+    eng = make_engine("tiny")
+    for kw in (dict(allowed_token_ids=[300], bad_words_ids=[[300, 300]]),
+               dict(stop_token_ids=list(range(eng.vocab_size)), min_tokens=3),
+               dict(stop_token_ids=list(range(1, eng.vocab_size)), bad_words_ids=[[0]], min_tokens=3,
+                    temperature=1.0, seed=3)):
+        other = eng.add_request(PROMPT, SamplingParams(max_new_tokens=6, ignore_eos=True))
+        rid = eng.add_request(PROMPT, SamplingParams(max_new_tokens=6, **kw))
+        events = []
+        while eng.has_work():
+            events += eng.step()
+        mine = [e for e in events if e.request_id == rid]
+        assert 0 not in [e.token_id for e in mine], kw
+        assert mine[-1].finish_reason == "error" and mine[-1].error_kind == "validation"
+        assert "no token is left to generate" in mine[-1].error
+        assert [e for e in events if e.request_id == other][-1].finish_reason == "length"  # (the batch goes on)
+    eng.check_invariants()
+    assert eng.kv.allocator.num_in_use == 0  # (every block back)
+
+
+def test_reported_log_probabilities_keep_their_order_past_the_impossible_ones():
+    # a possible token far below -9999 was reported as it was, under an impossible one's -9999
+    logits = torch.tensor([[5.0, -0.22, 0.0, 0.0]])  # token 1 is in the context: penalized to -220,000
+    s = sample(logits, [seq(allowed_token_ids=[0, 1], repetition_penalty=1e6, logprobs=True, top_logprobs=3)])[0]
+    values = [lp for _, lp in s.top]
+    assert values == sorted(values, reverse=True) and min(values) == -9999.0
+
+
+def test_extreme_repetition_penalties_neither_fail_nor_break_the_distribution(make_engine):
+    eng = make_engine("tiny")
+    rid = eng.add_request(PROMPT, SamplingParams(repetition_penalty=1e-300, logprobs=True, top_logprobs=2,
+                                                 max_new_tokens=3))
+    tiny = []
+    while eng.has_work():
+        tiny += [e for e in eng.step() if e.request_id == rid]
+    assert tiny[-1].finish_reason == "length" and all(e.logprob > -9999.0 for e in tiny)  # (inf logits: NaN)
+    # an int past int64 failed inside the step ("int too big to convert"); as a float it is a penalty
+    huge = eng.generate([PROMPT], SamplingParams(repetition_penalty=10**30, max_new_tokens=3))[0]
+    assert huge.finish_reason == "length"
+    with pytest.raises(RequestError, match="finite number"):
+        eng.add_request(PROMPT, SamplingParams(repetition_penalty=10**400))
+    with pytest.raises(RequestError, match="outside the vocabulary"):  # (True is no token id)
+        eng.add_request(PROMPT, SamplingParams(logit_bias={True: 5.0}))
