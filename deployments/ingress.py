@@ -1389,7 +1389,9 @@ class Ingress:
     async def count_message_tokens(self, req: MessagesCountRequest):
         """Anthropic's token count of a request: its prompt's tokens as the chat route renders them."""
         self._check_model(req.model)
-        chat = _validated_chat({**req.chat(), "stream": False})
+        body = {**req.chat(), "stream": False}  # (a count streams nothing: a stream field is ignored)
+        body.pop("stream_options", None)
+        chat = _validated_chat(body)
         return {"input_tokens": len(await self._chat_ids(chat, overlong=False))}
 
     async def _chat_view(self, body: dict[str, Any], default: int, events: ChunkEvents, stream: bool):

@@ -56,6 +56,10 @@ def test_anthropic_client_messages_match_the_chat_answer(ac, client):
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == chat["usage"]["prompt_tokens"]
     count = ac.messages.count_tokens(model="tiny", system=SYSTEM, messages=[{"role": "user", "content": ASK}])
     assert count.input_tokens == chat["usage"]["prompt_tokens"]
+    # a stream field (sent as to /v1/messages) is ignored: it was refused, as if stream_options came without it
+    streamed = httpx.post(str(ac.base_url).rstrip("/") + "/v1/messages/count_tokens", json={
+        "model": "tiny", "stream": True, "system": SYSTEM, "messages": [{"role": "user", "content": ASK}]})
+    assert streamed.status_code == 200 and streamed.json() == {"input_tokens": count.input_tokens}, streamed.text
 
 
 def test_anthropic_tools_whole_and_streamed_and_their_results(ac, client):
