@@ -758,6 +758,14 @@ def test_allowed_token_ids_and_bad_words(client):
     for bad, needle in (({"allowed_token_ids": [10**6]}, "outside the vocabulary"), ({"bad_words": [" "]}, "blank")):
         r = client.post("/v1/completions", json={**body, **bad})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    # a step that the request's own bans leave no token ("a" only, but "aa" banned): its error, not token 0
+    empty = {**body, "allowed_token_ids": [97], "bad_words": ["aa"]}
+    r = client.post("/v1/completions", json=empty)
+    assert r.status_code == 400 and "no token is left to generate" in r.json()["error"]["message"], r.text
+    with client.stream("POST", "/v1/completions", json={**empty, "stream": True}) as r:
+        events = list(sse_events(r))
+    assert events[0]["choices"][0]["text"] == "a" and events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "invalid_request_error", events
 
 
 def test_openai_truncate_prompt_tokens_keeps_the_end(client):
