@@ -64,6 +64,13 @@ def complete(ing, body: dict) -> dict:
     return json.loads(asyncio.run(Cls.completions(ing, CompletionRequest.model_validate(body))).body)
 
 
+def read_stream(response) -> list[dict]:
+    async def read():
+        return "".join([piece async for piece in response.body_iterator])
+    return [json.loads(line[6:]) for line in asyncio.run(read()).split("\n")
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
 def test_an_echoed_token_inside_a_character_starts_where_the_character_does():
     # token-id prompts (no tokenizer offsets) counted each byte of a character as one: "x" pointed at "€",
     # and the prompt's "y" shared its offset with the answer's "o"
@@ -77,12 +84,7 @@ def test_an_echo_of_a_prompt_with_no_text_streams_its_tokens_too():
     # ([BOS] alone decodes to ""): the stream left out the echo chunk, and the prompt's log-probs with it
     body = {"prompt": [BOS], "logprobs": 1, "echo": True, "max_tokens": 2}
     whole = complete(ingress(), body)["choices"][0]["logprobs"]["tokens"]
-    response = asyncio.run(Cls.completions(ingress(), CompletionRequest.model_validate({**body, "stream": True})))
-
-    async def read():
-        return "".join([piece async for piece in response.body_iterator])
-    chunks = [json.loads(line[6:]) for line in asyncio.run(read()).split("\n")
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    chunks = read_stream(asyncio.run(Cls.completions(ingress(), CompletionRequest.model_validate({**body, "stream": True}))))
     streamed = [t for c in chunks for ch in c["choices"] if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
     assert streamed == whole == ["<|bos|>", "o", "k"]
 
@@ -92,13 +94,6 @@ def test_best_of_counts_the_cache_its_first_draw_found():
     body = {"prompt": "a prompt", "best_of": 3, "n": 1, "temperature": 1.0}
     usage = complete(ingress(cached=[0, 7, 7]), body)["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0 and usage["completion_tokens"] == 2
-
-
-def read_stream(response) -> list[dict]:
-    async def read():
-        return "".join([piece async for piece in response.body_iterator])
-    return [json.loads(line[6:]) for line in asyncio.run(read()).split("\n")
-            if line.startswith("data: ") and line != "data: [DONE]"]
 
 
 def test_max_tokens_zero_answers_the_echoed_prompt_scored_and_nothing_more():
