@@ -165,22 +165,36 @@ class InFlight:
         if InFlight.draining:
             return await _error_response(Request(scope), _shutting_down())(scope, receive, send)
         counted = False
+        body_at = 0.0
+        status = 0
+        answered = [False]  # set by the handler once an engine's first token came (ENGINE_ANSWERED)
+        token = in_process.ENGINE_ANSWERED.set(answered)
 
         async def received():
-            nonlocal counted
+            nonlocal counted, body_at
             message = await receive()
             if not counted and message["type"] == "http.request" and not message.get("more_body", False):
                 counted = True
                 InFlight.count += 1
+                body_at = time.monotonic()
                 # (the handler's task reads the body: the value is its own from here on)
-                in_process.REQUEST_START.set(time.monotonic())
+                in_process.REQUEST_START.set(body_at)
             return message
 
+        async def sent(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         try:
-            await self.app(scope, received, send)
+            await self.app(scope, received, sent)
         finally:
+            in_process.ENGINE_ANSWERED.reset(token)
             if counted:
                 InFlight.count -= 1
+                if answered[0] and status == 200:  # a generation answered (a stream: to its last byte)
+                    in_process.INGRESS_E2E.observe(time.monotonic() - body_at)
 
 
 class ApiError(Exception):
@@ -755,7 +769,8 @@ class Ingress:
         hub's drain back."""
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                counts = {**in_process.ROUTED, "ingress_ttft": in_process.INGRESS_TTFT.to_dict()}
+                counts = {**in_process.ROUTED, "ingress_ttft": in_process.INGRESS_TTFT.to_dict(),
+                          "ingress_e2e": in_process.INGRESS_E2E.to_dict()}
                 told, incarnation = self._hub.call("ingress_heartbeat", self._replica_id, InFlight.count,
                                                    counts, timeout=HEALTH_TIMEOUT_S, renew=False)
                 view = self._hub_view
@@ -897,6 +912,8 @@ class Ingress:
             break
         if first.get("token_id") is not None:
             in_process.INGRESS_TTFT.observe(time.monotonic() - started)
+            if (answered := in_process.ENGINE_ANSWERED.get()) is not None:
+                answered[0] = True
         if first.get("error"):
             cancel()
             raise _failed(first, running=False)

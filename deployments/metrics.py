@@ -77,7 +77,8 @@ GAUGES = {
 }
 PER_REPLICA_ONLY = frozenset({"radixserve_first_request_cached_tokens"})  # a fleet sum would mean nothing
 FLEET_ONLY = frozenset({"radixserve_router_affinity_hits_total", "radixserve_router_cold_routes_total",
-                        "radixserve_ingress_requests_in_flight", "radixserve_ingress_time_to_first_token_seconds"})
+                        "radixserve_ingress_requests_in_flight", "radixserve_ingress_time_to_first_token_seconds",
+                        "radixserve_ingress_request_latency_seconds"})
 ROUTER_KEYS = ("router_affinity_hits", "router_cold_routes")
 HISTOGRAMS = {
     "radixserve_time_to_first_token_seconds": ("ttft", "Time to first token.", TTFT_BUCKETS),
@@ -89,7 +90,11 @@ HISTOGRAMS = {
     "radixserve_ingress_time_to_first_token_seconds": (
         "ingress_ttft", "Time to first token from the ingress's receipt of the request (tokenizing and the wait "
         "for a replica included; each choice of a request counted).", TTFT_BUCKETS),
+    "radixserve_ingress_request_latency_seconds": (
+        "ingress_e2e", "Time from the ingress's receipt of a generation request to its last response byte (a "
+        "stream's included), for those answered with a 200.", E2E_BUCKETS),
 }
+INGRESS_HISTOGRAMS = {"ingress_ttft": TTFT_BUCKETS, "ingress_e2e": E2E_BUCKETS}  # sent by the ingress heartbeats
 
 
 def _esc(v: str) -> str:
@@ -342,10 +347,11 @@ class SnapshotStore:
         self._ingress[replica] = (now, in_flight, told)
         if routing is not None:
             self._routing[replica] = {k: int(routing.get(k, 0)) for k in ROUTER_KEYS}
-            ttft = routing.get("ingress_ttft")
-            if isinstance(ttft, dict) and len(ttft.get("counts") or ()) == len(TTFT_BUCKETS) + 1:
-                self._routing[replica]["ingress_ttft"] = {"counts": [int(c) for c in ttft["counts"]],
-                                                          "sum": float(ttft.get("sum", 0.0))}
+            for key, buckets in INGRESS_HISTOGRAMS.items():
+                h = routing.get(key)
+                if isinstance(h, dict) and len(h.get("counts") or ()) == len(buckets) + 1:
+                    self._routing[replica][key] = {"counts": [int(c) for c in h["counts"]],
+                                                   "sum": float(h.get("sum", 0.0))}
             self._routing_retired.pop(replica, None)  # back after a gap: its own counts include these
             if self._view is not None:
                 self._view.ingresses.discard(replica)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextvars
 import weakref
 
-from engine.latency import TTFT_BUCKETS, Histogram
+from engine.latency import E2E_BUCKETS, TTFT_BUCKETS, Histogram
 
 ROUTERS: weakref.WeakSet = weakref.WeakSet()  # live PrefixAwareRequestRouter instances
 # Replicas whose engine failed while their actor lives on: replica id -> time.monotonic() deadline.
@@ -23,3 +23,10 @@ REQUEST_START: contextvars.ContextVar[float | None] = contextvars.ContextVar("ra
 # time to first token of each engine request (each choice) this process's ingress served, sent to the
 # metrics hub by its heartbeat (the event loop observes, the heartbeat thread copies)
 INGRESS_TTFT = Histogram(TTFT_BUCKETS)
+# Per HTTP request the ingress serves: whether an engine answered it (its first token came), set by the
+# handler; the in-flight middleware then times the request, from its last body byte to its last
+# response byte, into INGRESS_E2E when it was answered with a 200 (a mutable cell: the handler's tasks
+# see the middleware's context as copies, and the object is the same in each)
+ENGINE_ANSWERED: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("radixserve_engine_answered",
+                                                                                    default=None)
+INGRESS_E2E = Histogram(E2E_BUCKETS)

@@ -889,16 +889,21 @@ def _metrics_after_a_hub_restart(client):
 
 def test_the_ingress_times_each_first_token_from_the_request_it_got(client):
     key = ("radixserve_ingress_time_to_first_token_seconds_count", "all")
-    before = metrics(client).get(key, 0)
+    e2e = ("radixserve_ingress_request_latency_seconds_count", "all")
+    start = metrics(client)
+    before, before_e2e = start.get(key, 0), start.get(e2e, 0)
     body = {"prompt": "time me", "max_tokens": 2, "n": 2}
     assert client.post("/v1/completions", json=body).status_code == 200
     assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 99}).status_code == 400
     deadline = time.monotonic() + 10
-    while metrics(client).get(key, 0) < before + 2 and time.monotonic() < deadline:  # (the heartbeat's beat)
+    while (metrics(client).get(key, 0) < before + 2 or metrics(client).get(e2e, 0) < before_e2e + 1) and \
+            time.monotonic() < deadline:  # (the heartbeat's beat)
         time.sleep(0.3)
     m = metrics(client)
     assert m.get(key, 0) == before + 2  # one per choice; the refused request has no first token
     assert m[("radixserve_ingress_time_to_first_token_seconds_sum", "all")] > 0
+    assert m.get(e2e, 0) == before_e2e + 1  # one per HTTP request answered; not the refused one
+    assert m[("radixserve_ingress_request_latency_seconds_sum", "all")] > 0
 
 
 def test_a_handler_sees_when_its_request_body_came_in(monkeypatch):

@@ -256,14 +256,20 @@ def test_an_ingress_back_after_a_gap_takes_back_its_router_counts():
     assert text.count("radixserve_ingress_requests_in_flight{") == 1  # (fleet-wide only)
 
 
-def test_the_ingress_time_to_first_token_is_fleet_wide_and_survives_a_gap_and_a_restart():
-    from engine.latency import TTFT_BUCKETS, Histogram
+def heartbeat(key: str, *samples: float) -> dict:
+    """An ingress heartbeat's counts whose histogram ``key`` (ingress_ttft, ingress_e2e) holds ``samples``."""
+    from deployments.metrics import INGRESS_HISTOGRAMS
+    from engine.latency import Histogram
 
+    h = Histogram(INGRESS_HISTOGRAMS[key])
+    for x in samples:
+        h.observe(x)
+    return {"router_affinity_hits": 0, "router_cold_routes": 0, key: h.to_dict()}
+
+
+def test_the_ingress_time_to_first_token_is_fleet_wide_and_survives_a_gap_and_a_restart():
     def ttft(*samples):
-        h = Histogram(TTFT_BUCKETS)
-        for x in samples:
-            h.observe(x)
-        return {"router_affinity_hits": 0, "router_cold_routes": 0, "ingress_ttft": h.to_dict()}
+        return heartbeat("ingress_ttft", *samples)
 
     def count(text):
         return values(text).get(("radixserve_ingress_time_to_first_token_seconds_count", "all"))
@@ -287,6 +293,19 @@ def test_the_ingress_time_to_first_token_is_fleet_wide_and_survives_a_gap_and_a_
     assert count(render(*restarted.export())) == 5
     store.ingress_poll("c", 0, {"router_affinity_hits": 0, "ingress_ttft": {"counts": [1, 2], "sum": 1.0}})
     assert count(render(*store.export())) == 5  # (another release's buckets: left out)
+
+
+def test_the_ingress_request_latency_is_fleet_wide_and_summed_over_the_ingresses():
+    store = SnapshotStore(clock=lambda: 0.0)
+    store.push("r1", snap(1))
+    store.ingress_poll("a", 0, heartbeat("ingress_e2e", 0.3, 40.0))
+    store.ingress_poll("b", 0, heartbeat("ingress_e2e", 2.0))
+    store.ingress_poll("c", 0, {"ingress_e2e": {"counts": [1, 2], "sum": 1.0}})  # another release's buckets
+    v = values(text := render(*store.export()))
+    assert v[("radixserve_ingress_request_latency_seconds_count", "all")] == 3
+    assert v[("radixserve_ingress_request_latency_seconds_sum", "all")] == 42.3
+    assert 'radixserve_ingress_request_latency_seconds_count{replica="r1"}' not in text  # (fleet-wide only)
+    assert 'radixserve_ingress_request_latency_seconds_bucket{replica="all",le="0.5"} 1.0' in text
 
 
 def test_a_histogram_of_other_buckets_renders_empty_not_a_500():
