@@ -167,6 +167,7 @@ class InFlight:
         counted = False
         body_at = 0.0
         status = 0
+        whole = False  # the response's last byte went out (not so for a client that left mid-stream)
         answered = [False]  # set by the handler once an engine's first token came (ENGINE_ANSWERED)
         token = in_process.ENGINE_ANSWERED.set(answered)
 
@@ -182,10 +183,11 @@ class InFlight:
             return message
 
         async def sent(message):
-            nonlocal status
+            nonlocal status, whole
             if message["type"] == "http.response.start":
                 status = message["status"]
             await send(message)
+            whole = message["type"] == "http.response.body" and not message.get("more_body", False)
 
         try:
             await self.app(scope, received, sent)
@@ -193,7 +195,7 @@ class InFlight:
             in_process.ENGINE_ANSWERED.reset(token)
             if counted:
                 InFlight.count -= 1
-                if answered[0] and status == 200:  # a generation answered (a stream: to its last byte)
+                if answered[0] and status == 200 and whole:  # a generation answered in full (a stream too)
                     in_process.INGRESS_E2E.observe(time.monotonic() - body_at)
 
 

@@ -92,7 +92,7 @@ HISTOGRAMS = {
         "for a replica included; each choice of a request counted).", TTFT_BUCKETS),
     "radixserve_ingress_request_latency_seconds": (
         "ingress_e2e", "Time from the ingress's receipt of a generation request to its last response byte (a "
-        "stream's included), for those answered with a 200.", E2E_BUCKETS),
+        "stream's included), for those answered in full with a 200.", E2E_BUCKETS),
 }
 INGRESS_HISTOGRAMS = {"ingress_ttft": TTFT_BUCKETS, "ingress_e2e": E2E_BUCKETS}  # sent by the ingress heartbeats
 

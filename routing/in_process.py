@@ -25,7 +25,7 @@ REQUEST_START: contextvars.ContextVar[float | None] = contextvars.ContextVar("ra
 INGRESS_TTFT = Histogram(TTFT_BUCKETS)
 # Per HTTP request the ingress serves: whether an engine answered it (its first token came), set by the
 # handler; the in-flight middleware then times the request, from its last body byte to its last
-# response byte, into INGRESS_E2E when it was answered with a 200 (a mutable cell: the handler's tasks
+# response byte, into INGRESS_E2E when it was answered in full with a 200 (a mutable cell: the handler's tasks
 # see the middleware's context as copies, and the object is the same in each)
 ENGINE_ANSWERED: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("radixserve_engine_answered",
                                                                                     default=None)

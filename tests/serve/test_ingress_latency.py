@@ -69,3 +69,31 @@ def test_the_ingress_times_each_answered_generation_to_its_last_byte(monkeypatch
         assert c.get("/count").status_code == 405
     assert sum(h.counts) == 2  # neither the 400 nor a request no engine answered
     assert in_process.ENGINE_ANSWERED.get() is None  # (the middleware's cell does not outlive its request)
+
+    # a client that leaves after the first chunk: cancelled, not answered (as the replicas' own histogram)
+    chunks: list[dict] = []
+
+    async def leave_mid_stream():
+        left = asyncio.Event()
+        body = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive():
+            if body:
+                return body.pop()
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            chunks.append(message)
+            if message.get("more_body"):
+                left.set()
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/stream", "raw_path": b"/stream", "root_path": "",
+                 "query_string": b"", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        await app(scope, receive, send)
+
+    asyncio.run(leave_mid_stream())
+    assert chunks[0]["status"] == 200 and len(chunks) == 2  # the start and one chunk, then the client left
+    assert sum(h.counts) == 2
