@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -35,11 +36,22 @@ def wait_for(fn, timeout=60.0, every=0.5):
     return fn()
 
 
-def sse_events(resp: httpx.Response) -> list:
-    """The ``data:`` payloads of a server-sent-event stream (JSON, or the literal ``[DONE]``)."""
+def _data(lines) -> list:
     out = []
-    for line in resp.iter_lines():
+    for line in lines:
         if line.startswith("data:"):
             data = line[5:].strip()
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def sse_events(resp: httpx.Response) -> list:
+    """The ``data:`` payloads of a server-sent-event stream (JSON, or the literal ``[DONE]``)."""
+    return _data(resp.iter_lines())
+
+
+def response_events(response) -> list:
+    """``sse_events`` of a streaming response a route returned, read without a server."""
+    async def read():
+        return "".join([piece async for piece in response.body_iterator])
+    return _data(asyncio.run(read()).split("\n"))

@@ -17,6 +17,7 @@ from app.config import Settings
 from app.schemas import ChatRequest, CompletionRequest
 from deployments.ingress import Ingress, _anchor_token
 from engine.model_init import build_tokenizer
+from tests.serve.helpers import response_events
 
 Cls = Ingress.func_or_class
 TOK = build_tokenizer(320)
@@ -65,10 +66,7 @@ def complete(ing, body: dict) -> dict:
 
 
 def read_stream(response) -> list[dict]:
-    async def read():
-        return "".join([piece async for piece in response.body_iterator])
-    return [json.loads(line[6:]) for line in asyncio.run(read()).split("\n")
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return [e for e in response_events(response) if e != "[DONE]"]
 
 
 def test_an_echoed_token_inside_a_character_starts_where_the_character_does():

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 
 from app.schemas import ChatRequest, CompletionRequest
 from deployments.ingress import Ingress
+from tests.serve.helpers import response_events
 
 Cls = Ingress.func_or_class
 TOKEN = {"token_id": 7, "text": "a", "finished": False, "replica": "A"}
@@ -52,14 +52,6 @@ class _Answering(FakeIngress):
         return [(self.events[0], rest())]
 
 
-def _events(response) -> list:
-    async def read():
-        return "".join([piece async for piece in response.body_iterator])
-    text = asyncio.run(read())
-    return [d if d == "[DONE]" else json.loads(d) for d in
-            (line[6:] for line in text.split("\n") if line.startswith("data: "))]
-
-
 @pytest.mark.parametrize("kind", ["completion", "chat", "chat with tools"])
 def test_a_stream_whose_engine_fails_ends_with_the_error_then_done(kind):
     fake, jobs = FakeIngress(), [([1, 2, 3], {"logprobs": False})]
@@ -74,7 +66,7 @@ def test_a_stream_whose_engine_fails_ends_with_the_error_then_done(kind):
             response = asyncio.run(Cls._openai_stream(fake, jobs, "chat-1", 0, "chat.completion.chunk", req, [""]))
         else:
             response = asyncio.run(Cls._tool_stream(fake, req, jobs, "chat-1", 0, 0))
-    events = _events(response)
+    events = response_events(response)
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, events
     assert events[-2]["error"]["code"] == "engine_failure", events[-2:]
     assert events[-2]["error"]["message"] == FAILED["error"]
@@ -108,7 +100,7 @@ def test_a_translated_stream_whose_engine_fails_ends_with_the_engines_error(api,
     events = (MessageEvents("msg_1", "m", 10) if api == "messages" else
               ResponseEvents(ResponsesRequest.model_validate({"input": "hi", "stream": True}), "resp_1", 0, "m"))
     response = asyncio.run(Cls._chat_view(Chatting(), body, 10, events, True))
-    sent = [e for e in _events(response) if e != "[DONE]"]
+    sent = [e for e in response_events(response) if e != "[DONE]"]
     errors = [e for e in sent if e["type"] == "error"]
     assert len(errors) == 1, sent
     message = errors[0]["error"]["message"] if api == "messages" else errors[0]["message"]
@@ -139,7 +131,7 @@ def test_a_streamed_chats_reasoning_tokens_count_the_tokens_whose_text_was_held_
                       stream_options={"include_usage": True})
     response = asyncio.run(Cls._openai_stream(_Answering(texts, "eos"), [([1, 2, 3], {"logprobs": False})], "chat-1",
                                               0, "chat.completion.chunk", req, [""], thinking=TAGGED))
-    usage = [e for e in _events(response) if e != "[DONE]" and e.get("usage")][-1]["usage"]
+    usage = [e for e in response_events(response) if e != "[DONE]" and e.get("usage")][-1]["usage"]
     whole = reasoning_tokens([(t, True) for t in texts], TAGGED)
     assert whole == 5 and usage["completion_tokens_details"] == {"reasoning_tokens": whole}
 
@@ -157,7 +149,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(tools):
     jobs = [([1, 2, 3], {"logprobs": False})]
     response = asyncio.run(Cls._tool_stream(counting(), req, jobs, "chat-1", 0, 0) if tools else
                            Cls._openai_stream(counting(), jobs, "chat-1", 0, "chat.completion.chunk", req, [""]))
-    chunks = [e for e in _events(response) if e != "[DONE]"]
+    chunks = [e for e in response_events(response) if e != "[DONE]"]
     assert all(c["usage"] for c in chunks)
     assert chunks[0]["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}  # (its role)
     text = [c for c in chunks[1:] if c["choices"] and c["choices"][0]["delta"].get("content")]
@@ -165,7 +157,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(tools):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
     # without it, the chunks say null, as OpenAI's
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": True})
-    plain = [e for e in _events(asyncio.run(Cls._openai_stream(counting(), jobs, "chat-1", 0, "chat.completion.chunk",
+    plain = [e for e in response_events(asyncio.run(Cls._openai_stream(counting(), jobs, "chat-1", 0, "chat.completion.chunk",
                                                                 req, [""]))) if e != "[DONE]"]
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 3
 
@@ -181,7 +173,7 @@ def test_a_chat_answer_and_its_stream_make_the_same_calls_with_the_same_finish(f
         texts += ['is"}}', "</tool_call>"]
     tools = [{"type": "function", "function": {"name": "save", "parameters": {"type": "object"}}}]
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True, tools=tools)
-    chunks = [e for e in _events(asyncio.run(Cls._tool_stream(_Answering(texts, finish), req, [([1], {})], "c", 0, 0)))
+    chunks = [e for e in response_events(asyncio.run(Cls._tool_stream(_Answering(texts, finish), req, [([1], {})], "c", 0, 0)))
               if e != "[DONE]"]
     streamed_calls: list = []
     for c in chunks:
@@ -217,7 +209,7 @@ def test_parallel_tool_calls_false_keeps_one_call_streamed_or_not():
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True, tools=tools, parallel_tool_calls=False)
     message, finish = Cls._assistant_message(FakeIngress(), req, _Answering(texts, "eos").events)
     assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"a": 1}'] and finish == "tool_calls"
-    chunks = [e for e in _events(asyncio.run(Cls._tool_stream(_Answering(texts, "eos"), req, [([1], {})], "c", 0, 0)))
+    chunks = [e for e in response_events(asyncio.run(Cls._tool_stream(_Answering(texts, "eos"), req, [([1], {})], "c", 0, 0)))
               if e != "[DONE]"]
     indexes = {call["index"] for c in chunks for call in c["choices"][0]["delta"].get("tool_calls") or ()}
     assert indexes == {0} and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
@@ -243,5 +235,5 @@ def test_a_streamed_chats_log_probs_go_with_the_chunk_that_sends_their_tokens_te
     response = asyncio.run(Cls._openai_stream(fake, [([1, 2, 3], {"logprobs": True})], "chat-1", 0,
                                               "chat.completion.chunk", req, [""]))
     sent = [(c["choices"][0]["delta"].get("content"), [e["token"] for e in c["choices"][0]["logprobs"]["content"]])
-            for c in _events(response)[1:] if c != "[DONE]" and c["choices"][0]["logprobs"]]
+            for c in response_events(response)[1:] if c != "[DONE]" and c["choices"][0]["logprobs"]]
     assert sent == [("He", ["He"]), (" wo", [" wo"]), ("rld?", ["rld", "?"])]

@@ -4,12 +4,12 @@ engine side (its ``_stream``, its cached ``/info``), the route methods themselve
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 
 from app.schemas import TGIRequest
 from deployments.ingress import Ingress
+from tests.serve.helpers import response_events
 
 Cls = Ingress.func_or_class
 
@@ -64,12 +64,6 @@ def _token(i: int, text: str, finish: str | None = None, stop_reason=None) -> di
             "stop_reason": stop_reason, "num_output_tokens": i + 1, "num_prompt_tokens": 3, "num_cached_tokens": 0}
 
 
-def _sse(response) -> list[dict]:
-    async def read():
-        return "".join([piece async for piece in response.body_iterator])
-    return [json.loads(line[6:]) for line in asyncio.run(read()).split("\n") if line.startswith("data: ")]
-
-
 @pytest.mark.parametrize("finish,stop_reason,expected", [
     ("stop", None, "eos_token"),  # a complete grammar: TGI's ends with the EOS it then allows
     ("stop", "END", "stop_sequence"), ("stop", 7, "stop_sequence"), ("eos", None, "eos_token"), ("length", None, "length")])
@@ -78,7 +72,7 @@ def test_the_finish_reason_is_tgis(finish, stop_reason, expected):
     req = TGIRequest.model_validate({"inputs": "hi", "parameters": {"details": True, "max_new_tokens": 5}})
     out, _ = asyncio.run(Cls._tgi_answer(fake, req))
     assert out["details"]["finish_reason"] == expected
-    last = _sse(asyncio.run(Cls.generate_stream(fake, req)))[-1]
+    last = response_events(asyncio.run(Cls.generate_stream(fake, req)))[-1]
     assert last["details"]["finish_reason"] == expected and last["generated_text"] == "{}"
 
 
@@ -97,7 +91,7 @@ def test_an_error_mid_stream_says_whose_it_is():
         fake = FakeTGI([_token(0, "a"), {"token_id": None, "text": "", "finished": True, "finish_reason": "error",
                                          "error": "broke", "error_kind": kind}])
         req = TGIRequest.model_validate({"inputs": "hi", "parameters": {"max_new_tokens": 5}})
-        assert _sse(asyncio.run(Cls.generate_stream(fake, req)))[-1] == {"error": "broke", "error_type": error_type}
+        assert response_events(asyncio.run(Cls.generate_stream(fake, req)))[-1] == {"error": "broke", "error_type": error_type}
 
 
 def test_top_p_of_one_filters_nothing_and_keeps_a_request_greedy():
