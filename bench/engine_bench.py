@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_hf:  # transformers alone, on the engine's device and dtype
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=loaded.dtype)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=loaded.dtype, use_kernels=False)
         hf = hf.to(loaded.device).eval()
     run_engine(loaded, gsp(1, 2, system_len=64, question_len=16, output_len=4), True)  # warm-up, untimed
     results: dict[str, list[dict]] = {}

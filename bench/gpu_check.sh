@@ -8,7 +8,8 @@
 # safetensors, pydantic, xxhash, hypothesis, pytest) installed: `bash bench/gpu_check.sh`. Logs and the plot go
 # to $OUT (default /tmp/gpu_check). With vllm-flash-attn importable the flash backend is used (float32
 # tests then fall back to SDPA, since the kernel takes fp16/bf16 only). The tests that need a Redis
-# server or Ray (the hot-prefix directory, the replica's event hand-over) are not GPU checks: left out.
+# server or Ray (the hot-prefix directory, the replica's event hand-over, the latency histograms shared with the
+# deployments) are not GPU checks: left out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -29,7 +30,8 @@ echo "== engine and cache tests on cuda"
 timeout "${TESTS_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider tests/engine tests/cache \
   --ignore=tests/cache/test_directory.py --ignore=tests/cache/test_directory_cluster.py \
   --ignore=tests/cache/test_local_redis.py \
-  --ignore=tests/engine/test_replica_events.py >"$OUT/tests.log" 2>&1
+  --ignore=tests/engine/test_replica_events.py --ignore=tests/engine/test_latency_histograms.py \
+  --continue-on-collection-errors >"$OUT/tests.log" 2>&1
 tests_rc=$?
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
 grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20

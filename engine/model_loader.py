@@ -236,9 +236,12 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto",
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     try:
+        # use_kernels=False: with the `kernels` package installed (transformers 5.25 requires it), transformers
+        # swaps layers for kernels fetched from the Hub on CUDA by default: a download at load time, which
+        # fails offline, and layers that are not the checkpoint's own code
         model, info = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dt, attn_implementation=attn_implementation, output_loading_info=True,
-            device_map=load_device_map(dev))
+            device_map=load_device_map(dev), use_kernels=False)
         missing = sorted(info.get("missing_keys") or ())
         if missing:  # transformers would fill them with random values and serve that
             raise ModelLoadError(_missing_message(path, missing))

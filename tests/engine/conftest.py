@@ -24,7 +24,7 @@ def hf_model(model_dir):
     def get(preset: str):
         if preset not in made:
             made[preset] = AutoModelForCausalLM.from_pretrained(
-                model_dir(preset), attn_implementation="eager" if preset == "tiny-gemma2" else "sdpa"
+                model_dir(preset), attn_implementation="eager" if preset == "tiny-gemma2" else "sdpa", use_kernels=False
             ).to(DEVICE).eval()
         return made[preset]
 

@@ -19,6 +19,7 @@ from tests.engine.conftest import DEVICE, hf_greedy
 from tests.engine.test_hf_equivalence import TOL, assert_matches_hf, prompts
 
 CUDA = DEVICE.startswith("cuda")
+MOE_PRESETS = {"tiny-qwen3_moe", "tiny-mixtral"}
 
 
 def through_buckets(engine, sizes=(1, 2, 4, 8)) -> StepGraphs:
@@ -67,8 +68,14 @@ def test_decodes_through_buckets_match_hf(preset, ahead, make_engine, hf_model):
     g = through_buckets(engine)
     if ahead:
         g.capture_all()
-        assert g.max_context == 4096 and len(g._buckets) == 4 * 5  # sizes x contexts 256 ... 4096
     assert_matches_hf(engine, hf_model(preset), prompts(engine.vocab_size))
+    if CUDA and preset in MOE_PRESETS and g.stats.disabled:
+        # float32 experts (torch's grouped_mm) copy host data while a graph is captured (an H200, torch
+        # 2.11; bf16 ones capture): the engine says so once and serves eagerly, with the same tokens
+        assert g.stats.disabled.startswith("capture failed") and g.stats.steps == g.stats.captured == 0
+        return
+    if ahead:
+        assert g.max_context == 4096 and len(g._buckets) == 4 * 5  # sizes x contexts 256 ... 4096
     assert g.stats.steps >= 20 and g.stats.disabled is None
     assert (8, 256) in g._buckets  # five rows: a bucket of eight
     assert g.stats.captured == (len(g._buckets) if CUDA else 0)

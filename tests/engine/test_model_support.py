@@ -315,3 +315,20 @@ def test_weights_are_read_straight_onto_the_serving_device(tiny_folder, monkeypa
     moved = load_model(str(tiny_folder), device="cpu").model.state_dict()
     assert asked == [{"": torch.device("cpu")}, None]
     assert placed.keys() == moved.keys() and all(torch.equal(placed[k], moved[k]) for k in placed)
+
+
+def test_no_layer_is_swapped_for_a_hub_kernel(tiny_folder, monkeypatch):
+    """transformers (5.25 on) kernelizes a model by default when the `kernels` package is there, which on
+    CUDA fetches layers from the Hub at load time: offline that fails the load (seen on an H200), and
+    online the replica would serve code that is not the checkpoint's. The engine asks for none."""
+    from transformers import PreTrainedModel
+
+    asked, set_use = [], PreTrainedModel.set_use_kernels
+
+    def spy(self, use_kernels, *args, **kwargs):
+        asked.append(use_kernels)
+        return set_use(self, use_kernels, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "set_use_kernels", spy)
+    loaded = load_model(str(tiny_folder), device="cpu")
+    assert asked == [False] and not loaded.model.use_kernels

@@ -14,7 +14,7 @@ PROMPT = list(range(40, 110))  # 70 tokens: four whole blocks and a part
 
 def _hf_prompt_logprobs(hf, prompt: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
     with torch.inference_mode():
-        lp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+        lp = torch.log_softmax(hf(torch.tensor([prompt], device=hf.device)).logits[0].float(), -1)
     out = []
     for p in range(len(prompt) - 1):
         vals, ids = torch.topk(lp[p], k)
