@@ -5,7 +5,7 @@
 # shared prefixes, 16 output tokens), then the same on a 0.85B-parameter model with the time of each kind
 # of step (bench.step_profile), then decode beside a long context (bench.mixed_decode), then a short table. About 3-4 minutes on an H200. Run from the
 # repository root on a CUDA machine with torch and the engine's dependencies (transformers, tokenizers,
-# safetensors, pydantic, xxhash, hypothesis, pytest) installed: `bash bench/gpu_check.sh`. Logs and the plot go
+# safetensors, accelerate, pydantic, xxhash, llguidance, hypothesis, pytest) installed: `bash bench/gpu_check.sh`. Logs and the plot go
 # to $OUT (default /tmp/gpu_check). With vllm-flash-attn importable the flash backend is used (float32
 # tests then fall back to SDPA, since the kernel takes fp16/bf16 only). The tests that need a Redis
 # server or Ray (the hot-prefix directory, the replica's event hand-over, the latency histograms shared with the
@@ -25,6 +25,16 @@ try:
     print("vllm_flash_attn: importable")
 except Exception as e:  # noqa: BLE001
     print("vllm_flash_attn: missing ->", type(e).__name__, "(SDPA backend)")
+# said first: a package missing here fails tests that check nothing about the device (on 2026-12-04
+# llguidance, not carried, failed 12 guided-decoding tests)
+import importlib
+missing = []
+for name in ("tokenizers", "safetensors", "accelerate", "pydantic", "xxhash", "llguidance", "hypothesis", "pytest"):
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001
+        missing.append(name)
+print(f"MISSING: {', '.join(missing)} (the tests that need them fail)" if missing else "the engine's packages: all import")
 PYEOF
 echo "== engine and cache tests on cuda"
 timeout "${TESTS_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider tests/engine tests/cache \
