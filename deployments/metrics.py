@@ -94,7 +94,8 @@ HISTOGRAMS = {
         "ingress_e2e", "Time from the ingress's receipt of a generation request to its last response byte (a "
         "stream's included), for those answered in full with a 200.", E2E_BUCKETS),
 }
-INGRESS_HISTOGRAMS = {"ingress_ttft": TTFT_BUCKETS, "ingress_e2e": E2E_BUCKETS}  # sent by the ingress heartbeats
+# the fleet-wide histograms: the ingresses measure them and send them in their heartbeats
+INGRESS_HISTOGRAMS = {key: buckets for name, (key, _, buckets) in HISTOGRAMS.items() if name in FLEET_ONLY}
 
 
 def _esc(v: str) -> str:
