@@ -4,6 +4,7 @@ Pure Python (no torch, no Ray): the engine and the metrics exposition share the 
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -13,18 +14,24 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 
 class Histogram:
     """Per-bucket counts (last: +Inf) and the sum of every sample, counted as it comes: however late the
-    metrics read them, none is lost. One thread only (the engine's; the replica's snapshot runs there)."""
+    metrics read them, none is lost. Safe to copy from another thread (the ingress's heartbeat copies
+    what its event loop observes): a copy's sum and counts are of the same samples, as Prometheus's
+    ``histogram_quantile`` and mean (sum / count) assume."""
 
-    __slots__ = ("buckets", "counts", "sum")
+    __slots__ = ("buckets", "counts", "sum", "_lock")
 
     def __init__(self, buckets: tuple[float, ...]):
         self.buckets = buckets
         self.counts = [0] * (len(buckets) + 1)
         self.sum = 0.0
+        self._lock = threading.Lock()  # uncontended but for a copy: well under a microsecond a sample
 
     def observe(self, x: float) -> None:
-        self.counts[bisect_left(self.buckets, x)] += 1  # the first bucket whose bound is >= x, as Prometheus
-        self.sum += x
+        i = bisect_left(self.buckets, x)  # the first bucket whose bound is >= x, as Prometheus
+        with self._lock:
+            self.counts[i] += 1
+            self.sum += x
 
     def to_dict(self) -> dict:
-        return {"counts": list(self.counts), "sum": self.sum}
+        with self._lock:
+            return {"counts": list(self.counts), "sum": self.sum}
