@@ -317,22 +317,11 @@ class PrefixPolicy:
         """All candidates, best first (for small fleets: the Serve router). Serve tries the next one when
         one is at its ``max_ongoing_requests``: the other holders of the prefix come first, longest match
         first, then the rest, least loaded first."""
-        return [r for tier in self.rank_tiers(hashes, prompt_tokens, max_new_tokens, candidates) for r in tier]
-
-    def rank_tiers(self, hashes: Sequence[int], prompt_tokens: int, max_new_tokens: int = 0,
-                   candidates: Sequence[str] | None = None) -> list[list[str]]:
-        """``rank`` in tiers, as Serve's ranks: the first choice, then each other holder of the prefix and
-        the best of the replicas that hold none of it (where a copy lands), each alone, then the other
-        replicas in one tier (least loaded first). Serve probes the replicas of a tier at once and tiers
-        one after another, when the cached queue lengths say they are full: a tier per replica made it
-        probe the whole fleet in turn whenever all were full."""
         cands = list(self.replicas) if candidates is None else [c for c in candidates if c in self.replicas]
         best, matched = self._choose(hashes, cands)  # one chain walk serves both
         if best is None:
             return []
-        rest = sorted((c for c in cands if c != best), key=lambda c: (-matched.get(c, 0), self._cold_key(c)))
-        alone = min(len(rest), sum(1 for c in rest if matched.get(c, 0) > 0) + 1)
-        return [[best], *([c] for c in rest[:alone])] + ([rest[alone:]] if alone < len(rest) else [])
+        return [best] + sorted((c for c in cands if c != best), key=lambda c: (-matched.get(c, 0), self._cold_key(c)))
 
     def _decayed(self, entry: tuple[float, int], half_life: float | None = None) -> float:
         value, at = entry

@@ -47,16 +47,6 @@ def _failed_last(order: list[str]) -> list[str]:
     return sorted(order, key=lambda r: r in failed)  # stable: the ranking is kept among the rest
 
 
-def _failed_last_tiers(tiers: list[list[str]]) -> list[list[str]]:
-    """``tiers`` with each replica whose engine failed taken out of its tier and put last, alone."""
-    if not in_process.FAILED:
-        return tiers
-    order = _failed_last([r for tier in tiers for r in tier])
-    failed = {r for r in order if r in in_process.FAILED}
-    kept = [t for t in ([r for r in tier if r not in failed] for tier in tiers) if t]
-    return kept + [[r] for r in order if r in failed]
-
-
 # A replica that reports an empty queue at time T has finished every request routed to it before
 # T minus this (time for a routed request to reach its engine, and clock skew between nodes).
 STALE_AFTER_IDLE_S = 10.0
@@ -240,8 +230,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._apply_learned()
         hashes = self._hashes(pending)
         ids, max_new, _ = request_tokens(pending)
-        tiers = self.policy.rank_tiers(hashes, len(ids), max_new, list(by_id))
-        return [[by_id[r] for r in tier if r in by_id] for tier in _failed_last_tiers(tiers)]
+        ranked = self.policy.rank(hashes, len(ids), max_new, list(by_id))
+        return [[by_id[r]] for r in _failed_last(ranked) if r in by_id]
 
     def _hashes(self, pending: PendingRequest | None) -> list[int]:
         if pending is None:

@@ -407,20 +407,3 @@ def test_a_replica_whose_pool_size_comes_later_gets_the_head_start_of_its_own_po
     assert late.replicas["new"].home_base == 0 < known.replicas["new"].home_base
     late.report("new", capacity_blocks=64)
     assert late.replicas["new"].home_base == known.replicas["new"].home_base
-
-
-def test_the_replicas_that_hold_nothing_of_the_prompt_are_one_tier():
-    # Serve probes a tier's replicas at once and the tiers in turn: a full fleet must not cost a probe
-    # round per replica, and holders must still come first, each in its own tier
-    # (the best replica that holds nothing of it stays alone too: it is where the policy puts a copy)
-    p = fleet(6)
-    h = block_hashes(prompt(5), BS)
-    p.learn_hashes("r2", h)
-    p.learn_hashes("r3", h[:2])
-    tiers = p.rank_tiers(h, 128, 0)
-    ranked = p.rank(h, 128, 0)
-    assert [r for t in tiers for r in t] == ranked and ranked[:2] == ["r2", "r3"]
-    assert tiers == [["r2"], ["r3"], [ranked[2]], ranked[3:]] and len(ranked) == 6
-    cold = p.rank_tiers(block_hashes(prompt(77), BS), 128, 0)
-    assert [len(t) for t in cold] == [1, 1, 4]
-    assert p.rank_tiers(h, 128, 0, ["r2", "r0"]) == [["r2"], ["r0"]]

@@ -510,28 +510,6 @@ def test_an_inexact_report_bounds_the_index_after_its_own_hashes_on_an_event_loo
     assert r.policy.matches(CHAIN) == {"A": len(CHAIN)} and r.policy.matches(other) == {}
 
 
-def test_serve_gets_the_holder_and_the_copy_target_alone_the_rest_in_one_rank_a_failed_replica_last():
-    from routing.prefix_router import avoid_replica
-
-    r = _router()
-    reps = [_replica("A", seq=1, stored=CHAIN, cached_blocks=4)] + [_replica(x, seq=1, cached_blocks=0) for x in "BCD"]
-    pending = NS(args=(list(range(64)) + [7], {"max_new_tokens": 4}))
-
-    def ids(ranks):
-        return [sorted(x.replica_id.unique_id for x in rank) for rank in ranks]
-
-    ranks = ids(r._choose(reps, pending))
-    copy_to = ranks[1][0]  # the replica where a copy would land, alone; the other two together
-    assert ranks[0] == ["A"] and len(ranks) == 3 and sorted(ranks[2] + [copy_to]) == ["B", "C", "D"]
-    avoid_replica(copy_to)
-    try:
-        assert ids(r._choose(reps, pending)) == [["A"], ranks[2], [copy_to]]
-        avoid_replica("A")
-        assert ids(r._choose(reps, pending)) == [ranks[2], ["A"], [copy_to]]
-    finally:
-        in_process.FAILED.clear()
-
-
 def test_round_robin_takes_turns_puts_a_failed_replica_last_and_reads_no_reports():
     from routing.prefix_router import avoid_replica
 
