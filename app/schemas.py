@@ -216,6 +216,7 @@ class TGIRequest(_Strict):
                     top_logprobs=p.top_n_tokens or 0,
                     # a greedy answer has no seed to report; TGI keeps the stop sequence in the text
                     seed=p.seed if sample else None, stop=p.stop, include_stop_str_in_output=True, logprobs=True,
+                    processed_logprobs=True,  # TGI reports the warped distribution's (temperature, top-k, ...)
                     # details.prefill: the prompt tokens' own log-probabilities
                     prompt_logprobs=0 if p.details and p.decoder_input_details else None, cache_salt=p.cache_salt,
                     guide=_tgi_guide(p.grammar))

@@ -510,12 +510,14 @@ def _seeded(params: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _likeliest(runs: list[list[dict]], n: int) -> list[list[dict]]:
+def _likeliest(runs: list[list[dict]], n: int, per_token: bool = False) -> list[list[dict]]:
     """The ``n`` of these sequences (each its events) whose tokens are likeliest together (the largest sum
-    of log-probabilities), likeliest first; ties keep their order."""
-    def total(events: list[dict]) -> float:
-        return sum(ev["logprob"] for ev in events if ev.get("token_id") is not None and ev.get("logprob") is not None)
-    return sorted(runs, key=total, reverse=True)[:n]
+    of log-probabilities, vLLM's; ``per_token``: the largest mean, TGI's), likeliest first; ties keep
+    their order."""
+    def score(events: list[dict]) -> float:
+        lps = [ev["logprob"] for ev in events if ev.get("token_id") is not None and ev.get("logprob") is not None]
+        return sum(lps) / max(len(lps), 1) if per_token else sum(lps)
+    return sorted(runs, key=score, reverse=True)[:n]
 
 
 def _oai_finish(reason: str | None) -> str:
@@ -1072,7 +1074,7 @@ class Ingress:
             return self._tgi_sequence(req, ids, events, params["seed"], True), _replica_header(events)
         drawn = await self._choices([(ids, params)], best_of, stream=False)
         seeds = {id(run): p["seed"] for run, p in zip(drawn, _choice_params(params, best_of), strict=True)}
-        runs = _likeliest(drawn, best_of)
+        runs = _likeliest(drawn, best_of, per_token=True)
         out = self._tgi_sequence(req, ids, runs[0], seeds.get(id(runs[0])), True)
         if req.parameters.details:
             out["details"]["best_of_sequences"] = [

@@ -265,8 +265,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled | NoToken
     want = [i for i in rest if seqs[i].params.logprobs]
     if want:
         # the model's distribution after penalties and bias, before temperature and top-k/top-p: what
-        # the alternatives were, not what the filters left (those would be -inf, not JSON)
-        stacked = torch.stack([rows[i] for i in want])  # NaN as impossible; -inf stays -inf (reported as -9999)
+        # the alternatives were, not what the filters left (those would be -inf, not JSON); or, asked
+        # for (TGI's), the one the token was drawn from
+        drawn_row = {i: n for n, i in enumerate(drawn)}
+        processed = {i for i in want if seqs[i].params.processed_logprobs and i in drawn_row}
+        stacked = torch.stack([dists[drawn_row[i]] if i in processed else rows[i] for i in want])
+        # (NaN as impossible; -inf stays -inf, reported as -9999)
         lp = torch.log_softmax(stacked.masked_fill(stacked.isnan(), float("-inf")), dim=-1)
         picked = lp.gather(1, chosen[want].unsqueeze(1)).squeeze(1).tolist()
         best = top_alternatives(lp, max(seqs[i].params.top_logprobs or 0 for i in want))

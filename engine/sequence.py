@@ -59,6 +59,10 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives reported per generated token (needs logprobs)
+    # log-probabilities of the distribution a sampled token was drawn from, after temperature and the
+    # top-k/top-p/typical-p/min-p filters (TGI's; a filtered token's is -inf), instead of the model's
+    # (OpenAI's and vLLM's default). Greedy tokens report the model's either way
+    processed_logprobs: bool = False
     # the prompt tokens' own log-probabilities, with this many alternatives each (None: none). The
     # prompt is then computed whole, not found in the prefix cache: a cached block has no logits
     prompt_logprobs: int | None = None
@@ -111,7 +115,7 @@ class SamplingParams:
             except OverflowError:
                 raise SamplingError(f"{name} must be a finite number, got {getattr(self, name)!r}") from None
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "logprobs",
-                     "frequency_penalty_per_context"):
+                     "processed_logprobs", "frequency_penalty_per_context"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) for s in self.stop):

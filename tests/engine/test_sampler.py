@@ -206,7 +206,8 @@ def _tgi_seq(prompt: list[int], output: list[int], **kw) -> Sequence:
 
 
 def _reported(logits: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor]:
-    """The log-probabilities each row reports (the distribution after penalties, before filters)."""
+    """The log-probabilities each row reports (the distribution after penalties; for TGI's rows after
+    the temperature and the filters too)."""
     for s in seqs:
         s.params.logprobs, s.params.top_logprobs = True, 20
     out = sample(logits, seqs)
@@ -254,9 +255,36 @@ def test_a_batch_mixes_tgi_and_openai_frequency_penalties():
     adjusted[5] -= 1.5 * 2 + 0.5  # OpenAI's: generated tokens only, per count
     adjusted[9] -= 1.5 * 1 + 0.5
     assert torch.allclose(got[0], torch.log_softmax(adjusted, -1), atol=1e-5)
-    want = torch.log_softmax(_tgi_reference(prompt + output, logits[1:2], 1.0, 1.5), -1)[0]
+    # (TGI's: of the distribution it drew from, penalties first, then the temperature)
+    want = torch.log_softmax(_tgi_reference(prompt + output, logits[1:2], 1.0, 1.5) / 0.7, -1)[0]
     assert torch.allclose(got[1], want, atol=1e-5)
     assert torch.allclose(got[2], torch.log_softmax(logits[2], -1), atol=1e-5)
+
+
+def test_tgi_reports_the_log_probabilities_of_the_distribution_it_drew_from():
+    # TGI (HeterogeneousNextTokenChooser) takes log_softmax after its warpers: temperature, then top-k;
+    # OpenAI's and vLLM's are the model's, the same request's through the other API
+    torch.manual_seed(2)
+    logits = torch.randn(1, 12)
+    tgi = _tgi_seq([1, 2, 3], [], temperature=0.5, top_k=3, seed=4)
+    tgi.params.logprobs, tgi.params.top_logprobs = True, 5
+    out = sample(logits, [tgi])[0]
+    warped = logits[0] / 0.5
+    kept = set(torch.topk(warped, 3).indices.tolist())
+    warped[[t for t in range(12) if t not in kept]] = float("-inf")
+    want = torch.log_softmax(warped, -1)
+    assert out.token in kept and out.logprob == pytest.approx(float(want[out.token]), abs=1e-5)
+    assert {t for t, _ in out.top[:3]} == kept and [v for _, v in out.top[3:]] == [-9999.0, -9999.0]
+    assert sum(math.exp(v) for _, v in out.top[:3]) == pytest.approx(1.0, abs=1e-5)
+    openai = seq(temperature=0.5, top_k=3, seed=4, logprobs=True)
+    raw = sample(logits, [openai])[0]
+    assert raw.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[raw.token]), abs=1e-6)
+    greedy = _tgi_seq([1, 2, 3], [])  # no warpers in TGI either: the model's own
+    greedy.params.logprobs = True
+    out = sample(logits, [greedy])[0]
+    assert out.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1).max()), abs=1e-6)
+    with pytest.raises(SamplingError):
+        SamplingParams(processed_logprobs=1).validate()
 
 
 def test_frequency_penalty_per_context_must_be_a_bool():

@@ -107,3 +107,17 @@ def test_info_has_the_fields_tgis_clients_read():
         assert key in info, key
     assert info["router"] == "text-generation-router" and info["request_router"] == "prefix"
     assert info["max_concurrent_requests"] == 128 and info["max_best_of"] == 16 and info["max_stop_sequences"] == 16
+
+
+def test_best_of_picks_the_best_log_probability_per_token_as_tgi_does():
+    # TGI's generate_best_of: the largest mean over the generated tokens (vLLM's best_of: the largest sum)
+    from deployments.ingress import _likeliest
+
+    def run(*lps: float) -> list[dict]:
+        return [{"token_id": 1, "logprob": x, "text": "a"} for x in lps]
+
+    short, long_ = run(-1.0), run(-0.6, -0.6)  # sum -1.0 vs -1.2; mean -1.0 vs -0.6
+    assert _likeliest([short, long_], 2) == [short, long_]
+    assert _likeliest([short, long_], 2, per_token=True) == [long_, short]
+    first, second = run(-0.5), run(-0.25, -0.75)  # a tie: the first drawn wins, as in TGI
+    assert _likeliest([first, second], 1, per_token=True)[0] is first
