@@ -4,11 +4,13 @@
 
 A local Ray cluster, ``--replicas`` stand-in replicas (no model: each request sleeps ``--service-ms``)
 at ``--max-ongoing`` requests each, and ``--concurrency`` callers on one handle, far more than the fleet
-runs at once, so every routing decision meets full replicas. Two routers, alternating, on fresh
-deployments: ``tiers`` (as shipped: the prefix's holders and the copy target as single ranks, the
-other replicas as one rank, probed at once) and ``singles`` (every replica a rank of its own, probed
-one after another, as before). Prints each run and a final JSON line with
-``throughput_tiers_over_singles`` (the ideal is ``replicas x max_ongoing / service time``).
+runs at once, so every routing decision meets full replicas. The routers, alternating, on fresh
+deployments: ``singles`` (as shipped: every replica a rank of its own, which Serve probes one after
+another when its cached queue lengths say they are full), ``tiers`` (an alternative: the prefix's
+holders and the copy target as single ranks, the other replicas as one rank, which Serve probes at
+once) and Serve's own power-of-two router (``pow2``) for reference. Prints each run and a final JSON
+line with ``throughput_tiers_over_singles`` and ``throughput_singles_over_pow2`` (the ideal is
+``replicas x max_ongoing / service time``).
 """
 
 from __future__ import annotations
@@ -23,15 +25,20 @@ import time
 from bench import local_cluster
 from routing.prefix_router import PrefixAwareRequestRouter
 
-ROUTERS = {"tiers": "routing.prefix_router:PrefixAwareRequestRouter",
-           "singles": "bench.saturation_bench:SingleRanksRouter"}
+ROUTERS = {"singles": "routing.prefix_router:PrefixAwareRequestRouter",
+           "tiers": "bench.saturation_bench:TiersRouter",
+           "pow2": None}  # Serve's own, for reference: it ranks two replicas at a time
 
 
-class SingleRanksRouter(PrefixAwareRequestRouter):
-    """The same ranking, every replica a rank of its own (the router before tiers)."""
+class TiersRouter(PrefixAwareRequestRouter):
+    """The same ranking; the first choice, the prefix's other holders and the next replica (where a
+    copy would land) alone, the rest in one rank."""
 
     def _choose(self, candidates, pending):
-        return [[r] for rank in super()._choose(candidates, pending) for r in rank]
+        flat = [r for rank in super()._choose(candidates, pending) for r in rank]
+        holders = self.policy.matches(self._hashes(pending))
+        alone = 2 + sum(1 for r in flat[1:] if r.replica_id.unique_id in holders)
+        return [[r] for r in flat[:alone]] + ([flat[alone:]] if len(flat) > alone else [])
 
 
 def deploy(router: str, args) -> object:
@@ -40,7 +47,8 @@ def deploy(router: str, args) -> object:
 
     @serve.deployment(num_replicas=args.replicas, max_ongoing_requests=args.max_ongoing,
                       ray_actor_options={"num_cpus": 0},
-                      request_router_config=RequestRouterConfig(
+                      request_router_config=RequestRouterConfig(request_routing_stats_period_s=1.0) if ROUTERS[router]
+                      is None else RequestRouterConfig(
                           request_router_class=ROUTERS[router],
                           request_router_kwargs={"mode": "prefix", "block_size": 16, "model_id": "sat"},
                           request_routing_stats_period_s=1.0))
@@ -86,7 +94,7 @@ def main(argv=None) -> dict:
     rates: dict[str, list[float]] = {r: [] for r in ROUTERS}
     try:
         for n in range(args.rounds):
-            for router in ROUTERS if n % 2 == 0 else reversed(ROUTERS):
+            for router in list(ROUTERS) if n % 2 == 0 else reversed(ROUTERS):
                 handle = deploy(router, args)
                 rate = asyncio.run(drive(handle, args, random.Random(n)))
                 serve.delete(f"sat-{router}")
@@ -97,7 +105,8 @@ def main(argv=None) -> dict:
     out = {"replicas": args.replicas, "max_ongoing": args.max_ongoing, "service_ms": args.service_ms,
            "concurrency": args.concurrency, "ideal_rps": ideal,
            **{f"rps_{r}": statistics.median(v) for r, v in rates.items()},
-           "throughput_tiers_over_singles": statistics.median(rates["tiers"]) / statistics.median(rates["singles"])}
+           "throughput_tiers_over_singles": statistics.median(rates["tiers"]) / statistics.median(rates["singles"]),
+           "throughput_singles_over_pow2": statistics.median(rates["singles"]) / statistics.median(rates["pow2"])}
     print(json.dumps(out))
     return out
 
