@@ -735,7 +735,7 @@ def test_best_of_answers_with_the_likeliest_sequences(client):
     d = r.json()["details"]
     others = d["best_of_sequences"]
     assert len(others) == 2 and len({d["seed"], *(o["seed"] for o in others)}) == 3
-    def mean(tokens: list[dict]) -> float:  # TGI's: the best log-probability per token, not in all
+    def mean(tokens: list[dict]) -> float:  # TGI picks the largest mean log-probability per token, not sum
         return sum(t["logprob"] for t in tokens) / len(tokens)
 
     assert all(mean(d["tokens"]) >= mean(o["tokens"]) for o in others)
