@@ -33,7 +33,18 @@ def _flag_type(annotation) -> tuple[type | None, list[str] | None]:
         return str, list(typing.get_args(base))
     if typing.get_origin(annotation) is list:  # comma-separated: the setting's validator splits it
         return str, None
+    if base in (int, float) and type(None) in typing.get_args(annotation):
+        return _nullable(base), None
     return (base if base in (int, float, str, bool) else str), None
+
+
+def _nullable(base: type):
+    """A number flag whose setting may be null: none or null pass through as text (``Settings.from_sources``
+    reads them as the null, as it does a variable's), anything else must be a ``base``."""
+    def parse(text: str):
+        return text if text.lower() in ("none", "null") else base(text)
+    parse.__name__ = base.__name__  # (argparse names the type in its error: "invalid int value")
+    return parse
 
 
 def _json_object(text: str) -> dict | str:
@@ -211,7 +222,8 @@ def gpus_hold(replicas: int, per_replica: float, gpus: int) -> bool:
     if per_replica <= 0:
         return True
     if per_replica < 1:
-        return replicas <= gpus * math.floor(1 / round(per_replica, 4) + 1e-9)
+        share = round(per_replica, 4)  # (under 0.0001 Ray refuses the fraction; the settings do too)
+        return share > 0 and replicas <= gpus * math.floor(1 / share + 1e-9)
     return replicas * math.ceil(per_replica) <= gpus
 
 
@@ -470,11 +482,12 @@ def _proxy_here() -> bool:
         return False
 
 
-def _wait_healthy(settings: Settings, within_s: float) -> bool:
+def _wait_healthy(host: str, port: int, within_s: float) -> bool:
+    """Whether /health answers 200 within ``within_s`` at the host Serve's proxy listens on."""
     import httpx
 
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
-    url = f"http://{f'[{host}]' if ':' in host else host}:{settings.port}/health"
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/health"
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
@@ -545,9 +558,9 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
         if interrupted.is_set():  # Ray caught the interrupt and went on: give up the start-up all the same
             raise KeyboardInterrupt
         here = not address or _proxy_here()  # else the proxies are on the cluster's other machines
-        healthy = _wait_healthy(settings, HEALTHY_AT_START_S) if here else True
-        up.set()
         host = _served_host(settings) if address else settings.host
+        healthy = _wait_healthy(host, settings.port, HEALTHY_AT_START_S) if here else True
+        up.set()
         host = f"[{host}]" if ":" in host else host  # (an IPv6 address)
         print(f"RadixServe is up: http://{host if here else '<a node of the cluster>'}:{settings.port} "
               f"(model {settings.model_name()}, {_replicas(settings)}); Ctrl-C stops it"

@@ -175,6 +175,13 @@ class Settings(BaseModel):
                              "max_replicas decide the count")
         return self
 
+    @field_validator("replica_num_gpus")
+    @classmethod
+    def _gpu_share_ray_counts(cls, v: float) -> float:
+        if 0 < v < 0.0001:  # Ray counts resources in ten-thousandths
+            raise ValueError("a GPU share must be 0 or at least 0.0001 (Ray's smallest fraction)")
+        return v
+
     @field_validator("api_key")
     @classmethod
     def _header_safe_key(cls, v: str | None) -> str | None:
@@ -312,8 +319,9 @@ class Settings(BaseModel):
         for source in (dict(file or {}), env_set, cli_set):
             # a fixed count and autoscaling exclude each other: a source that sets one overrides the
             # other from the sources below it (setting both in one source is refused)
+            # (a null autoscaling only turns it off: the count below it stands)
             for one, other in (("num_replicas", "autoscaling"), ("autoscaling", "num_replicas")):
-                if one in source and other not in source:
+                if source.get(one) is not None and other not in source:
                     merged.pop(other, None)
             merged.update(source)
         try:

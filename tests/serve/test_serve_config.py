@@ -91,6 +91,10 @@ def test_a_replica_count_and_autoscaling_follow_the_sources_precedence():
     assert s.autoscaling is None and s.num_replicas == 4
     with pytest.raises(ValueError, match="both set"):  # one source saying both is a mistake
         Settings.from_sources(file={"num_replicas": 2, "autoscaling": {"max_replicas": 3}}, env={})
+    # a null autoscaling only turns it off: the count from below stands (it used to fall back to 1)
+    assert Settings.from_sources(cli={"autoscaling": "none"}, env={"RADIXSERVE_NUM_REPLICAS": "3"}).num_replicas == 3
+    s = Settings.from_sources(file={"num_replicas": 2}, env={"RADIXSERVE_AUTOSCALING": "null"})
+    assert s.num_replicas == 2 and s.autoscaling is None
     with pytest.raises(ValueError, match="RADIXSERVE_NUM_REPLICA"):  # a typo is not ignored
         Settings.from_sources(env={"RADIXSERVE_NUM_REPLICA": "2"})
     Settings.from_sources(env={"RADIXSERVE_HOME": "/tmp", "RADIXSERVE_URL": "x"})  # not settings, not typos
@@ -213,6 +217,17 @@ def test_flags_are_never_abbreviated_and_read_none_as_variables_do():
     assert Settings.from_sources(env={"RADIXSERVE_TOOL_CALL_PARSER": "none"}).tool_call_parser == "none"
     assert Settings.from_sources(cli={"redis_url": "none"}, env={}).redis_url == "none"  # (no directory)
     assert Settings.from_sources(env={"RADIXSERVE_AUTOSCALING": "none"}).autoscaling is None  # was "not JSON"
+    # number flags whose setting may be null take none too (they were "invalid int value: 'none'")
+    args, _ = build_parser().parse_known_args(["serve", "--max-total-tokens", "none", "--window-size", "NULL",
+                                               "--max-batch-total-tokens", "8192", "--num-threads", "none"])
+    cli = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    s = Settings.from_sources(cli=cli, env={"RADIXSERVE_MAX_TOTAL_TOKENS": "2048", "RADIXSERVE_WINDOW_SIZE": "64"})
+    assert s.max_total_tokens is None and s.window_size is None and s.num_threads is None
+    assert s.max_batch_total_tokens == 8192
+    with pytest.raises(SystemExit):  # anything else must still be a number
+        build_parser().parse_known_args(["serve", "--max-total-tokens", "lots"])
+    with pytest.raises(ValueError, match="at least 0.0001"):  # (the GPU check divided by zero)
+        Settings.from_sources(cli={"replica_num_gpus": 1e-9}, env={})
     for bad, said in (({"host": ""}, "host (--host): String should have at least 1 character"),
                       ({"seed": 2**64}, "seed (--seed): Input should be less than")):  # (each replica failed)
         with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")):
