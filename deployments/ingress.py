@@ -874,16 +874,18 @@ class Ingress:
             self._bytes_cache[tid] = got
         return got
 
-    async def _stream(self, ids: list[int], params: dict[str, Any], aborts: list | None = None
-                      ) -> tuple[dict, AsyncIterator[dict]]:
+    async def _stream(self, ids: list[int], params: dict[str, Any], aborts: list | None = None,
+                      sibling: bool = False) -> tuple[dict, AsyncIterator[dict]]:
         """Start a request; returns its first event and an iterator over the rest. A refused
         request raises ``ApiError`` here, before any response byte is sent. ``aborts`` gets a call that
-        ends the request while the rest is not being read yet (once; later, closing the rest does)."""
+        ends the request while the rest is not being read yet (once; later, closing the rest does).
+        ``sibling``: a later choice of a prompt this call's first choice computed (``LLMServer.generate``)."""
         started = in_process.REQUEST_START.get() or time.monotonic()
         await self._refuse_past_context(len(ids), params.get("max_new_tokens"))
         for attempt in range(2):  # a replica or engine that fails before the first token: retry once
             request_id = uuid.uuid4().hex
-            gen = self.llm.options(stream=True).generate.remote(ids, params, request_id)
+            flags = {"sibling": True} if sibling else {}  # (routers read the positional arguments)
+            gen = self.llm.options(stream=True).generate.remote(ids, params, request_id, **flags)
             it = gen.__aiter__()
 
             def cancel(gen=gen, request_id=request_id, generated: int = 0) -> None:
@@ -983,12 +985,14 @@ class Ingress:
         each = [_choice_params(params, n) for _, params in jobs]
         aborts: list = []
 
-        def start(ids: list[int], params: dict[str, Any], alone: bool):
-            return self._stream_alone(ids, params, aborts) if alone else self._stream(ids, params, aborts)
+        def start(ids: list[int], params: dict[str, Any], alone: bool, sibling: bool = False):
+            return (self._stream_alone(ids, params, aborts, sibling) if alone
+                    else self._stream(ids, params, aborts, sibling))
 
         try:
             firsts = await _all(start(ids, ps[0], len(jobs) > 1) for (ids, _), ps in zip(jobs, each, strict=True))
-            others = iter(await _all(start(ids, p, True) for (ids, _), ps in zip(jobs, each, strict=True) for p in ps[1:]))
+            others = iter(await _all(start(ids, p, True, sibling=True)
+                                     for (ids, _), ps in zip(jobs, each, strict=True) for p in ps[1:]))
         except BaseException:  # those that started end now, not when the garbage collector finds them
             for abort in aborts:
                 abort()
@@ -998,14 +1002,14 @@ class Ingress:
             started = [(_prompt_only(first), _prompt_only_rest(rest)) for first, rest in started]
         return started if stream else await _all(self._drain(first, rest) for first, rest in started)
 
-    async def _stream_alone(self, ids: list[int], params: dict[str, Any], aborts: list
+    async def _stream_alone(self, ids: list[int], params: dict[str, Any], aborts: list, sibling: bool = False
                             ) -> tuple[dict, AsyncIterator[dict]]:
         """``_stream`` under a Serve request id of its own (in this task's copy of Serve's request context).
         The calls of one HTTP request share its id, and Serve's router (2.60) indexes pending calls by
         it: a second call routed while one with its id is pending is never assigned a replica."""
         ctx = serve_context._get_serve_request_context()
         serve_context._serve_request_context.set(replace(ctx, _internal_request_id=uuid.uuid4().hex))
-        return await self._stream(ids, params, aborts)
+        return await self._stream(ids, params, aborts, sibling)
 
     async def _drain(self, first: dict, rest: AsyncIterator[dict]) -> list[dict]:
         events = [first]

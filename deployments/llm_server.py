@@ -172,18 +172,21 @@ class LLMServer:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt_ids: list[int], params: dict[str, Any], request_id: str | None = None,
-                       prefill_only: bool = False):
-        """Async generator of event dicts; the first carries ``error`` if the request is refused."""
+                       prefill_only: bool = False, sibling: bool = False):
+        """Async generator of event dicts; the first carries ``error`` if the request is refused.
+        ``sibling``: a later choice (``n``, ``best_of``) of a prompt the call's first choice computed here:
+        its cache hit is no evidence that the prompt is shared (no directory record, no reuse)."""
         try:
             sp = SamplingParams(**params)
             # aclosing: when the caller goes away, the engine stream is closed (and the request aborted)
             # right here, not whenever the garbage collector gets to it
             async with contextlib.aclosing(self.aengine.generate(prompt_ids, sp, request_id,
-                                                                 prefill_only=prefill_only)) as stream:
+                                                                 prefill_only=prefill_only,
+                                                                 sibling=sibling)) as stream:
                 async for ev in stream:
                     d = dict(ev.__dict__)  # (asdict's deep copy: 48 µs an event, 40x this, at every token)
                     d["replica"] = self.replica_id
-                    if ev.finished:
+                    if ev.finished and not sibling:
                         self._note_finished(prompt_ids, ev.num_cached_tokens, sp.cache_salt, prefill_only)
                     yield d
         except RequestError as e:

@@ -73,8 +73,10 @@ class AsyncEngine:
         return box["result"]
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
-        """Stream events for one request; raises ``RequestError`` at once for a bad request."""
+                       request_id: str | None = None, prefill_only: bool = False,
+                       sibling: bool = False) -> AsyncIterator[TokenEvent]:
+        """Stream events for one request; raises ``RequestError`` at once for a bad request. ``sibling``:
+        see ``LLMEngine.add_request``."""
         if not self.alive:
             raise EngineDeadError(f"the engine thread has stopped: {self._why_closed()}")
         params = params or SamplingParams()
@@ -89,7 +91,7 @@ class AsyncEngine:
             raise RequestError(f"request id {rid!r} is already in use")
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._inbox.put(("add", rid, list(prompt_ids), params, prefill_only, time.monotonic()))
+        self._inbox.put(("add", rid, list(prompt_ids), params, prefill_only, time.monotonic(), sibling))
         self._wake.set()
         if self._closed:  # the thread ended between the check above and now: it may not have seen us
             self._streams.pop(rid, None)
@@ -158,11 +160,11 @@ class AsyncEngine:
                     msg[3].set()
                 continue
             if kind == "add":
-                _, rid, ids, params, prefill_only, arrival = msg
+                _, rid, ids, params, prefill_only, arrival, sibling = msg
                 if rid not in self._streams:
                     continue  # consumer left before we saw it
                 try:
-                    self.engine.add_request(ids, params, rid, prefill_only, arrival)
+                    self.engine.add_request(ids, params, rid, prefill_only, arrival, sibling=sibling)
                 except Exception as e:  # noqa: BLE001 - report to the one request, keep serving
                     self._emit(TokenEvent(rid, None, "", None, True, "error", error=str(e), error_kind="engine"))
             elif kind == "abort":

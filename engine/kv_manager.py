@@ -34,6 +34,8 @@ class KVManager:
         # after a preemption the sequence takes back the blocks it held: matching them is no reuse
         # (blocks past them, published by others meanwhile, are)
         own = seq.own_cached_blocks if seq.admitted_once else 0
+        if seq.sibling:  # the prompt its first choice computed is no more reused than its own would be
+            own = len(seq.tokens) // self.block_size
         m = self.cache.match(seq.tokens, cache_salt=seq.params.cache_salt, max_blocks=max_blocks, count=False,
                              own_blocks=own, hit=not seq.prefill_only)  # warm-up is not the working set
         self.cache.lock(m.node)

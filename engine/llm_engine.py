@@ -250,9 +250,12 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prefill_only: bool = False,
-                    arrival: float | None = None) -> str:
+                    arrival: float | None = None, sibling: bool = False) -> str:
         """Queue a request. ``arrival`` (``time.monotonic()``): when it reached this replica, if earlier
-        than now (the async wrapper hands requests over between steps); TTFT counts from it."""
+        than now (the async wrapper hands requests over between steps); TTFT counts from it. ``sibling``:
+        another choice of a prompt an earlier request of the same client call computed (``n``,
+        ``best_of``): the cached prompt it finds is not a second use of it (no reuse protection, not the
+        working set)."""
         params = params or SamplingParams()
         self.validate(prompt_ids, params, prefill_only)
         rid = request_id or uuid.uuid4().hex
@@ -261,7 +264,7 @@ class LLMEngine:
         ids = list(prompt_ids)
         if prefill_only:  # only whole blocks can be cached; the tail would be wasted work
             ids = ids[: len(ids) // self.config.block_size * self.config.block_size] or ids[:0]
-        seq = Sequence(rid, ids, params, prefill_only=prefill_only)
+        seq = Sequence(rid, ids, params, prefill_only=prefill_only, sibling=sibling)
         if params.guide is not None:
             try:
                 seq.matcher = self.guides.matcher(*params.guide)

@@ -251,6 +251,7 @@ class Sequence:
     ends: tuple[int, ...] = ()  # token ids that would end it (EOS, stop tokens): banned before min_tokens,
     # and while a guided answer still thinks (its guide waits for the end tag)
     prefill_only: bool = False  # warm-up: compute the prompt's KV, generate nothing
+    sibling: bool = False  # a later choice of one client call's prompt (see LLMEngine.add_request)
     prompt_logprobs: list[PromptLogprob | None] | None = None  # as far as computed (params.prompt_logprobs)
     matcher: object | None = None  # its guide's parser state (engine.guided), for a guided request
     # while the guide waits (SamplingParams.guide_after): "opener" before the first token, "marker" while

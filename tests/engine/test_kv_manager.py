@@ -63,6 +63,27 @@ def test_readmission_marks_blocks_others_published_while_it_waited():
     kv.check([])
 
 
+def test_a_later_choice_of_one_call_neither_protects_nor_heats_the_prompt_it_finds():
+    """``n``/``best_of``: the first choice computes the prompt, the others find it cached. That is one
+    client's prompt, not a shared one: a sibling leaves it unprotected and out of the working set,
+    where a request of its own would mark both."""
+    kv = KVManager(num_blocks=16, block_size=BS)
+    prompt = [3] * 12
+    admit_and_publish(kv, first := Sequence("first", prompt, SamplingParams()))
+    kv.release(first)
+    sibling = Sequence("sibling", prompt, SamplingParams(), sibling=True)
+    kv.match(sibling)
+    assert sibling.num_computed == 8  # it still takes the cached blocks
+    since = kv.cache.wall_clock() - 60
+    assert protected(kv, prompt) == [False, False, False] and kv.cache.hot_blocks(since) == 0
+    kv.release(sibling)
+    other = Sequence("other", prompt, SamplingParams())
+    kv.match(other)
+    assert protected(kv, prompt) == [True, True, False] and kv.cache.hot_blocks(since) == 2
+    kv.release(other)
+    kv.check([])
+
+
 def test_the_check_sees_a_lock_no_request_owns_and_cached_blocks_off_the_locked_path():
     """Found by a review: the books balanced in both cases, which a future leak or lost lock would cause."""
     kv = KVManager(num_blocks=8, block_size=BS)

@@ -161,6 +161,29 @@ def test_requests_of_one_prefix_between_two_flushes_make_one_write(make_engine):
         r.aengine.shutdown()
 
 
+def test_a_later_choice_of_one_call_is_no_record_of_a_shared_prefix(make_engine):
+    """``n`` choices of one unique prompt: the later ones find it cached, but only requests of their own
+    prove a prefix shared. As records they filled the directory (and new replicas' warm-ups) with
+    prompts that never come back."""
+    import asyncio
+
+    eng, r = _recording(make_engine, directory=True)
+    r.first_request_cached_tokens, r.block_size = 0, eng.config.block_size
+
+    async def run(sibling: bool) -> int:
+        events = [ev async for ev in r.generate(PROMPT, {"max_new_tokens": 1}, sibling=sibling)]
+        return events[-1]["num_cached_tokens"]
+
+    try:
+        assert asyncio.run(run(False)) == 0  # the first choice computes it
+        assert asyncio.run(run(True)) == 64  # a sibling finds it...
+        assert not r._pending_records  # ...and records nothing
+        assert asyncio.run(run(False)) == 64  # another request of it: shared
+        assert [hits for _, hits in r._pending_records.values()] == [1]
+    finally:
+        r.aengine.shutdown()
+
+
 def test_events_drained_after_the_wait_ran_out_still_reach_the_next_report(make_engine, monkeypatch):
     """A stats poll that gives up on a busy engine thread must not lose the events the engine drains
     later (they were returned to a caller that had already left): the next report carries them."""

@@ -184,3 +184,23 @@ def test_a_replica_that_fails_to_say_its_limits_is_a_503_in_the_api_format():
     with pytest.raises(ApiError) as err:
         asyncio.run(Ingress.func_or_class.info_cached(Failing()))
     assert err.value.status == 503 and "the actor died" in err.value.message
+
+
+def test_the_later_choices_of_a_call_are_sent_as_siblings_of_the_first():
+    """``n`` choices: the first computes the prompt, the others find it cached on its replica; they go
+    flagged, so that replica does not take their hits for a prefix that many requests share."""
+    sent = []
+
+    class Choices(FakeIngress):
+        settings = type("S", (), {"max_ongoing_requests": 8})
+        _choices = Ingress.func_or_class._choices
+        _stream = Ingress.func_or_class._stream
+        _stream_alone = Ingress.func_or_class._stream_alone
+        _drain = Ingress.func_or_class._drain
+
+        def remote(self, *args, **kwargs):
+            sent.append((args[0], kwargs))
+            return FakeResponse(OK)
+
+    runs = asyncio.run(Choices()._choices([([1, 2, 3], {})], 3, stream=False))
+    assert len(runs) == 3 and sent == [([1, 2, 3], {}), ([1, 2, 3], {"sibling": True}), ([1, 2, 3], {"sibling": True})]
