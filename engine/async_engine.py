@@ -31,6 +31,11 @@ class AsyncEngine:
         self.engine = engine
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # engine thread only: the stream each request in the engine answers to. A consumer that leaves frees
+        # its id at once, so a new stream may take the id while the old request's last event is still on
+        # its way (the engine drops a finished request before the step's events go out): that event is
+        # the old stream's, not the new one's
+        self._owners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stop = False
         self._closed = False  # the thread is past its loop: nothing added from now on is served
@@ -121,8 +126,14 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # ------------------------------------------------------------------ engine thread
-    def _emit(self, ev: TokenEvent) -> None:
+    def _target(self, ev: TokenEvent) -> tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None:
+        """The stream ``ev`` goes to: its request's own, if that one is still listening."""
+        owner = self._owners.pop(ev.request_id) if ev.finished else self._owners.get(ev.request_id)
         target = self._streams.get(ev.request_id)
+        return target if target is owner else None
+
+    def _emit(self, ev: TokenEvent, target: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None = None) -> None:
+        target = target or self._target(ev)
         if target is not None:
             loop, q = target
             try:
@@ -136,7 +147,7 @@ class AsyncEngine:
         a cross-thread wake-up: 0.7 ms a step for 128 streams, against 0.13 ms)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenEvent]]] = {}
         for ev in events:
-            target = self._streams.get(ev.request_id)
+            target = self._target(ev)
             if target is not None:
                 by_loop.setdefault(target[0], []).append((target[1], ev))
         for loop, items in by_loop.items():
@@ -163,12 +174,18 @@ class AsyncEngine:
                 _, rid, ids, params, prefill_only, arrival, sibling = msg
                 if rid not in self._streams:
                     continue  # consumer left before we saw it
+                if rid in self.engine.requests:  # the stream that had the id left, its request not ended yet
+                    self._emit(TokenEvent(rid, None, "", None, True, "error", error=f"request id {rid!r} is "
+                                          "already in use", error_kind="validation"), self._streams[rid])
+                    continue
+                self._owners[rid] = self._streams[rid]
                 try:
                     self.engine.add_request(ids, params, rid, prefill_only, arrival, sibling=sibling)
                 except Exception as e:  # noqa: BLE001 - report to the one request, keep serving
                     self._emit(TokenEvent(rid, None, "", None, True, "error", error=str(e), error_kind="engine"))
             elif kind == "abort":
                 self.engine.abort(msg[1])
+                self._owners.pop(msg[1], None)  # (an aborted request sends no last event)
             elif kind == "call":
                 _, fn, box, done = msg
                 try:
@@ -204,9 +221,9 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001 - a crashed engine may not free cleanly; still answer
                     log.exception("abort after the engine loop ended")
             why = self._why_closed()
-            for rid in list(self._streams):
+            for rid, target in list(self._streams.items()):  # (those whose add was never taken too)
                 self._emit(TokenEvent(rid, None, "", None, True, "error", error=why,
-                                      error_kind="engine" if rid in ran else "unavailable"))
+                                      error_kind="engine" if rid in ran else "unavailable"), target)
             self._drain_inbox()
 
 

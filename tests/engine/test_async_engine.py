@@ -118,6 +118,46 @@ def test_an_id_whose_request_the_engine_still_holds_is_refused(make_engine):
         ae.shutdown()
 
 
+def test_an_id_freed_while_its_last_event_is_on_the_way_gets_only_its_own_events(make_engine):
+    """The engine drops a finished request before the step's events go out; a consumer that leaves in
+    between frees the id, and a new stream under it used to receive the old request's last event (and
+    end on it, its own request never served)."""
+    import time
+
+    eng = make_engine("tiny")
+    step, ended = eng.step, threading.Event()
+
+    def slow_step():  # a long step right after "same" finished: the window, held open
+        events = step()
+        if any(ev.finished and ev.request_id == "same" for ev in events) and not ended.is_set():
+            ended.set()
+            time.sleep(0.5)
+        return events
+
+    eng.step = slow_step
+    ae = AsyncEngine(eng)
+
+    async def consume(prompt: list[int], n: int) -> list:
+        return [ev async for ev in ae.generate(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True),
+                                               request_id="same")]
+
+    async def main():
+        first = asyncio.create_task(consume([5] * 10, 3))
+        while not ended.is_set():
+            await asyncio.sleep(0.001)
+        first.cancel()  # its client leaves just as its request ends in the engine
+        await asyncio.gather(first, return_exceptions=True)
+        return await asyncio.wait_for(consume([7] * 40, 20), 60)
+
+    try:
+        events = asyncio.run(main())
+        assert events[-1].finish_reason == "length" and events[-1].num_prompt_tokens == 40
+        assert len([ev for ev in events if ev.token_id is not None]) == 20
+    finally:
+        ae.shutdown()
+    assert not ae._owners
+
+
 @pytest.mark.parametrize("bad", [dict(top_k=2.5, temperature=1.0), dict(top_logprobs=2.5, logprobs=True),
                                  dict(seed=1.5), dict(stop=[5]), dict(temperature="hot"), dict(logprobs="yes"),
                                  dict(logit_bias={3: "x"}), dict(stop_token_ids=(1,)), dict(cache_salt=7),
