@@ -501,10 +501,15 @@ class LLMEngine:
                  ) -> list[Sequence]:
         """Run ``prompts`` to completion (offline use and tests); returns finished sequences in order."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        seqs = []
-        for ids, p in zip(prompts, plist, strict=True):
-            rid = self.add_request(ids, p)
-            seqs.append(self.requests[rid])
+        seqs: list[Sequence] = []
+        try:
+            for ids, p in zip(prompts, plist, strict=True):
+                rid = self.add_request(ids, p)
+                seqs.append(self.requests[rid])
+        except BaseException:  # one refused: none of the batch runs (the next call would run them unasked)
+            for seq in seqs:
+                self.abort(seq.request_id)
+            raise
         while self.has_work():
             self.step()
         return seqs

@@ -129,6 +129,15 @@ def test_bad_requests_get_clear_errors(make_engine, bad, msg):
     assert not eng.has_work()
 
 
+def test_a_batch_with_a_refused_prompt_runs_none_of_it(make_engine):
+    eng = make_engine("tiny")
+    with pytest.raises(RequestError, match="empty"):
+        eng.generate([PROMPT, []], SamplingParams(max_new_tokens=2))
+    assert not eng.has_work() and not eng.requests  # the first was left queued, for the next call to run
+    assert [len(s.output_ids) for s in eng.generate([PROMPT], SamplingParams(max_new_tokens=2))] == [2]
+    eng.check_invariants()
+
+
 def test_a_warmup_prefix_too_long_is_called_a_prefix(make_engine):
     eng = make_engine("tiny", max_input_tokens=500, max_total_tokens=1000)
     with pytest.raises(RequestError, match="the prefix has 600 tokens"):
