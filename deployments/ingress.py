@@ -1075,21 +1075,23 @@ class Ingress:
         best_of = req.parameters.best_of or 1
         if best_of == 1:
             events = await self._collect(ids, params)
-            return self._tgi_sequence(req, ids, events, params["seed"], True), _replica_header(events)
+            return (self._tgi_sequence(req, ids, events, params["seed"], events[-1]["num_cached_tokens"]),
+                    _replica_header(events))
         drawn = await self._choices([(ids, params)], best_of, stream=False)
         seeds = {id(run): p["seed"] for run, p in zip(drawn, _choice_params(params, best_of), strict=True)}
         runs = _likeliest(drawn, best_of, per_token=True)
-        out = self._tgi_sequence(req, ids, runs[0], seeds.get(id(runs[0])), True)
+        # what the cache held for the request: the first draw's find (the others find its prompt)
+        out = self._tgi_sequence(req, ids, runs[0], seeds.get(id(runs[0])), drawn[0][-1]["num_cached_tokens"])
         if req.parameters.details:
             out["details"]["best_of_sequences"] = [
                 {"generated_text": seq["generated_text"], **seq["details"]}
-                for seq in (self._tgi_sequence(req, ids, run, seeds.get(id(run)), False) for run in runs[1:])]
+                for seq in (self._tgi_sequence(req, ids, run, seeds.get(id(run)), None) for run in runs[1:])]
         return out, _replica_header(runs[0])
 
-    def _tgi_sequence(self, req: TGIRequest, ids: list[int], events: list[dict], seed: int | None, answer: bool
-                      ) -> dict[str, Any]:
-        """One generated sequence as TGI writes it: its text and, with ``details``, the rest (``answer``:
-        the request's own answer, which also says what the cache held)."""
+    def _tgi_sequence(self, req: TGIRequest, ids: list[int], events: list[dict], seed: int | None,
+                      cached: int | None) -> dict[str, Any]:
+        """One generated sequence as TGI writes it: its text and, with ``details``, the rest (``cached``:
+        what the cache held for the request, said in its own answer; None in ``best_of_sequences``)."""
         text = "".join(ev["text"] for ev in events)
         out: dict[str, Any] = {"generated_text": (req.inputs + text) if req.parameters.return_full_text else text}
         if req.parameters.details:
@@ -1097,7 +1099,7 @@ class Ingress:
             out["details"] = {
                 "finish_reason": self._tgi_finish(events[-1]),
                 "generated_tokens": len(toks), "seed": seed, "prefill": self._tgi_prefill(ids, events),
-                **({"cached_tokens": events[-1]["num_cached_tokens"]} if answer else {}),
+                **({"cached_tokens": cached} if cached is not None else {}),
                 "tokens": [self._tgi_token(ev) for ev in toks]}
             if req.parameters.top_n_tokens:
                 out["details"]["top_tokens"] = [self._tgi_top(ev) for ev in toks]

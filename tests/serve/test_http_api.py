@@ -742,6 +742,12 @@ def test_best_of_answers_with_the_likeliest_sequences(client):
     assert all(o["generated_text"] == "".join(t["text"] for t in o["tokens"] if not t["special"]) for o in others)
     r = client.post("/generate_stream", json={"inputs": "Omicron", "parameters": {"do_sample": True, "best_of": 2}})
     assert r.status_code == 422 and "best_of" in r.json()["error"]
+    # a prompt never seen: nothing was cached for the request, whichever draw wins (the later draws find the
+    # first one's prompt: the answer said their find when one of them won, 2 times in 3)
+    for k in range(4):
+        fresh = {"inputs": f"Best of, never seen before, number {k} of four: " + "Omicron " * 8,
+                 "parameters": {"max_new_tokens": 3, "do_sample": True, "best_of": 3, "details": True}}
+        assert client.post("/generate", json=fresh).json()["details"]["cached_tokens"] == 0
 
 
 def test_allowed_token_ids_and_bad_words(client):
