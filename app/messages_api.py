@@ -273,8 +273,10 @@ class MessageEvents(ChunkEvents):
 
     PING = 'event: ping\ndata: {"type":"ping"}\n\n'  # (Anthropic's own keep-alive)
 
-    def __init__(self, rid: str, model: str, asked: int):
-        self.rid, self.model, self.asked = rid, model, asked
+    def __init__(self, rid: str, model: str, asked: int, named_tool: bool = False):
+        """``named_tool``: tool_choice names the tool; the chat route then ends its call with "stop", as
+        OpenAI's does, where Anthropic's says tool_use."""
+        self.rid, self.model, self.asked, self.named_tool = rid, model, asked, named_tool
         self.index = -1  # the open block's (-1: none yet)
         self.kind: str | None = None  # its type, while open
         self.calls: dict[int, int] = {}  # the chat delta's tool call index -> block index
@@ -340,7 +342,9 @@ class MessageEvents(ChunkEvents):
 
     def end(self) -> list[str]:
         out = self._close()
-        if self.calls and self.stop[0] != "max_tokens":
+        # (other calls say tool_use only as the chat route's tool_calls: one whose arguments broke off or
+        # did not parse ends as the chat's does, so an agent loop does not run it)
+        if self.calls and self.named_tool and self.stop[0] == "end_turn":
             self.stop = ("tool_use", None)
         usage = self.usage or _usage(None)
         stop = _cut(self.stop, usage, self.asked)

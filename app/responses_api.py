@@ -256,6 +256,7 @@ class ResponseEvents(ChunkEvents):
         # += is copied whole each time: quadratic in a long answer, on the event loop)
         self.calls: dict[int, int] = {}  # the chat delta's tool call index -> output index
         self.finish: str | None = None
+        self.stop_string = False  # a stop string ended the answer
         self.thought: _AfterThinking | None = None  # once the answer thinks: its content's log-probs
         # log-probs of tokens whose text has not come yet (a character's first bytes, a stop string in the
         # making, the ending token): they go with the next text, or into the message when it closes
@@ -304,7 +305,7 @@ class ResponseEvents(ChunkEvents):
         for call in delta.get("tool_calls") or ():
             out += self._call(call)
         if choice.get("finish_reason"):
-            self.finish = choice["finish_reason"]
+            self.finish, self.stop_string = choice["finish_reason"], isinstance(choice.get("stop_reason"), str)
         return out
 
     def _open(self, item: dict[str, Any]) -> list[str]:
@@ -387,7 +388,13 @@ class ResponseEvents(ChunkEvents):
         status = "incomplete" if self.finish == "length" else "completed"
         # an answer with no text (only thinking, or nothing) still has its message
         out = [] if any(item["type"] != "reasoning" for item in self.output) else self._open(_message_item("", [], "in_progress"))
-        out += self._close(status)
+        last = self.output[self.open_at] if self.open_at is not None else None
+        # a call the answer ends in is whole when the chat route ends for it, or ends a named tool's answer
+        # (a stop string in its arguments cut it: an agent loop must not run it)
+        whole = self.finish == "tool_calls" or (isinstance(self.req.tool_choice, dict) and self.finish == "stop"
+                                                and not self.stop_string)
+        cut = last is not None and last["type"] == "function_call" and not whole
+        out += self._close("incomplete" if cut else status)
         self.response = self._response(status)
         out.append(self._event(f"response.{status}", response=self.response))
         return out

@@ -1409,8 +1409,9 @@ class Ingress:
         """Anthropic's Messages API, answered by the chat route (``app.messages_api``)."""
         self._check_model(req.model)
         rid = f"msg_{uuid.uuid4().hex}"
-        return await self._chat_view(req.chat(), req.max_tokens, MessageEvents(rid, self.model_name, req.max_tokens),
-                                     req.stream)
+        named = (req.tool_choice or {}).get("type") == "tool"
+        return await self._chat_view(req.chat(), req.max_tokens,
+                                     MessageEvents(rid, self.model_name, req.max_tokens, named), req.stream)
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(self, req: MessagesCountRequest):

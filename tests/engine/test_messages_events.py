@@ -68,9 +68,9 @@ def test_malformed_requests_are_refused(body):
         MessagesRequest.model_validate(body)
 
 
-def _whole(deltas: list[dict], finish: str, stop_reason=None, asked: int = 3) -> dict:
+def _whole(deltas: list[dict], finish: str, stop_reason=None, asked: int = 3, named: bool = False) -> dict:
     """The message a chat stream of ``deltas`` adds up to (what an unstreamed answer is)."""
-    ev = MessageEvents("msg_1", "m", asked)
+    ev = MessageEvents("msg_1", "m", asked, named)
     ev.prompt_tokens(10, 8)
     ev.start()
     for delta in deltas:
@@ -97,9 +97,22 @@ def test_why_a_message_stopped(finish, stop_reason, expected):
 
 def test_a_named_tools_call_stops_for_tool_use():
     call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{\"a\": 1}"}}
-    m = _whole([{"reasoning_content": "Hm"}, {"tool_calls": [call]}], "stop")
+    m = _whole([{"reasoning_content": "Hm"}, {"tool_calls": [call]}], "stop", named=True)
     assert [b["type"] for b in m["content"]] == ["thinking", "tool_use"] and m["content"][1]["input"] == {"a": 1}
     assert m["stop_reason"] == "tool_use"
+    # a stop sequence inside the named call's arguments cut it: that is why it stopped
+    m = _whole([{"tool_calls": [{**call, "function": {"name": "w", "arguments": "{\"a\": \""}}]}], "stop", "STOP",
+               named=True)
+    assert (m["stop_reason"], m["stop_sequence"]) == ("stop_sequence", "STOP")
+
+
+def test_a_call_the_chat_route_does_not_end_for_stops_as_the_chat_does():
+    # arguments that do not parse (the chat's finish is "stop", not "tool_calls"): it said tool_use, and
+    # an agent loop ran the tool on an input the model never wrote
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{\"a\": [1}}"}}
+    assert _whole([{"tool_calls": [call]}], "stop")["stop_reason"] == "end_turn"
+    assert _whole([{"tool_calls": [call]}], "stop", "STOP")["stop_sequence"] == "STOP"
+    assert _whole([{"tool_calls": [call]}], "tool_calls")["stop_reason"] == "tool_use"
 
 
 def test_a_whole_message_keeps_its_blocks_in_the_order_the_model_wrote_them():

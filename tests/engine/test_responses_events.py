@@ -98,6 +98,26 @@ def test_a_stream_of_text_then_a_call_then_more_text():
     assert call_done["item"]["arguments"] == "{\"a\": 1}" and call_done["item"]["status"] == "completed"
 
 
+@pytest.mark.parametrize("tool_choice, finish, stop_reason, status", [
+    ("auto", "tool_calls", None, "completed"),
+    ("auto", "stop", None, "incomplete"),  # arguments that do not parse: the chat route does not end for it
+    ("auto", "stop", "STOP", "incomplete"),  # a stop string in its arguments cut it
+    ({"type": "function", "name": "w"}, "stop", None, "completed"),  # a named tool's answer ends as OpenAI's
+    ({"type": "function", "name": "w"}, "stop", "STOP", "incomplete"),
+    ("auto", "length", None, "incomplete")])
+def test_a_call_the_answer_ends_in_is_completed_only_when_whole(tool_choice, finish, stop_reason, status):
+    # an agent loop runs the completed calls: one cut short said completed, with arguments like {"a": "
+    req = ResponsesRequest.model_validate({"input": "x", "tool_choice": tool_choice,
+                                           "tools": [{"type": "function", "name": "w"}]})
+    ev = ResponseEvents(req, "resp_1", 0, "m")
+    ev.start()
+    ev.chunk(_chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                     "function": {"name": "w", "arguments": "{\"a\": \""}}]}))
+    ev.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": finish, "stop_reason": stop_reason}]})
+    ev.end()
+    assert [item["status"] for item in ev.final()["output"]] == [status]
+
+
 def test_an_empty_answer_still_has_its_message_and_a_failure_ends_the_stream():
     req = ResponsesRequest.model_validate({"input": "x", "max_output_tokens": 3})
     ev = ResponseEvents(req, "resp_1", 0, "m")
