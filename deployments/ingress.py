@@ -704,6 +704,8 @@ async def _merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
+    first_token_ping_s = PING_EVERY_S  # how long another API's stream waits for its first token to start
+
     def __init__(self, llm_handle, settings: dict[str, Any], scales_to_zero: bool = False):
         from transformers import AutoTokenizer
 
@@ -1425,52 +1427,26 @@ class Ingress:
     async def _chat_view(self, body: dict[str, Any], default: int, events: ChunkEvents, stream: bool):
         """The chat route's answer to ``body`` in another API's shape: ``events`` (``start``, ``chunk``,
         ``end``, ``fail``) makes its stream of the chat stream's chunks; unstreamed, the answer is what they
-        add up to (``final``), so both say the same. ``default``: max_tokens when the body sets none."""
+        add up to (``final``), so both say the same. ``default``: max_tokens when the body sets none. A stream
+        whose first token takes longer than PING_EVERY_S (a queue, a long prefill) starts without it and
+        pings while it waits, as Anthropic's API does, so proxies that cut idle streams keep it; a refusal
+        then comes as the stream's error event (before, it is the HTTP error it always is)."""
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        answer = await self._chat(_validated_chat(body), default)  # (refusals raise here, before any byte)
+        pending = asyncio.ensure_future(self._chat(_validated_chat(body), default))
+        try:
+            if stream and not (await asyncio.wait({pending}, timeout=self.first_token_ping_s))[0]:
+                return StreamingResponse(self._late_view(pending, events), media_type="text/event-stream",
+                                         headers=UNBUFFERED)
+            answer = await pending  # (refusals raise here, before any byte)
+        except BaseException:
+            pending.cancel()  # (the client left while it waited: its requests end)
+            raise
         replica = {k: v for k, v in answer.headers.items() if k == "x-radixserve-replica"}
-        events.prompt_tokens(int(answer.headers.get("x-radixserve-prompt-tokens", 0)),
-                             int(answer.headers.get("x-radixserve-cached-tokens", 0)))
         failed: list[dict[str, Any]] = []
-
-        async def translated():
-            # (closing the chunks ends the requests; the pings' reader closes first, with what it awaits)
-            async with contextlib.aclosing(answer.body_iterator) as chunks, \
-                    contextlib.aclosing(with_pings(chunks, PING_EVERY_S if stream else None, None)) as pinged:
-                for ev in events.start():
-                    yield ev
-                try:
-                    done = False
-                    async for piece in pinged:
-                        if piece is None:  # nothing for a while: a keep-alive
-                            yield events.PING
-                            continue
-                        # (a piece may hold several events: an error comes with its [DONE])
-                        for data in _sse_data(piece):
-                            if done := data == "[DONE]":
-                                break
-                            chunk = json.loads(data)
-                            if chunk.get("error"):
-                                failed.append(chunk["error"])
-                                for ev in events.fail(chunk["error"].get("message") or "the request failed"):
-                                    yield ev
-                                return
-                            for ev in events.chunk(chunk):
-                                yield ev
-                        if done:
-                            break
-                except Exception as e:  # noqa: BLE001 - a client waits for the stream's last event: it gets one
-                    log.exception("stream of %s failed", type(events).__name__)
-                    failed.append({"message": _error_text(e), "code": ENGINE_FAILURE})
-                    for ev in events.fail(_error_text(e)):
-                        yield ev
-                    return
-            for ev in events.end():
-                yield ev
-
+        translated = self._translated(answer, events, stream, failed)
         if stream:
-            return StreamingResponse(translated(), media_type="text/event-stream", headers={**replica, **UNBUFFERED})
-        async with contextlib.aclosing(translated()) as unsent:
+            return StreamingResponse(translated, media_type="text/event-stream", headers={**replica, **UNBUFFERED})
+        async with contextlib.aclosing(translated) as unsent:
             async for _ in unsent:
                 pass
         if failed:  # (nothing was sent: the API's error, as the chat route's whole answer gives it)
@@ -1479,6 +1455,76 @@ class Ingress:
                 raise ApiError(422, error.get("message") or "the request failed", "validation")
             raise ApiError(503, error.get("message") or "the request failed", "generation", code=error.get("code"))
         return _EscapedJSON(events.final(), headers=replica)
+
+    @staticmethod
+    async def _translated(answer: StreamingResponse, events: ChunkEvents, stream: bool, failed: list[dict[str, Any]],
+                          started: bool = False) -> AsyncIterator[str]:
+        """``_chat_view``'s events of the chat route's streamed ``answer`` (``failed`` gets its error, if any;
+        ``started``: ``events.start`` was sent)."""
+        events.prompt_tokens(int(answer.headers.get("x-radixserve-prompt-tokens", 0)),
+                             int(answer.headers.get("x-radixserve-cached-tokens", 0)))
+        # (closing the chunks ends the requests; the pings' reader closes first, with what it awaits)
+        async with contextlib.aclosing(answer.body_iterator) as chunks, \
+                contextlib.aclosing(with_pings(chunks, PING_EVERY_S if stream else None, None)) as pinged:
+            for ev in () if started else events.start():
+                yield ev
+            try:
+                done = False
+                async for piece in pinged:
+                    if piece is None:  # nothing for a while: a keep-alive
+                        yield events.PING
+                        continue
+                    # (a piece may hold several events: an error comes with its [DONE])
+                    for data in _sse_data(piece):
+                        if done := data == "[DONE]":
+                            break
+                        chunk = json.loads(data)
+                        if chunk.get("error"):
+                            failed.append(chunk["error"])
+                            for ev in events.fail(chunk["error"].get("message") or "the request failed"):
+                                yield ev
+                            return
+                        for ev in events.chunk(chunk):
+                            yield ev
+                    if done:
+                        break
+            except Exception as e:  # noqa: BLE001 - a client waits for the stream's last event: it gets one
+                log.exception("stream of %s failed", type(events).__name__)
+                failed.append({"message": _error_text(e), "code": ENGINE_FAILURE})
+                for ev in events.fail(_error_text(e)):
+                    yield ev
+                return
+        for ev in events.end():
+            yield ev
+
+    async def _late_view(self, pending: asyncio.Future, events: ChunkEvents) -> AsyncIterator[str]:
+        """``_chat_view``'s stream started before its first token: pings until the chat route answers."""
+        taken = False
+        try:
+            for ev in events.start():
+                yield ev
+            while not (await asyncio.wait({pending}, timeout=self.first_token_ping_s))[0]:
+                yield events.PING
+            try:
+                answer = pending.result()
+            except ApiError as e:
+                for ev in events.fail(e.message):
+                    yield ev
+                return
+            except Exception as e:  # noqa: BLE001 - a client waits for the stream's last event: it gets one
+                log.exception("stream of %s failed", type(events).__name__)
+                for ev in events.fail(_error_text(e)):
+                    yield ev
+                return
+            taken = True
+            async with contextlib.aclosing(self._translated(answer, events, True, [], started=True)) as translated:
+                async for ev in translated:
+                    yield ev
+        finally:
+            if not pending.done():
+                pending.cancel()  # the client left while it waited: its requests end
+            elif not taken and not pending.cancelled() and pending.exception() is None:
+                await pending.result().body_iterator.aclose()  # (left as the answer came)
 
     def _thinking_mode(self, ids: list[int], params: dict[str, Any]) -> str | None:
         """How a chat answer starts (app.reasoning.start_mode) under the reasoning parser, from the end of

@@ -32,6 +32,10 @@ class FakeIngress:
     async def _choices(self, jobs, n, stream, prompt_only=False):
         return [(dict(TOKEN), _rest())]
 
+    _translated = staticmethod(Cls._translated)
+    _late_view = Cls._late_view
+    first_token_ping_s = Cls.first_token_ping_s
+
 
 class _Answering(FakeIngress):
     """A stand-in whose one choice answers these token texts, then ends with ``finish``; its events count
@@ -237,3 +241,44 @@ def test_a_streamed_chats_log_probs_go_with_the_chunk_that_sends_their_tokens_te
     sent = [(c["choices"][0]["delta"].get("content"), [e["token"] for e in c["choices"][0]["logprobs"]["content"]])
             for c in response_events(response)[1:] if c != "[DONE]" and c["choices"][0]["logprobs"]]
     assert sent == [("He", ["He"]), (" wo", [" wo"]), ("rld?", ["rld", "?"])]
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_a_translated_stream_starts_and_pings_while_its_first_token_is_slow(api):
+    # it sent no byte until the first token: a long prefill behind a proxy that cuts idle streams (nginx's
+    # 60 s) ended in a 504, where the README promised pings
+    import deployments.ingress as ingress
+    from app.messages_api import MessageEvents
+    from app.responses_api import ResponseEvents, ResponsesRequest
+
+    class Slow(_Answering):
+        first_token_ping_s = 0.05
+
+        def __init__(self, refuse: bool = False):
+            super().__init__(["Hi", " there"], "stop")
+            self.refuse = refuse
+
+        async def _chat(self, req, default):
+            await asyncio.sleep(0.3)  # a long prefill
+            if self.refuse:
+                raise ingress.ApiError(422, "refused late")
+            return await Cls._openai_stream(self, [([1, 2, 3], {"logprobs": False})], "chat-1", 0,
+                                            "chat.completion.chunk", req, [""])
+
+    def read(fake) -> list:
+        events = (MessageEvents("msg_1", "m", 10) if api == "messages" else
+                  ResponseEvents(ResponsesRequest.model_validate({"input": "hi", "stream": True}), "resp_1", 0, "m"))
+
+        async def go():  # (one loop: the chat route's answer is awaited while the stream is read)
+            response = await Cls._chat_view(fake, {"messages": [{"role": "user", "content": "hi"}]}, 10, events, True)
+            return "".join([piece async for piece in response.body_iterator])
+        return asyncio.run(go()).split("\n\n")
+
+    pieces = read(Slow())
+    first = "message_start" if api == "messages" else "response.created"
+    assert first in pieces[0]
+    pings = [p for p in pieces if "ping" in p]
+    assert len(pings) >= 3 and pieces.index(pings[0]) < min(i for i, p in enumerate(pieces) if "Hi" in p)
+    assert ("message_stop" if api == "messages" else "response.completed") in pieces[-2]
+    refused = read(Slow(refuse=True))  # a refusal after the stream started: its error event ends it
+    assert "refused late" in refused[-2] and first in refused[0]
