@@ -1626,9 +1626,13 @@ class Ingress:
                             if piece else []  # (none at all where the answer never ended its thinking)
                         named_sent[i] = named_sent[i] or bool(deltas)
                     elif calls[i] is not None:
+                        past_args = calls[i].state in ("tail", "done")  # (a call's end: its closing tag)
                         deltas = calls[i].feed(piece) + (calls[i].finish() if ev["finished"] else [])
                         if req.parallel_tool_calls is False:  # one call at most: the later ones are not sent
-                            deltas = [d for d in deltas if all(c["index"] == 0 for c in d.get("tool_calls", ()))]
+                            kept = [d for d in deltas if all(c["index"] == 0 for c in d.get("tool_calls", ()))]
+                            past_args, deltas = past_args or len(kept) < len(deltas), kept
+                        if past_args and not deltas:  # a call's end, or a call not sent: its tokens are not
+                            unsent[i] = []  # the log-probs of the text after it
                     else:
                         deltas = [{"content": piece}] if piece else []
                     for delta in deltas:

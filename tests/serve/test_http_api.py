@@ -745,7 +745,7 @@ def test_best_of_answers_with_the_likeliest_sequences(client):
     # a prompt never seen: nothing was cached for the request, whichever draw wins (the later draws find the
     # first one's prompt: the answer said their find when one of them won, 2 times in 3)
     for k in range(4):
-        fresh = {"inputs": f"Best of, never seen before, number {k} of four: " + "Omicron " * 8,
+        fresh = {"inputs": f"{k} of four, best of, never seen before: " + "Omicron " * 8,
                  "parameters": {"max_new_tokens": 3, "do_sample": True, "best_of": 3, "details": True}}
         assert client.post("/generate", json=fresh).json()["details"]["cached_tokens"] == 0
 

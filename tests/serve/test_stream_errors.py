@@ -282,3 +282,31 @@ def test_a_translated_stream_starts_and_pings_while_its_first_token_is_slow(api)
     assert ("message_stop" if api == "messages" else "response.completed") in pieces[-2]
     refused = read(Slow(refuse=True))  # a refusal after the stream started: its error event ends it
     assert "refused late" in refused[-2] and first in refused[0]
+
+
+def test_a_calls_own_tokens_do_not_ride_with_the_text_after_it():
+    # the tokens that end a call (its closing tag) make no delta of their own: their log-probs went out
+    # with the next text's, and with parallel_tool_calls false a whole dropped call's did (the Responses
+    # message after a call then carried ~80 log-probs for 6 characters)
+    texts = ["OK.", " ", "<tool_call>", '{"name": "f", "arguments": ', '{"a": 1}', "}", "</tool_call>", " then",
+             "<tool_call>", '{"name": "f", "arguments": {"a": 2}}', "</tool_call>"]
+
+    class Calling(_Answering):
+        _oai_logprobs = Cls._oai_logprobs
+        _token_bytes = staticmethod(lambda t: [])
+        _token_text = staticmethod(str)
+
+    fake = Calling(texts, "stop")
+    for ev in fake.events:
+        ev["logprob"] = -1.0
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    req = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True, tools=tools, logprobs=True,
+                      parallel_tool_calls=False)
+    response = asyncio.run(Cls._tool_stream(fake, req, [([1, 2, 3], {"logprobs": True})], "chat-1", 0, 0))
+    sent = [e["choices"][0] for e in response_events(response) if e != "[DONE]" and e["choices"]]
+    then = next(c for c in sent if c["delta"].get("content", "").endswith(" then"))
+    assert [t["token"] for t in then["logprobs"]["content"]] == ["17"]  # its own token (ids count from 10)
+    (call,) = [c for c in sent if c["delta"].get("tool_calls")]
+    assert [t["token"] for t in call["logprobs"]["content"]] == ["11", "12", "13", "14"]  # (its text: the call's)
+    later = [t["token"] for c in sent[sent.index(then) + 1:] for t in (c["logprobs"] or {}).get("content", ())]
+    assert later == []  # the dropped call's are nobody's
