@@ -43,7 +43,7 @@ def ingress(cached: list[int] | None = None):
 
     drawn: dict[tuple, int] = {}  # choices started per prompt so far
 
-    async def stream(ids, params, aborts=None):  # (Serve's calls; _choices is the ingress's own)
+    async def stream(ids, params, aborts=None, sibling=False):  # (Serve's calls; _choices is the ingress's own)
         j = drawn[tuple(ids)] = drawn.get(tuple(ids), -1) + 1
         events = [{"token_id": t, "text": chr(t), "logprob": -1.0 + j * 0.1, "top_logprobs": [], "text_offset": i,
                    "finished": i == last, "finish_reason": "length" if i == last else None, "stop_reason": None,

@@ -49,7 +49,7 @@ def test_streamed_text_offsets_never_pass_the_text_a_stop_string_cut():
                "finished": i == 6, "finish_reason": "stop" if i == 6 else None, "replica": "A"}
               for i, t in enumerate(texts)]
 
-    async def stream(ids, params, aborts=None):
+    async def stream(ids, params, aborts=None, sibling=False):
         async def rest():
             for ev in events[1:]:
                 yield ev
@@ -92,7 +92,7 @@ def test_choices_that_started_end_at_once_when_a_later_one_is_refused():
     ing = Tokens(sentencepiece_like())
     aborted, calls = [], []
 
-    async def stream(ids, params, aborts=None):
+    async def stream(ids, params, aborts=None, sibling=False):
         calls.append(params["seed"])
         if params["seed"] == 12:  # the third choice: refused after the fourth has started
             await asyncio.sleep(0.05)
@@ -104,7 +104,7 @@ def test_choices_that_started_end_at_once_when_a_later_one_is_refused():
         return {"token_id": 1}, rest()
 
     ing._stream = stream
-    ing._stream_alone = lambda ids, params, aborts: stream(ids, params, aborts)
+    ing._stream_alone = lambda ids, params, aborts, sibling=False: stream(ids, params, aborts, sibling)
     try:
         asyncio.run(ing._choices([([1], {"seed": 10})], 4, stream=True))
         raise AssertionError("the refusal did not reach the caller")
