@@ -274,7 +274,8 @@ class Settings(BaseModel):
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return Path(self.model_id).name if self.model_id else "radixserve-tiny"
+        # (the resolved folder's name: `--model-id .` run inside the model's folder named it "")
+        return Path(os.path.abspath(Path(self.model_id).expanduser())).name if self.model_id else "radixserve-tiny"
 
     def cache_namespace(self) -> str:
         """What seeds the block hashes and names the hot-prefix directory's entries: the served name, and

@@ -139,13 +139,16 @@ def _first_line(e: Exception) -> str:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The safetensors files transformers loads: the shards the index names when there is one (a file
-    beside them, from an older revision, is not read), else every one in the folder."""
+    """The safetensors files transformers loads, in its order: ``model.safetensors`` when there is one (an
+    index beside it, left by a sharded save before, is not read), else the shards the index names (a
+    file beside them, from an older revision, is not read), else every one in the folder."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no .safetensors weights")
     index = path / "model.safetensors.index.json"
-    if index.is_file():
+    if (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    elif index.is_file():
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
         except (ValueError, KeyError, TypeError, AttributeError) as e:

@@ -105,6 +105,24 @@ def test_broken_weight_files_are_refused_before_loading(tiny_folder):
         check_model_folder(str(tiny_folder))
 
 
+def test_a_single_weights_file_wins_over_a_stale_shard_index_as_in_transformers(tiny_folder):
+    # a folder saved sharded, then saved whole: transformers deletes the old shards but leaves their index,
+    # and loads model.safetensors; the index was read first here, and the folder refused
+    from engine.model_loader import weight_files
+
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (tiny_folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert weight_files(tiny_folder) == [tiny_folder / "model.safetensors"]
+    check_model_folder(str(tiny_folder))
+
+
+def test_a_model_folder_given_as_dot_is_served_under_its_own_name(tiny_folder, monkeypatch):
+    from app.config import Settings
+
+    monkeypatch.chdir(tiny_folder)
+    assert Settings(model_id=".").model_name() == Settings(model_id="./").model_name() == "m"  # was ""
+
+
 def test_a_checkpoint_missing_tensors_is_refused_not_filled_with_random_values(tiny_folder):
     weights = tiny_folder / "model.safetensors"
     tensors = {k: v.clone() for k, v in load_file(weights).items()}  # not views of the file we rewrite
