@@ -113,6 +113,8 @@ _BYTE_DECODER = _byte_level_table()
 
 
 def _sanitize_option(tokenizer) -> dict[str, bool]:
+    """``apply_chat_template``'s option that encodes control tokens typed into messages as text (and the
+    tokenizer's control tokens for it, where its files do not list them)."""
     try:
         has = "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters
     except (TypeError, ValueError):
@@ -120,7 +122,18 @@ def _sanitize_option(tokenizer) -> dict[str, bool]:
     if not has:
         log.warning("this transformers cannot tell a chat message's text from control tokens: a user can "
                     "type a turn boundary; upgrade transformers")
-    return {"sanitize_control_tokens": True} if has else {}
+        return {}
+    if getattr(tokenizer, "chat_control_tokens", None) is None:
+        # transformers takes every added token its template names for a control token, the thinking tags
+        # included; marked in a message, they break the template's own string work on them (Qwen3 splits an
+        # answer at "</think>" and strips the newlines after it: a history's answers kept two), and an
+        # assistant prefill could not open a thought. The tags are the answer's text, not turn boundaries:
+        # the other tokens stay control tokens (special tokens always are)
+        template = str(getattr(tokenizer, "chat_template", None) or "")
+        tokenizer.chat_control_tokens = [
+            t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+            if not t.special and t.content in template and not t.content.isspace() and t.content not in (START, END)]
+    return {"sanitize_control_tokens": True}
 
 
 def _anchor_token(tokenizer, byte_level: bool) -> int | None:
@@ -988,8 +1001,8 @@ class Ingress:
         aborts: list = []
 
         def start(ids: list[int], params: dict[str, Any], alone: bool, sibling: bool = False):
-            return (self._stream_alone(ids, params, aborts, sibling) if alone
-                    else self._stream(ids, params, aborts, sibling))
+            return (self._stream_alone(ids, params, aborts, sibling=sibling) if alone
+                    else self._stream(ids, params, aborts, sibling=sibling))
 
         try:
             firsts = await _all(start(ids, ps[0], len(jobs) > 1) for (ids, _), ps in zip(jobs, each, strict=True))
@@ -1011,7 +1024,7 @@ class Ingress:
         it: a second call routed while one with its id is pending is never assigned a replica."""
         ctx = serve_context._get_serve_request_context()
         serve_context._serve_request_context.set(replace(ctx, _internal_request_id=uuid.uuid4().hex))
-        return await self._stream(ids, params, aborts, sibling)
+        return await self._stream(ids, params, aborts, sibling=sibling)
 
     async def _drain(self, first: dict, rest: AsyncIterator[dict]) -> list[dict]:
         events = [first]
