@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Any
 
 import torch
 
@@ -80,9 +81,10 @@ class Guides:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
         self._ll_tokenizer, self._problem = None, None
         self._tokenizer = tokenizer
-        # guides checked lately -> their grammar: a request's is checked as it arrives and again as its
-        # matcher is made, and clients send the same schema request after request
-        self._checked: dict[tuple[str, str], str] = {}
+        # guides checked lately -> their compiled matcher, in its start state: a request's guide is checked
+        # as it arrives, and its matcher is a copy of it (compiling a large schema takes a second or more,
+        # which the engine thread would spend again for each request of it, holding every other one)
+        self._checked: dict[tuple[str, str], Any] = {}
         # checks run in the replica's validation threads and in the engine's thread: one at a time in here
         self._checked_lock = threading.Lock()
         try:
@@ -91,9 +93,10 @@ class Guides:
         except Exception as e:  # noqa: BLE001 - llguidance reads fast (tokenizers) tokenizers only
             self._problem = f"guided decoding cannot read this model's tokenizer: {_first_line(e)}"
 
-    def check(self, kind: str, text: str) -> str:
-        """The guide's grammar, checked against this model's tokenizer (``GuideError``: why it cannot be
-        used). Reads only: safe beside the engine's thread, so a bad guide is refused before it is queued."""
+    def check(self, kind: str, text: str):
+        """The guide's matcher in its start state (not to be advanced: ``matcher`` copies it), compiled and
+        checked against this model's tokenizer (``GuideError``: why it cannot be used). Safe beside the
+        engine's thread, so a bad guide is refused before it is queued."""
         key = (kind, text)
         with self._checked_lock:
             if (known := self._checked.pop(key, None)) is not None:
@@ -113,8 +116,8 @@ class Guides:
         with self._checked_lock:  # (compiled outside it: two threads may check one new guide at once)
             if key not in self._checked and len(self._checked) >= CHECKED_GUIDES:
                 self._checked.pop(next(iter(self._checked)))  # (the least recently used; a dict keeps its order)
-            self._checked[key] = grammar
-        return grammar
+            self._checked[key] = first
+        return first
 
     def _spelt(self, matcher, text: str) -> list[int] | None:
         """``text`` spelt out in tokens (no added tokens), where a guide's parser state may go on with it."""
@@ -147,7 +150,7 @@ class Guides:
 
     def matcher(self, kind: str, text: str):
         """A fresh parser state for one request's guide."""
-        m = _llguidance().LLMatcher(self._ll_tokenizer, self.check(kind, text))
+        m = self.check(kind, text).deep_copy()
         if m.is_error():
             raise GuideError(f"the {kind} guide cannot be used: {_first_line(m.get_error())}")
         return m

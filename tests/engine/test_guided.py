@@ -201,6 +201,9 @@ def _stub_guides(monkeypatch, size: int):
         def compute_bitmask(self):
             pass
 
+        def deep_copy(self):
+            return self
+
         def is_error(self):
             return False
 
@@ -220,6 +223,27 @@ def test_the_checked_guides_keep_the_ones_in_use(monkeypatch):
     for text in ("a", "b", "c", "a", "d"):  # "a" used again: "b" is the least recently used
         g.check("regex", text)
     assert list(g._checked) == [("regex", "c"), ("regex", "a"), ("regex", "d")]
+
+
+def test_a_guide_is_compiled_once_and_each_request_gets_a_copy(monkeypatch):
+    # each request's matcher compiled its schema again, on the engine thread: 1.5 s for a deeply nested one,
+    # every other request held meanwhile, and again at each request of it
+    g = _stub_guides(monkeypatch, 8)
+    made = []
+    stub = guided._llguidance().LLMatcher
+    monkeypatch.setattr(guided, "_llguidance", lambda: types.SimpleNamespace(
+        LLMatcher=type("Counted", (stub,), {"__init__": lambda self, *a: made.append(self)})))
+    g.check("regex", "a+")
+    copies = [g.matcher("regex", "a+") for _ in range(3)]
+    assert len(made) == 1 and all(isinstance(m, stub) for m in copies)
+
+
+def test_copies_of_one_guide_advance_apart(make_engine):
+    eng = make_engine("tiny")
+    a, b = (eng.guides.matcher("regex", "ab|ac") for _ in range(2))
+    x, y = (eng.tokenizer.encode(c, add_special_tokens=False) for c in ("a", "b"))
+    a.consume_tokens(x)
+    assert a.validate_tokens(y) == 1 and b.validate_tokens(y) == 0 and b.validate_tokens(x) == 1
 
 
 def test_guides_checked_from_several_threads_at_once_never_fail(monkeypatch):
