@@ -77,6 +77,19 @@ def json_text(value: Any) -> str | None:
     return text
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def is_json_object(text: str) -> bool:
+    """Whether ``text`` is a JSON object (Python's parser also takes NaN and Infinity, which JSON has not; a
+    number past a float's range, ``1e400``, is JSON, kept as written)."""
+    try:
+        return isinstance(json.loads(text, parse_constant=_no_constant), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
 def parse_required(text: str) -> list[ToolCall] | None:
     """The calls of a ``required`` answer (None: not a complete list of calls, e.g. cut by max_tokens)."""
     try:
@@ -149,11 +162,7 @@ def _call(obj: Any, names: set[str] | None, name: str | None = None) -> ToolCall
         return None
     args = obj.get("arguments", obj.get("parameters"))
     if isinstance(args, str):  # (written as a JSON string: its text, if it holds an object)
-        try:
-            parsed = json.loads(args)
-        except (ValueError, RecursionError):
-            return None
-        return ToolCall(obj["name"], _encodable(args)) if isinstance(parsed, dict) else None
+        return ToolCall(obj["name"], _encodable(args)) if is_json_object(args) else None
     text = json_text({} if args is None else args) if isinstance(args, (dict, type(None))) else None
     return None if text is None else ToolCall(obj["name"], text)
 

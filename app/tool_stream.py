@@ -25,6 +25,7 @@ from app.tool_calls import (
     PARSERS,
     PYTHON_TAG,
     ToolCall,
+    is_json_object,
     new_call_id,
     parse_required,
 )
@@ -101,6 +102,7 @@ class ToolCallStream:
         self.first = True  # the next head is its region's first
         self.in_list = parser == "required"
         self.args: JsonEnd | None = None
+        self.args_at = 0  # where the current call's arguments begin
         self.held_object: JsonEnd | None = None  # where a held Hermes block's JSON ends
         self.calls = 0
         self.cut = False  # the last call's arguments never ended
@@ -165,7 +167,7 @@ class ToolCallStream:
                 return self._to("held")
             self.in_list = self.in_list or (self.parser == "mistral" and named is None)
             self._call_start(name)
-            self.args, self.at, self.state = JsonEnd(args_at), args_at, "args"
+            self.args, self.at, self.state, self.args_at = JsonEnd(args_at), args_at, "args", args_at
             return True
         if self.in_list and not self.first and (end := _LIST_END.match(self.text, self.at)):
             self.in_list = False
@@ -193,7 +195,8 @@ class ToolCallStream:
         if end is None:
             self.cut = final
             return False
-        self.broken = self.broken or self.args.broken
+        # (balanced brackets are not JSON yet: NaN, 01, a trailing comma; such a call is no call to run)
+        self.broken = self.broken or self.args.broken or not is_json_object(self.text[self.args_at:end])
         self.args = JsonEnd(end, depth=1)  # the rest of the call's object (keys after its arguments too)
         self.state = "tail"
         return True

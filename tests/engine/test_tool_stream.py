@@ -172,6 +172,17 @@ def test_a_call_cut_short_stays_unfinished_and_the_finish_reason_says_so():
         s.feed(text)
         s.finish()
         assert s.finish_reason(engine) == engine
+    # balanced brackets that are no JSON: said complete (tool_calls), an agent loop ran them on a parse of
+    # its own ({"a": NaN} in Python, {} where a client read what it could)
+    for args in ("{\"a\": NaN}", "{\"a\": 01}", "{\"a\": 1,}", "{'a': True}", "{a: 1}", "{\"a\": \"x\ny\"}"):
+        for parser, text in [("hermes", f'<tool_call>{{"name": "add", "arguments": {args}}}</tool_call>'),
+                             ("llama3_json", f'{{"name": "add", "parameters": {args}}}'),
+                             ("required", f'[{{"name": "add", "parameters": {args}}}]')]:
+            assert read_answer(parser, text, NAMES)[2] is False, (parser, text)
+    assert read_answer("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1e400}}</tool_call>', NAMES)[2]
+    # written as a JSON string: the string's text must be a JSON object too (NaN made a call)
+    text = '<tool_call>{"name": "add", "arguments": "{\\"a\\": NaN}"}</tool_call>'
+    assert read_answer("hermes", text, NAMES)[1] == []
 
 
 def test_a_tag_named_in_prose_is_text_at_once():
