@@ -32,29 +32,54 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A function's parameters' schema as its arguments' guide: arguments are a JSON object, also where the
+    schema does not say so (``{"properties": ...}`` alone allowed 5 or a list)."""
+    params = dict(parameters or ANY_OBJECT)
+    params.setdefault("type", "object")
+    return params
+
+
 def named_schema(parameters: dict[str, Any] | None) -> str:
     """The guide of a call to one named function: its arguments, per its parameters' schema."""
-    return json.dumps(parameters or ANY_OBJECT)
+    return json.dumps(_arguments_schema(parameters))
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with its local ``$ref``s pointing into it from ``base`` (a JSON pointer of the whole
+    document), but those into its definitions, which move to the document's root."""
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebased(v, base) for k, v in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def required_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bool) -> str:
     """The guide of ``tool_choice: required``: a list of calls (one at least; one at most unless
-    ``parallel``), each a tool's name with arguments per its parameters' schema. The schemas' own
+    ``parallel``), each a tool's name with arguments per its parameters' schema. Each schema sits in the
+    root's ``$defs`` (its ``$ref``s to itself, ``#`` or ``#/properties/...``, rebased there); its own
     definitions (``$defs``, where pydantic puts nested models) move to the root, where their ``$ref``s
     point; two tools defining one name differently cannot share it (``ValueError``)."""
     defs: dict[str, Any] = {}
     calls = []
-    for name, params in tools:
-        params = dict(params or ANY_OBJECT)
+    for i, (name, params) in enumerate(tools):
+        params = _arguments_schema(params)
         for key in ("$defs", "definitions"):
             found = params.pop(key, None) or {}
             if not isinstance(found, dict):
                 raise ValueError(f"tool {name!r}: parameters.{key} must be an object")
             for def_name, schema in found.items():
+                schema = _rebased(schema, f"#/$defs/radixserve-tool-{i}")
                 if defs.setdefault(def_name, schema) != schema:
                     raise ValueError(f"tools define {def_name!r} differently: tool_choice required cannot hold both")
+        defs[f"radixserve-tool-{i}"] = _rebased(params, f"#/$defs/radixserve-tool-{i}")
         calls.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                      "properties": {"name": {"const": name}, "parameters": params}})
+                      "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/radixserve-tool-{i}"}}})
     root = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
     if defs:  # (both spellings of the refs find them)
         root["$defs"] = root["definitions"] = defs

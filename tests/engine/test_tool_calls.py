@@ -201,3 +201,28 @@ def test_a_lone_surrogate_a_model_escapes_in_its_arguments_stays_escaped():
     assert parse_hermes('<tool_call>{"name": "add", "arguments": {"s": "é"}}</tool_call>', NAMES)[1][0].arguments \
         == '{"s": "é"}'
     assert parse_required('[{"name": "add", "parameters": {"s": "\\udc00"}}]')[0].arguments == '{"s": "\\udc00"}'
+
+
+def test_required_and_named_guides_keep_each_tools_own_refs_and_object_arguments(make_engine):
+    # required put each tool's schema under the list's items: its "$ref": "#" (a tree) then meant the list,
+    # and "#/properties/a" nothing (a 400); a schema without "type" allowed arguments like 5
+    from app.tool_calls import named_schema
+
+    guides = make_engine("tiny").guides
+    tok = guides._tokenizer
+
+    def allows(schema: str, value) -> bool:
+        ids = tok.encode(json.dumps(value), add_special_tokens=False)
+        return guides.matcher("json", schema).validate_tokens(ids) == len(ids)
+
+    tree = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["v"]}
+    pointer = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}, "b": {"$ref": "#/properties/a"}}}
+    untyped = {"properties": {"city": {"type": "string"}}, "required": ["city"]}
+    required = required_schema([("tree", tree), ("p", pointer), ("n", untyped)], parallel=True)
+    assert allows(required, [{"name": "tree", "parameters": {"v": 1, "kids": [{"v": 2, "kids": []}]}}])
+    assert allows(required, [{"name": "p", "parameters": {"a": "xyz", "b": "abc"}}])
+    assert not allows(required, [{"name": "p", "parameters": {"a": "xyz", "b": "abcd"}}])
+    assert allows(required, [{"name": "n", "parameters": {"city": "Oslo"}}])
+    assert not allows(required, [{"name": "n", "parameters": 5}])
+    assert not allows(named_schema(untyped), 5) and allows(named_schema(untyped), {"city": "x"})
