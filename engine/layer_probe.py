@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import PROBE_KWARG
+from engine.model_support import binding_window
 
 
 def probe_layers(model, device: torch.device) -> dict[int, dict]:
@@ -33,7 +34,11 @@ def layer_problem(model, device: torch.device, windows: tuple[int | None, ...]) 
         return (f"{len(missing)} of its {len(windows)} layers (e.g. layer {missing[0]}) do not attend through the "
                 "engine's paged attention")
     for i, window in enumerate(windows):
-        if asked[i]["sliding_window"] != window:
+        if binding_window(asked[i]["sliding_window"], model.config) != window:
+            if asked[i]["sliding_window"] is None:
+                return (f"config.json sets a sliding window of {window} tokens that transformers' layer {i} does not "
+                        "pass to attention (it applies it through its own mask, or not at all): the engine cannot "
+                        "tell which, and serves neither")
             return (f"layer {i} attends with sliding_window={asked[i]['sliding_window']} in transformers, where the "
                     f"engine reads {window} from config.json")
     return None

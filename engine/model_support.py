@@ -44,7 +44,14 @@ def _window(config) -> int | None:
     window = getattr(config, "sliding_window", None)
     if window is None or getattr(config, "use_sliding_window", True) is False:
         return None
-    return int(window)
+    return binding_window(int(window), config)
+
+
+def binding_window(window: int | None, config) -> int | None:
+    """A window that masks something: one as long as the model's context (Phi-3.5-MoE's 131072, Phi-3's
+    262144) lets every query see every key the engine serves it, as no window does."""
+    context = model_context(config)
+    return None if window is None or (context is not None and window >= context) else window
 
 
 def layer_windows(config, num_layers: int) -> tuple[int | None, ...]:

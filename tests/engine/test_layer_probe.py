@@ -38,9 +38,12 @@ def test_a_window_transformers_never_applies_is_refused(tmp_path):
     folder = write_model(tmp_path / "m", "tiny")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 24}))
-    with pytest.raises(UnsupportedModel, match="layer 0 attends with sliding_window=None in transformers, where "
-                                               "the engine reads 24"):
+    with pytest.raises(UnsupportedModel, match="config.json sets a sliding window of 24 tokens that transformers' "
+                                               "layer 0 does not pass to attention"):
         _engine(folder)
+    # one as long as the context masks nothing: served (every replica refused Phi-3.5-MoE's 131072)
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": config["max_position_embeddings"]}))
+    assert _engine(folder).window is None
 
 
 def test_a_layer_that_attends_on_its_own_is_refused(tmp_path):
