@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import logging
@@ -19,6 +20,7 @@ from engine.model_support import (
     head_dim,
     kv_heads,
     layer_windows,
+    quantizes_weights,
     sliding_window,
     unsupported_type,
 )
@@ -230,6 +232,18 @@ def _missing_message(path: Path, missing: list[str]) -> str:
             "a partial or mismatched checkpoint")
 
 
+def _plain_weights_config(config):
+    """``config`` as transformers is to load the weights: a quantization_config that names only fp8 KV-cache
+    scales (llm-compressor's ``kv_cache_scheme``) left out, as the weights are plain and the engine reads
+    the scales itself; kept, it had transformers ask for the compressed-tensors package, which it lacks."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None or quantizes_weights(quant):
+        return config
+    plain = copy.deepcopy(config)
+    del plain.quantization_config
+    return plain
+
+
 def load_model(model_id: str, device: str = "auto", dtype: str = "auto",
                attn_implementation: str | None = None) -> LoadedModel:
     """Load from a local folder with ``config.json``, safetensors weights and a tokenizer."""
@@ -243,8 +257,9 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto",
         # swaps layers for kernels fetched from the Hub on CUDA by default: a download at load time, which
         # fails offline, and layers that are not the checkpoint's own code
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=dt, attn_implementation=attn_implementation, output_loading_info=True,
-            device_map=load_device_map(dev), use_kernels=False)
+            path, config=_plain_weights_config(config), local_files_only=True, dtype=dt,
+            attn_implementation=attn_implementation, output_loading_info=True, device_map=load_device_map(dev),
+            use_kernels=False)
         missing = sorted(info.get("missing_keys") or ())
         if missing:  # transformers would fill them with random values and serve that
             raise ModelLoadError(_missing_message(path, missing))

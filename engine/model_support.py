@@ -110,7 +110,7 @@ def unsupported_type(kind) -> str:
             "architectures need attention features it does not implement")
 
 
-def _quantizes_weights(quant) -> bool:
+def quantizes_weights(quant) -> bool:
     """False for a quantization_config that only names fp8 KV-cache scales (llm-compressor's
     ``kv_cache_scheme`` with no weight groups): the weights are plain, the scales the engine's to read."""
     q = quant if isinstance(quant, dict) else getattr(quant, "to_dict", lambda: {})()
@@ -123,7 +123,7 @@ def unsupported(config, max_total_tokens: int | None = None) -> str | None:
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED:
         return unsupported_type(kind)
-    if (quant := getattr(config, "quantization_config", None)) and _quantizes_weights(quant):
+    if (quant := getattr(config, "quantization_config", None)) and quantizes_weights(quant):
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
         # transformers would need the method's own kernels, and none is checked against this engine
         return (f"quantized weights (quantization_config: {method or 'unknown'}) are not supported: serve the "

@@ -187,6 +187,13 @@ def test_tensor_names_are_checked_from_the_headers_as_transformers_would_load_th
               for k in ("k_scale", "v_scale")}
     save_file({**tensors, **scales}, weights, metadata={"format": "pt"})
     load_model(str(tiny_folder))
+    # and so declared in config.json, as llm-compressor writes it: it loads (transformers asked for the
+    # compressed-tensors package, which it only needs for quantized weights, in every replica)
+    kv_only = {"quant_method": "compressed-tensors", "config_groups": {},
+               "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}
+    (tiny_folder / "config.json").write_text(json.dumps({**config, "quantization_config": kv_only}))
+    assert load_model(str(tiny_folder)).config.quantization_config["kv_cache_scheme"]["num_bits"] == 8
+    (tiny_folder / "config.json").write_text(json.dumps(config))
     save_file({**tensors, "model.layers.0.self_attn.q_proj.bias": torch.zeros(4)}, weights, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="1 tensors the model has no place for .e.g. model.layers.0.self_attn.q_proj.bias"):
         load_model(str(tiny_folder))
