@@ -23,7 +23,7 @@ def request_limits(max_input_tokens: int | None, max_total_tokens: int | None, c
     context or the pool, or leave no room to generate. Without a context or a pool: 4096."""
     if max_total_tokens and context and max_total_tokens > context:
         raise ConfigError(f"max_total_tokens ({max_total_tokens}) is more than the model's context ({context} tokens, "
-                          "max_position_embeddings)")
+                          "max_position_embeddings or what its YaRN RoPE scaling reaches)")
     if max_total_tokens and pool_tokens and max_total_tokens > pool_tokens:
         raise ConfigError(f"max_total_tokens ({max_total_tokens}) is more than the KV pool holds ({pool_tokens} tokens, "
                           "max_batch_total_tokens in whole blocks): such a request could never run")

@@ -16,10 +16,10 @@ LAYER_KINDS = ("full_attention", "sliding_attention")  # config.json layer_types
 LONGROPE = ("longrope", "su")  # "su": its older name in Phi-3 configs
 
 
-def rope_type(config) -> str | None:
-    """The RoPE scaling type (transformers 5 keeps it in ``rope_parameters``, older configs in
-    ``rope_scaling``; models whose layers differ, such as Gemma 3, keep one per layer kind); None for
-    plain RoPE."""
+def _rope_scaling(config) -> dict:
+    """The parameters of the model's RoPE scaling (transformers 5 keeps them in ``rope_parameters``, older
+    configs in ``rope_scaling``; models whose layers differ, such as Gemma 3, keep one set per layer kind);
+    empty for plain RoPE."""
     for name in ("rope_parameters", "rope_scaling"):
         params = getattr(config, name, None)
         if not isinstance(params, dict):
@@ -28,8 +28,14 @@ def rope_type(config) -> str | None:
         for p in per_kind or [params]:
             kind = p.get("rope_type") or p.get("type")
             if kind and kind != "default":
-                return str(kind)
-    return None
+                return p
+    return {}
+
+
+def rope_type(config) -> str | None:
+    """The RoPE scaling type; None for plain RoPE."""
+    p = _rope_scaling(config)
+    return str(p.get("rope_type") or p.get("type")) if p else None
 
 
 def kv_heads(config) -> int:
@@ -76,8 +82,14 @@ class UnsupportedModel(ConfigError):
 
 
 def model_context(config) -> int | None:
-    """The longest sequence the model was built for (``max_position_embeddings``), if it says."""
+    """The longest sequence the model was built for (``max_position_embeddings``), if it says; with YaRN
+    RoPE scaling, what the scaling reaches (its original context times its factor, as vLLM takes it: Qwen3
+    says 40960 positions and, with the YaRN its card gives, serves 131072). YaRN's frequencies are fixed,
+    so a position past ``max_position_embeddings`` is computed as any other."""
     n = getattr(config, "max_position_embeddings", None)
+    p = _rope_scaling(config)
+    if (p.get("rope_type") or p.get("type")) == "yarn" and p.get("original_max_position_embeddings") and p.get("factor"):
+        n = max(int(n or 0), int(p["original_max_position_embeddings"] * p["factor"]))
     return int(n) if n else None
 
 

@@ -167,3 +167,26 @@ def test_batched_cache_hits_beside_decodes_and_a_fresh_prompt_match_hf(preset, m
         mine = torch.stack(eng.capture_logits[rid]).cpu()
         assert (mine - ref_logits).abs().max().item() < TOL
         assert mine.argmax(-1).tolist() == ref_tokens
+
+
+def test_yarn_rope_serves_past_max_position_embeddings_as_transformers_computes(tmp_path):
+    # Qwen3 says 40960 positions and, with the YaRN its card gives (factor 4 over 32768), serves 131072: its
+    # context was taken as max_position_embeddings, and the longer requests refused
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.model_init import write_model
+
+    folder = write_model(tmp_path / "yarn", "tiny")
+    config = json.loads((folder / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40, "rope_parameters": yarn,
+                                                    "rope_scaling": yarn}))
+    eng = LLMEngine(EngineConfig(model_id=str(folder), max_batch_total_tokens=1024))
+    assert eng.max_total_tokens == 128  # 32 x 4, where max_position_embeddings says 40
+    hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", use_kernels=False).eval()
+    prompt = prompts(eng.vocab_size)[0][:60]  # past 40 positions before it generates
+    assert_matches_hf(eng, hf, [prompt], n=40)
