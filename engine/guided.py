@@ -51,12 +51,15 @@ def grammar_text(kind: str, text: str) -> str:
             raise GuideError("the choice guide must be a non-empty list of strings")
         if kind == "json" and not isinstance(value, dict):
             raise GuideError("the JSON schema must be an object")
-        if kind == "json" and "x-guidance" not in value:
-            # separators as Python's json.dumps writes them and no other whitespace between tokens:
-            # flexible whitespace lets a model pad its answer with newlines up to its token limit, a
-            # known failure of JSON modes
-            text = json.dumps({**value, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
-                                                       "key_separator": ": "}})
+        if kind == "json":
+            value = _loosened(value)
+            if "x-guidance" not in value:
+                # separators as Python's json.dumps writes them and no other whitespace between tokens:
+                # flexible whitespace lets a model pad its answer with newlines up to its token limit, a
+                # known failure of JSON modes
+                value = {**value, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                                                 "key_separator": ": "}}
+            text = json.dumps(value)
     llg = _llguidance()
     try:
         grammar = llg.grammar_from("json_schema" if kind == "json" else kind, text)
@@ -66,6 +69,31 @@ def grammar_text(kind: str, text: str) -> str:
     if problem:
         raise GuideError(f"the {kind} guide cannot be compiled: {_first_line(problem)}")
     return grammar
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_VALUES = ("const", "enum", "default", "examples")  # data, not schemas: kept as they are
+WIDEST_BOUND = 2**63 - 2  # past it llguidance cannot write a number range (int64's bounds, 1e20, float32's)
+
+
+def _loosened(schema):
+    """A JSON schema as llguidance compiles it: a numeric bound past ``WIDEST_BOUND`` (int64's, as OpenAPI
+    tools declare them) left out, as no answer comes near it, and a count written as a float (5.0) as the
+    integer it is. llguidance refused both: a valid tool was a 400. Data (``const``, ``enum``) is kept."""
+    if isinstance(schema, list):
+        return [_loosened(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, v in schema.items():
+        numeric = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if key in _BOUNDS and numeric and abs(v) > WIDEST_BOUND:
+            continue
+        if key in _COUNTS and isinstance(v, float) and v.is_integer():
+            v = int(v)
+        out[key] = v if key in _VALUES else _loosened(v)
+    return out
 
 
 def _first_line(e: object) -> str:

@@ -238,6 +238,24 @@ def test_a_guide_is_compiled_once_and_each_request_gets_a_copy(monkeypatch):
     assert len(made) == 1 and all(isinstance(m, stub) for m in copies)
 
 
+def test_schemas_with_int64_bounds_or_float_counts_compile_and_keep_their_data(make_engine):
+    # OpenAPI tools declare int64 bounds; llguidance cannot write those ranges (nor 1e20's), and wants its
+    # counts as integers: valid schemas were a 400
+    from engine.guided import _loosened
+
+    guides = make_engine("tiny").guides
+    for schema in ({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}, {"type": "number", "maximum": 1e20},
+                   {"type": "object", "properties": {"n": {"type": "number", "minimum": -3.4e38}}},
+                   {"type": "string", "maxLength": 5.0}):
+        guides.check("json", json.dumps(schema))
+    kept = {"type": "object", "properties": {"maximum": {"type": "integer", "maximum": 9}},
+            "const": {"maximum": 1e30}, "enum": [{"maxLength": 5.0}]}
+    assert _loosened(kept) == kept
+    m = guides.matcher("json", json.dumps({"type": "string", "maxLength": 2.0}))
+    ids = guides._tokenizer.encode('"abc"', add_special_tokens=False)
+    assert m.validate_tokens(ids) < len(ids)  # the count still holds
+
+
 def test_copies_of_one_guide_advance_apart(make_engine):
     eng = make_engine("tiny")
     a, b = (eng.guides.matcher("regex", "ab|ac") for _ in range(2))
