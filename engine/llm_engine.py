@@ -446,8 +446,10 @@ class LLMEngine:
                     if not ok:  # (a tag of several tokens, whose last one wrote more: its answer is not guided)
                         log.warning("request %s: the text after %r is not what its guide allows: %r",
                                     seq.request_id, p.guide_after, tail[:40])
-            # stop strings count from min_tokens on (as in vLLM), and only ones this token completes
-            if len(seq.output_ids) >= p.min_tokens and (stop_reason := find_stop(seq, before)):
+            # stop strings count past min_tokens (as in vLLM: the token after the min_tokens-th may complete one
+            # that began before, as an ending token may come there at the earliest), and only ones this
+            # token completes
+            if len(seq.output_ids) > p.min_tokens and (stop_reason := find_stop(seq, before)):
                 reason, by_string = "stop", True
         by_guide = reason is None and guide_done  # (an EOS or stop token that ended the guide is no text)
         if by_guide:

@@ -302,7 +302,7 @@ def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(make_engine):
     # a stop string is not looked for before min_tokens ("A" is token 65: every token is one)
     text, last = _stream(eng, PROMPT, SamplingParams(max_new_tokens=10, ignore_eos=True, logit_bias={65: 100.0},
                                                      stop=["A"], min_tokens=3))
-    assert last.finish_reason == "stop" and text == "AA"  # found in the third token's text, cut before it
+    assert last.finish_reason == "stop" and text == "AAA"  # found in the fourth token's, as a stop token would be
     with pytest.raises(RequestError, match="min_tokens"):
         eng.add_request(PROMPT, SamplingParams(max_new_tokens=3, min_tokens=4))
 
@@ -353,10 +353,13 @@ def test_stop_strings_count_only_once_min_tokens_is_reached(make_engine):
     # "AB" is complete at the third token, before min_tokens: it does not count then, nor later (vLLM's
     # rule); the whole text comes out (it used to end as "xA", with part of the stop string sent)
     assert _feed(eng, list(b"xABCDEFG"), stop=["AB"], min_tokens=4) == ("xABCDEFG", "length")
-    # one that the min_tokens-th token completes does, though it began before
-    assert _feed(eng, list(b"xyzABCDE"), stop=["AB"], min_tokens=5) == ("xyz", "stop")
-    assert _feed(eng, list(b"xyzABCDE"), stop=["AB"], min_tokens=5, include_stop_str_in_output=True) == (
+    # one that the token after the min_tokens-th completes does, though it began before; the min_tokens-th
+    # cannot end the answer, as an ending token cannot be drawn there (vLLM's rule: its stop strings count
+    # once the answer has more tokens than min_tokens)
+    assert _feed(eng, list(b"xyzABCDE"), stop=["AB"], min_tokens=4) == ("xyz", "stop")
+    assert _feed(eng, list(b"xyzABCDE"), stop=["AB"], min_tokens=4, include_stop_str_in_output=True) == (
         "xyzAB", "stop")
+    assert _feed(eng, list(b"xyzABCDE"), stop=["AB"], min_tokens=5) == ("xyzABCDE", "length")
 
 
 def test_text_is_held_back_for_a_stop_string_only_where_the_stop_string_would_be_cut():
