@@ -40,11 +40,25 @@ def _context_counts(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
     return counts
 
 
-def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+def _adjust(row: torch.Tensor, seq: Sequence, keep_raw: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The request's logits as it samples from them, in vLLM's order: its guide's mask, then
+    ``logit_bias``, the penalties (so a bias is scaled by the repetition penalty, as in vLLM), the allowed
+    ids, the bad words and the ending tokens held back; and (``keep_raw``) the logits under the guide's
+    mask alone, whose log-probabilities the OpenAI routes report (vLLM's default, ``raw_logprobs``)."""
     # (the small index tensors go to the device pinned and asynchronous: made there from a list, each
     # was a blocking copy that waited for the step's kernels, several per row on a GPU)
     p = seq.params
     row = row.clone()
+    if seq.matcher is not None and seq.guide_wait != "marker":  # only what its guide allows next (not in thought)
+        opener = p.guide_opener if seq.guide_wait == "opener" else None
+        kept = row[opener].clone() if opener is not None else None
+        row = mask_disallowed(row, seq.matcher)
+        if kept is not None:  # (the first token may open the thinking instead)
+            row[opener] = kept
+    raw = row.clone() if keep_raw else None
+    if p.logit_bias:
+        ids = _to_device(torch.tensor(list(p.logit_bias), dtype=torch.long), row.device)
+        row[ids] += _to_device(torch.tensor(list(p.logit_bias.values()), dtype=row.dtype), row.device)
     per_context = p.frequency_penalty_per_context
     if p.repetition_penalty != 1.0 or (p.frequency_penalty and per_context):
         counts = _context_counts(seq, row)
@@ -60,18 +74,9 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         ids = _to_device(torch.tensor(list(counts), dtype=torch.long), row.device)
         n = _to_device(torch.tensor(list(counts.values()), dtype=row.dtype), row.device)
         row[ids] -= frequency * n + p.presence_penalty
-    if p.logit_bias:
-        ids = _to_device(torch.tensor(list(p.logit_bias), dtype=torch.long), row.device)
-        row[ids] += _to_device(torch.tensor(list(p.logit_bias.values()), dtype=row.dtype), row.device)
     if p.allowed_token_ids:  # everything else becomes impossible
         keep = _to_device(torch.tensor(p.allowed_token_ids, dtype=torch.long), row.device)
         row = torch.full_like(row, float("-inf")).index_copy_(0, keep, row[keep])
-    if seq.matcher is not None and seq.guide_wait != "marker":  # only what its guide allows next (not in thought)
-        opener = p.guide_opener if seq.guide_wait == "opener" else None
-        kept = row[opener].clone() if opener is not None else None
-        row = mask_disallowed(row, seq.matcher)
-        if kept is not None:  # (the first token may open the thinking instead)
-            row[opener] = kept
     if banned := _bad_word_ends(seq):
         ids = _to_device(torch.tensor(banned, dtype=torch.long), row.device)
         before = row[ids].clone()
@@ -81,7 +86,7 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     # too early to end (min_tokens), or still thinking before a guided answer: the ending tokens cannot win
     if seq.ends and (len(seq.output_ids) < p.min_tokens or seq.guide_wait == "marker"):
         row[_to_device(torch.tensor(seq.ends, dtype=torch.long), row.device)] = float("-inf")
-    return row
+    return row, raw
 
 
 def _bad_word_ends(seq: Sequence) -> list[int]:
@@ -103,10 +108,15 @@ TOP_P_CANDIDATES = 256
 
 def _filter(dists: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float] | None = None,
             typical_p: list[float] | None = None) -> torch.Tensor:
-    """Top-k, top-p, min-p, then typical-p (transformers' order) over the rows of ``dists`` ``[S, V]``
-    (logits over temperature), each row with its own values. Each cuts at a value, so tokens tied with
-    the last one kept stay too (the same set on every device, whatever order a sort gives ties)."""
+    """Min-p, top-k, top-p (vLLM's order: top-p is measured among what min-p left), then typical-p over the
+    rows of ``dists`` ``[S, V]`` (logits over temperature), each row with its own values. Each cuts at a
+    value, so tokens tied with the last one kept stay too (the same set on every device, whatever order a
+    sort gives ties)."""
     v = dists.shape[-1]
+    if min_p and any(m > 0 for m in min_p):
+        # p < min_p x p_max is logit < max logit + log(min_p): no softmax, no sort (log 0 = -inf cuts nothing)
+        floor = torch.log(_to_device(torch.tensor(min_p, dtype=dists.dtype), dists.device)).unsqueeze(1)
+        dists = dists.masked_fill(dists < dists.max(dim=-1, keepdim=True).values + floor, float("-inf"))
     if any(0 < k < v for k in top_k):
         vals = torch.topk(dists, max(k for k in top_k if 0 < k < v)).values  # (a k past the vocabulary cuts nothing)
         # (a row whose k cuts nothing reads column 0: vals has only as many columns as the largest real k)
@@ -116,10 +126,6 @@ def _filter(dists: torch.Tensor, top_k: list[int], top_p: list[float], min_p: li
         dists = dists.masked_fill((dists < kth) & ~off, float("-inf"))
     if any(p < 1.0 for p in top_p):
         dists = _nucleus(dists, top_p)
-    if min_p and any(m > 0 for m in min_p):
-        # p < min_p x p_max is logit < max logit + log(min_p): no softmax, no sort (log 0 = -inf cuts nothing)
-        floor = torch.log(_to_device(torch.tensor(min_p, dtype=dists.dtype), dists.device)).unsqueeze(1)
-        dists = dists.masked_fill(dists < dists.max(dim=-1, keepdim=True).values + floor, float("-inf"))
     if typical_p and any(t < 1.0 for t in typical_p):
         dists = _typical(dists, typical_p)
     return dists
@@ -239,8 +245,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled | NoToken
     if all(plain):
         return [Sampled(t) for t in tokens.tolist()]
     rest = [i for i, p in enumerate(plain) if not p]
-    # penalties and bias first: the model's distribution as the request sees it (and reports)
-    rows = {i: _adjust(logits[i], seqs[i]) if _adjusts(seqs[i]) else logits[i] for i in rest}
+    # penalties and bias first: the model's distribution as the request samples from it; and, for the
+    # log-probabilities, the model's own (under a guide's mask)
+    rows, raws = {}, {}
+    for i in rest:
+        if _adjusts(seqs[i]):
+            rows[i], raws[i] = _adjust(logits[i], seqs[i], keep_raw=bool(seqs[i].params.logprobs))
+        else:
+            rows[i] = raws[i] = logits[i]
     greedy = [i for i in rest if seqs[i].params.greedy]
     drawn = [i for i in rest if not seqs[i].params.greedy]
     chosen = torch.zeros(len(seqs), dtype=torch.long, device=logits.device) if tokens is None else tokens
@@ -264,12 +276,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled | NoToken
     out: list = [Sampled(t) for t in host[:len(seqs)]]
     want = [i for i in rest if seqs[i].params.logprobs]
     if want:
-        # the model's distribution after penalties and bias, before temperature and top-k/top-p: what
-        # the alternatives were, not what the filters left (those would be -inf, not JSON); or, asked
-        # for (TGI's), the one the token was drawn from
+        # the model's own distribution (under a guide's mask), as vLLM reports by default: what the
+        # alternatives were, before bias, penalties and filters; or, asked for (TGI's), the one the
+        # token was drawn from, after them and temperature (a greedy token's: after bias and penalties)
         drawn_row = {i: n for n, i in enumerate(drawn)}
-        processed = {i for i in want if seqs[i].params.processed_logprobs and i in drawn_row}
-        stacked = torch.stack([dists[drawn_row[i]] if i in processed else rows[i] for i in want])
+        processed = {i for i in want if seqs[i].params.processed_logprobs}
+        stacked = torch.stack([(dists[drawn_row[i]] if i in drawn_row else rows[i]) if i in processed else raws[i]
+                               for i in want])
         # (NaN as impossible; -inf stays -inf, reported as -9999)
         lp = torch.log_softmax(stacked.masked_fill(stacked.isnan(), float("-inf")), dim=-1)
         picked = lp.gather(1, chosen[want].unsqueeze(1)).squeeze(1).tolist()

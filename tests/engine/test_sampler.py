@@ -206,8 +206,8 @@ def _tgi_seq(prompt: list[int], output: list[int], **kw) -> Sequence:
 
 
 def _reported(logits: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor]:
-    """The log-probabilities each row reports (the distribution after penalties; for TGI's rows after
-    the temperature and the filters too)."""
+    """The log-probabilities each row reports (the model's; for TGI's rows the distribution drawn from:
+    after the penalties, the temperature and the filters)."""
     for s in seqs:
         s.params.logprobs, s.params.top_logprobs = True, 20
     out = sample(logits, seqs)
@@ -251,10 +251,8 @@ def test_a_batch_mixes_tgi_and_openai_frequency_penalties():
     greedy = Sequence("g", prompt, SamplingParams())
     greedy.output_ids = list(output)
     got = _reported(logits, [openai, tgi, greedy])
-    adjusted = logits[0].clone()
-    adjusted[5] -= 1.5 * 2 + 0.5  # OpenAI's: generated tokens only, per count
-    adjusted[9] -= 1.5 * 1 + 0.5
-    assert torch.allclose(got[0], torch.log_softmax(adjusted, -1), atol=1e-5)
+    # OpenAI's routes report the model's own distribution (vLLM's default, raw_logprobs), not the penalized one
+    assert torch.allclose(got[0], torch.log_softmax(logits[0], -1), atol=1e-5)
     # (TGI's: of the distribution it drew from, penalties first, then the temperature)
     want = torch.log_softmax(_tgi_reference(prompt + output, logits[1:2], 1.0, 1.5) / 0.7, -1)[0]
     assert torch.allclose(got[1], want, atol=1e-5)
@@ -369,11 +367,29 @@ def test_min_p_and_typical_p_narrow_the_draws():
             SamplingParams(**bad).validate()
 
 
+def test_a_bias_is_scaled_by_the_repetition_penalty_as_in_vllm():
+    # vLLM adds logit_bias before its penalties; the bias came after the repetition penalty here
+    logits = torch.tensor([[2.0, 1.0, 0.0, 0.5]])
+    s = Sequence("r", [0, 1], SamplingParams(repetition_penalty=1.3, logit_bias={0: 5.0, 1: -5.0}))
+    s.output_ids = [3]
+    (reported,) = _reported(logits, [_processed(s)])
+    assert torch.allclose(reported, torch.log_softmax(torch.tensor([7.0 / 1.3, -4.0 * 1.3, 0.0, 0.5 / 1.3]), -1))
+
+
+def _processed(s: Sequence) -> Sequence:
+    s.params.processed_logprobs = True  # (what the request samples from is what it reports)
+    return s
+
+
 def test_allowed_token_ids_and_bad_words_ban_tokens():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0, 0.5]])
-    # only the allowed ones, greedy or drawn; the reported log-probabilities are over them alone
+    # only the allowed ones, greedy or drawn; the reported log-probabilities are the model's (vLLM's raw ones)
     greedy = sample(logits, [seq(allowed_token_ids=[1, 3], logprobs=True, top_logprobs=3)])[0]
-    assert greedy.token == 1 and [t for t, _ in greedy.top[:2]] == [1, 3] and greedy.top[2][1] == -9999.0
+    assert greedy.token == 1 and [t for t, _ in greedy.top] == [4, 0, 1]
+    assert greedy.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
+    # as TGI reports them: over the allowed ones alone
+    tgi = sample(logits, [seq(allowed_token_ids=[1, 3], logprobs=True, top_logprobs=3, processed_logprobs=True)])[0]
+    assert [t for t, _ in tgi.top[:2]] == [1, 3] and tgi.top[2][1] == -9999.0
     drawn = seq(temperature=1.0, allowed_token_ids=[2, 5])
     assert {sample(logits, [drawn])[0].token for _ in range(200)} == {2, 5}
     # a one-token bad word is never generated; a longer one loses its last token only after the rest of it
@@ -440,7 +456,8 @@ def test_a_step_whose_constraints_leave_no_token_ends_that_request_with_the_reas
 def test_reported_log_probabilities_keep_their_order_past_the_impossible_ones():
     # a possible token far below -9999 was reported as it was, under an impossible one's -9999
     logits = torch.tensor([[5.0, -0.22, 0.0, 0.0]])  # token 1 is in the context: penalized to -220,000
-    s = sample(logits, [seq(allowed_token_ids=[0, 1], repetition_penalty=1e6, logprobs=True, top_logprobs=3)])[0]
+    s = sample(logits, [seq(allowed_token_ids=[0, 1], repetition_penalty=1e6, logprobs=True, top_logprobs=3,
+                            processed_logprobs=True)])[0]
     values = [lp for _, lp in s.top]
     assert values == sorted(values, reverse=True) and min(values) == -9999.0
 
@@ -460,3 +477,11 @@ def test_extreme_repetition_penalties_neither_fail_nor_break_the_distribution(ma
         eng.add_request(PROMPT, SamplingParams(repetition_penalty=10**400))
     with pytest.raises(RequestError, match="outside the vocabulary"):  # (True is no token id)
         eng.add_request(PROMPT, SamplingParams(logit_bias={True: 5.0}))
+
+
+def test_top_p_is_measured_among_what_min_p_left_as_in_vllm():
+    # probabilities .30 .25 .20 .10 .05 ...: min_p 0.3 keeps the first four (>= .09); top_p 0.8 of those
+    # (renormalised: .35 .29 .24 .12) keeps three, where top_p over the whole row kept four
+    probs = torch.tensor([0.30, 0.25, 0.20, 0.10, 0.05, 0.04, 0.03, 0.03])
+    s = seq(temperature=1.0, top_p=0.8, min_p=0.3)
+    assert {sample(probs.log().unsqueeze(0), [s])[0].token for _ in range(600)} == {0, 1, 2}
