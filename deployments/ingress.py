@@ -1334,7 +1334,8 @@ class Ingress:
                 await self._refuse_overlong(len(p), "prompt")
         top = req.logprobs or 0
         jobs, prefixes, offsets = [], [], []
-        default = self.sampling_defaults.get("max_new_tokens", 16)
+        # OpenAI's 16 without max_tokens, or less where the model's generation_config says less (as vLLM)
+        default = min(16, self.sampling_defaults.get("max_new_tokens", 16))
         for p in prompts:
             full = p if isinstance(p, list) else await self._tokenize(p, req.add_special_tokens)
             ids = await self._truncated(full, req.truncate_prompt_tokens)

@@ -122,3 +122,20 @@ def test_max_tokens_zero_is_taken_only_to_score_an_echoed_prompt():
             CompletionRequest.model_validate(body)
     with pytest.raises(ValidationError, match="greater than or equal to 1"):  # (chat has no such use for it)
         ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})
+
+
+def test_without_max_tokens_a_completion_asks_for_at_most_openais_16():
+    # a model whose generation_config says max_new_tokens 2048 made a bare completion run to 2048, where
+    # vLLM takes the smaller of that and OpenAI's 16 (a smaller one still wins)
+    for model_says, asked in ((2048, 16), (5, 5), (None, 16)):
+        ing = ingress()
+        ing.sampling_defaults = {} if model_says is None else {"max_new_tokens": model_says}
+        seen = []
+        stream = ing._stream
+
+        async def spy(ids, params, aborts=None, sibling=False, stream=stream, seen=seen):
+            seen.append(params["max_new_tokens"])
+            return await stream(ids, params, aborts, sibling)
+        ing._stream = ing._stream_alone = spy
+        complete(ing, {"prompt": "hi"})
+        assert seen == [asked], model_says
