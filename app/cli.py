@@ -340,17 +340,21 @@ def _drain(settings: Settings, force: Flag) -> None:
     from deployments.metrics import hub_name
 
     name = settings.deployment_name
-    hub = None
+    hub, hub_drains = None, False
     try:
         hub = ray.get_actor(hub_name(name), namespace="radixserve")
         ray.get(hub.drain.remote(DRAIN_LEASE_S), timeout=5)  # every ingress replica, at its next heartbeat
+        hub_drains = True
     except Exception as e:  # noqa: BLE001 - the one the handle reaches still drains; the loop keeps asking
         print(f"radixserve: the metrics hub did not take the drain: {e}", file=sys.stderr)
     try:
         serve.get_deployment_handle(f"{name}-ingress", app_name=name).drain.remote().result(timeout_s=5)
-    except Exception as e:  # noqa: BLE001 - nothing to drain (the app never came up): just stop
-        print(f"radixserve: not draining: {e}", file=sys.stderr)
-        return
+    except Exception as e:  # noqa: BLE001
+        # an ingress at its max_ongoing_requests queues the call: under the heaviest load, where the hub's
+        # drain reaches them all the same; without either, nothing to drain (the app never came up)
+        if not hub_drains:
+            print(f"radixserve: not draining: {e}", file=sys.stderr)
+            return
     deadline = time.monotonic() + settings.drain_timeout_s
     if _wait_idle(name, hub, deadline, force):
         return
@@ -601,6 +605,13 @@ def _run_serve(settings: Settings, address: str | None, redis=None) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up must finish, or Ray's processes leak
             signal.signal(sig, _during_cleanup)
+        if address and deployed and not up.is_set() and not ray_gone:
+            # a start-up that failed or was interrupted on a cluster we joined: ours comes off it (it kept
+            # its replicas, and a new `radixserve serve` there was refused as "already serves")
+            try:
+                serve.delete(settings.deployment_name, _blocking=False)
+            except Exception:  # noqa: BLE001 - the cluster is going: nothing left to take off
+                pass
         if deployed and not ray_gone:
             try:
                 ray.kill(ray.get_actor(hub_name(settings.deployment_name), namespace="radixserve"))
