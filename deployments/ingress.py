@@ -1178,10 +1178,23 @@ class Ingress:
         return {**{k: v for k, v in i.items() if k not in ("replica", "warmup")}, "served_model_name": self.model_name,
                 "router": "text-generation-router", "request_router": self.settings.router, "version": VERSION,
                 "sha": None, "model_sha": None, "model_pipeline_tag": "text-generation", "docker_label": None,
-                "max_concurrent_requests": self.settings.max_ongoing_requests * self.settings.num_replicas,
+                "max_concurrent_requests": self.settings.max_ongoing_requests * await self._live_replicas(),
                 "max_best_of": MAX_BEST_OF, "max_stop_sequences": MAX_STOP_STRINGS, "validation_workers": 1,
                 "max_client_batch_size": 1, "max_ongoing_requests_per_replica": self.settings.max_ongoing_requests,
                 "sampling_defaults": self.sampling_defaults}
+
+    async def _live_replicas(self) -> int:
+        """The LLM replicas whose engines reported lately (at least one): the count /health took within the
+        last second, else a new one. The ingress is not given the fleet's size (a change would restart it,
+        and autoscaling changes it); its settings' num_replicas is always the default, 1."""
+        at, live = self._last_health
+        if time.monotonic() - at > 1.0:
+            try:
+                live = await self._hub.acall("fresh", HEALTHY_WITHIN_S, timeout=HEALTH_TIMEOUT_S, create=False)
+                self._last_health = (time.monotonic(), live)
+            except Exception:  # noqa: BLE001 - the hub is restarting: the last count stands
+                pass
+        return max(1, live)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self):

@@ -23,7 +23,9 @@ class FakeTGI:
     _anchor = None
 
     class settings:  # noqa: N801 - stands in for the Settings instance
-        router, max_ongoing_requests, num_replicas = "prefix", 64, 2
+        router, max_ongoing_requests, num_replicas = "prefix", 64, 1  # (the ingress is not told the count)
+
+    _live_replicas = Cls._live_replicas
 
     _within_room = Cls._within_room
     _tgi_finish = Cls._tgi_finish
@@ -100,13 +102,25 @@ def test_top_p_of_one_filters_nothing_and_keeps_a_request_greedy():
 
 
 def test_info_has_the_fields_tgis_clients_read():
-    info = asyncio.run(Cls.info(FakeTGI()))
+    import time
+
+    class Hub:
+        async def acall(self, method, *args, **kw):
+            assert method == "fresh"
+            return 2  # replicas whose engines reported lately
+
+    fake = FakeTGI()
+    fake._last_health, fake._hub = (float("-inf"), 0), Hub()
+    info = asyncio.run(Cls.info(fake))
     for key in ("model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of",
                 "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers",
                 "max_client_batch_size", "router", "version", "sha", "docker_label"):
         assert key in info, key
     assert info["router"] == "text-generation-router" and info["request_router"] == "prefix"
+    # every live replica's max_ongoing_requests (it said one replica's: the ingress's num_replicas is never set)
     assert info["max_concurrent_requests"] == 128 and info["max_best_of"] == 16 and info["max_stop_sequences"] == 16
+    fake._last_health = (time.monotonic(), 3)  # the count /health took a moment ago stands
+    assert asyncio.run(Cls.info(fake))["max_concurrent_requests"] == 192
 
 
 def test_best_of_picks_the_best_log_probability_per_token_as_tgi_does():
