@@ -4,7 +4,6 @@ penalties, logit bias, per-request seeds, log-probabilities with the most likely
 from __future__ import annotations
 
 import secrets
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +33,40 @@ def _context_counts(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
         seq.context_counts = counts
     new = seq.token_range(seq.context_counted)
     if new:
-        idx = _to_device(torch.tensor(new, dtype=torch.long), row.device)
-        counts.index_put_((idx,), torch.ones_like(idx, dtype=torch.int32), accumulate=True)
+        _count(counts, new)
         seq.context_counted += len(new)
     return counts
+
+
+def _output_counts(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
+    """The same of the output alone (recounted at each token, it cost O(output) a step)."""
+    counts = seq.output_counts
+    if counts is None or counts.device != row.device or counts.shape[0] != row.shape[-1]:
+        counts, seq.output_counted = torch.zeros(row.shape[-1], dtype=torch.int32, device=row.device), 0
+        seq.output_counts = counts
+    if new := seq.output_ids[seq.output_counted:]:
+        _count(counts, new)
+        seq.output_counted += len(new)
+    return counts
+
+
+def _count(counts: torch.Tensor, tokens: list[int]) -> None:
+    idx = _to_device(torch.tensor(tokens, dtype=torch.long), counts.device)
+    counts.index_put_((idx,), torch.ones_like(idx, dtype=torch.int32), accumulate=True)
+
+
+def _fixed(seq: Sequence, row: torch.Tensor) -> tuple:
+    """(bias ids, bias values, allowed ids) of ``seq`` on ``row``'s device and dtype (None where unset)."""
+    cached = seq.fixed_tensors
+    if cached is None or cached[0] != (row.device, row.dtype):
+        p = seq.params
+        bias = (_to_device(torch.tensor(list(p.logit_bias), dtype=torch.long), row.device),
+                _to_device(torch.tensor(list(p.logit_bias.values()), dtype=row.dtype), row.device)) \
+            if p.logit_bias else (None, None)
+        allowed = _to_device(torch.tensor(sorted(set(p.allowed_token_ids)), dtype=torch.long), row.device) \
+            if p.allowed_token_ids else None
+        seq.fixed_tensors = cached = ((row.device, row.dtype), *bias, allowed)
+    return cached[1:]
 
 
 def _adjust(row: torch.Tensor, seq: Sequence, keep_raw: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -56,9 +85,9 @@ def _adjust(row: torch.Tensor, seq: Sequence, keep_raw: bool = False) -> tuple[t
         if kept is not None:  # (the first token may open the thinking instead)
             row[opener] = kept
     raw = row.clone() if keep_raw else None
-    if p.logit_bias:
-        ids = _to_device(torch.tensor(list(p.logit_bias), dtype=torch.long), row.device)
-        row[ids] += _to_device(torch.tensor(list(p.logit_bias.values()), dtype=row.dtype), row.device)
+    bias_ids, bias, allowed = _fixed(seq, row)
+    if bias_ids is not None:
+        row[bias_ids] += bias
     per_context = p.frequency_penalty_per_context
     if p.repetition_penalty != 1.0 or (p.frequency_penalty and per_context):
         counts = _context_counts(seq, row)
@@ -70,13 +99,10 @@ def _adjust(row: torch.Tensor, seq: Sequence, keep_raw: bool = False) -> tuple[t
             row -= p.frequency_penalty * counts.to(row.dtype) / seq.num_tokens
     frequency = 0.0 if per_context else p.frequency_penalty
     if (frequency or p.presence_penalty) and seq.output_ids:  # generated tokens only (OpenAI's)
-        counts = Counter(seq.output_ids)
-        ids = _to_device(torch.tensor(list(counts), dtype=torch.long), row.device)
-        n = _to_device(torch.tensor(list(counts.values()), dtype=row.dtype), row.device)
-        row[ids] -= frequency * n + p.presence_penalty
-    if p.allowed_token_ids:  # everything else becomes impossible
-        keep = _to_device(torch.tensor(p.allowed_token_ids, dtype=torch.long), row.device)
-        row = torch.full_like(row, float("-inf")).index_copy_(0, keep, row[keep])
+        n = _output_counts(seq, row).to(row.dtype)
+        row -= frequency * n + p.presence_penalty * (n > 0).to(row.dtype)
+    if allowed is not None:  # everything else becomes impossible
+        row = torch.full_like(row, float("-inf")).index_copy_(0, allowed, row[allowed])
     if banned := _bad_word_ends(seq):
         ids = _to_device(torch.tensor(banned, dtype=torch.long), row.device)
         before = row[ids].clone()

@@ -243,6 +243,11 @@ class Sequence:
     # the sampler for the penalties that read the whole context: counting it again each step was O(context)
     context_counts: object | None = None
     context_counted: int = 0  # tokens counted so far
+    output_counts: object | None = None  # the same of its output alone (OpenAI's penalties)
+    output_counted: int = 0
+    # its logit_bias and allowed_token_ids as tensors on the logits' device, made once (rebuilt from lists
+    # at every token, 262k allowed ids cost 16 ms a step, for every request of the batch)
+    fixed_tensors: tuple | None = None
     # (a weak reference to a running sequence, tokens): waiting for that prefill to compute its first
     # ``tokens``, which this one shares (see Scheduler.schedule): not matched against the cache until then
     # (weak: a finished one is not kept alive by the requests behind it)

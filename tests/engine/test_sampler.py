@@ -485,3 +485,26 @@ def test_top_p_is_measured_among_what_min_p_left_as_in_vllm():
     probs = torch.tensor([0.30, 0.25, 0.20, 0.10, 0.05, 0.04, 0.03, 0.03])
     s = seq(temperature=1.0, top_p=0.8, min_p=0.3)
     assert {sample(probs.log().unsqueeze(0), [s])[0].token for _ in range(600)} == {0, 1, 2}
+
+
+def test_a_requests_fixed_tensors_are_made_once_and_its_counts_follow_its_output():
+    # logit_bias and allowed_token_ids were tensors made anew at every token (16 ms a step for 262k ids, on
+    # the thread every request shares), and the output's counts a Counter rebuilt at every token
+    torch.manual_seed(2)
+    logits = torch.randn(1, 12)
+    s = seq([5, 9, 5], logit_bias={3: 2.0}, allowed_token_ids=[1, 3, 3, 5, 9], frequency_penalty=1.5,
+            presence_penalty=0.5, logprobs=True, top_logprobs=12, processed_logprobs=True)
+    first = sample(logits, [s])[0]
+    made = s.fixed_tensors
+    assert made[3].tolist() == [1, 3, 5, 9]  # (duplicates once)
+    want = logits[0].clone()
+    want[3] += 2.0
+    want[5] -= 1.5 * 2 + 0.5
+    want[9] -= 1.5 * 1 + 0.5
+    want[[0, 2, 4, 6, 7, 8, 10, 11]] = float("-inf")
+    assert dict(first.top)[5] == pytest.approx(torch.log_softmax(want, -1)[5].item(), abs=1e-5)
+    s.output_ids.append(3)  # the next step: one more token counted, the tensors kept
+    second = sample(logits, [s])[0]
+    want[3] -= 1.5 + 0.5
+    assert s.fixed_tensors is made and s.output_counted == 4
+    assert dict(second.top)[3] == pytest.approx(torch.log_softmax(want, -1)[3].item(), abs=1e-5)
