@@ -33,7 +33,9 @@ import hashlib
 import json
 import os
 import signal
+import stat
 import sys
+import tempfile
 import time
 import uuid
 import zlib
@@ -321,36 +323,54 @@ def resume(output: Path, rewrite: bool = True) -> set[str]:
     if not output.exists():
         return set()
     done: set[str] = set()
-    tmp = output.with_name(output.name + ".tmp")
-    with output.open(encoding="utf-8", errors="replace") as src, \
-            (tmp.open("w", encoding="utf-8") if rewrite else open(os.devnull, "w")) as dst:
-        cut = None  # an unreadable line: fine only as the last one
-        for n, raw in enumerate(src, 1):
-            try:
-                if cut is not None:
-                    raise NotOurs(f"{output} line {cut} is not a result of `radixserve batch`; pass another --output")
-                try:
-                    rec = json.loads(raw)
-                except json.JSONDecodeError:
-                    if raw.endswith("\n") or not raw.startswith("{"):  # an interruption cuts a record short
-                        raise NotOurs(f"{output} line {n} is not a result of `radixserve batch`; pass another "
-                                      "--output") from None
-                    cut = n
-                    continue
-                if not (isinstance(rec, dict) and ("error" in rec or "output" in rec)
-                        and ("id" in rec or "line" in rec or "custom_id" in rec)):
-                    raise NotOurs(f"{output} line {n} is not a result of `radixserve batch`; pass another --output")
-            except NotOurs:
-                if rewrite:
-                    tmp.unlink()
-                raise
-            key = ref_key(rec)
-            if answered(rec) and key not in done:
-                done.add(key)
-                dst.write(raw if raw.endswith("\n") else raw + "\n")
-    if rewrite:
-        os.replace(tmp, output)
+    tmp = _private_twin(output) if rewrite else None
+    try:
+        with output.open(encoding="utf-8", errors="replace") as src, \
+                (tmp.open("w", encoding="utf-8") if tmp else open(os.devnull, "w")) as dst:
+            _keep_answered(output, src, dst, done)
+        if tmp:
+            os.replace(tmp, output)
+    finally:
+        if tmp and tmp.exists():
+            tmp.unlink()
     return done
+
+
+def _private_twin(output: Path) -> Path:
+    """A new empty file beside ``output`` with its permissions, created here and nowhere else: a fixed
+    name (``output.tmp``) was opened through whatever a user of the folder had put there (a symlink to
+    another file, which the rewrite emptied and then renamed over the output), and with the umask's
+    permissions (a 0600 output came back readable by all)."""
+    fd, name = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, stat.S_IMODE(os.stat(output).st_mode))
+    finally:
+        os.close(fd)
+    return Path(name)
+
+
+def _keep_answered(output: Path, src, dst, done: set[str]) -> None:
+    """Copy ``src``'s answered records to ``dst`` (each id once), their id keys into ``done``; ``NotOurs``
+    for a file that is not a result of this command."""
+    cut = None  # an unreadable line: fine only as the last one
+    for n, raw in enumerate(src, 1):
+        if cut is not None:
+            raise NotOurs(f"{output} line {cut} is not a result of `radixserve batch`; pass another --output")
+        try:
+            rec = json.loads(raw)
+        except json.JSONDecodeError:
+            if raw.endswith("\n") or not raw.startswith("{"):  # an interruption cuts a record short
+                raise NotOurs(f"{output} line {n} is not a result of `radixserve batch`; pass another "
+                              "--output") from None
+            cut = n
+            continue
+        if not (isinstance(rec, dict) and ("error" in rec or "output" in rec)
+                and ("id" in rec or "line" in rec or "custom_id" in rec)):
+            raise NotOurs(f"{output} line {n} is not a result of `radixserve batch`; pass another --output")
+        key = ref_key(rec)
+        if answered(rec) and key not in done:
+            done.add(key)
+            dst.write(raw if raw.endswith("\n") else raw + "\n")
 
 
 def _transport_problem(e: httpx.TransportError) -> str:
@@ -691,8 +711,8 @@ def main(args: argparse.Namespace) -> int:
     problem = problem or (None if dst.parent.is_dir() else f"--output: no folder {dst.parent}")
     if problem is None and dst.exists() and dst.resolve() == src.resolve():
         problem = "--output is the input file; pass another path"
-    # (the run's own files beside the output: one would be truncated and renamed over it, the other removed)
-    for own in (dst.with_name(dst.name + ".tmp"), dst.with_name(dst.name + ".lock")):
+    # (the run's own lock file beside the output, which it removes; its rewrite goes through a new file)
+    for own in (dst.with_name(dst.name + ".lock"),):
         if problem is None and own.exists() and own.resolve() == src.resolve():
             problem = f"the input is {own.name}, a file this command writes beside --output {dst.name}; rename it"
     if problem:
@@ -767,7 +787,8 @@ def _only_writer(output: Path):
     """One run per output file at a time: a second would rewrite it under the first (resume)."""
     lock = output.with_name(output.name + ".lock")
     while True:
-        f = lock.open("a")
+        # (not through a symlink someone put there: the lock is only ever this folder's own file)
+        f = os.fdopen(os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600), "a")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -638,11 +638,10 @@ def test_the_input_is_read_as_it_was_opened_appended_to_or_replaced_meanwhile(tm
 
 
 def test_an_input_named_as_the_runs_own_files_is_refused(tmp_path, capsys):
-    # the run truncates <output>.tmp and renames it over the output, and removes <output>.lock: such an
-    # input was destroyed
+    # the run removes <output>.lock: such an input was destroyed
     out = tmp_path / "o.jsonl"
     write(out, [{"id": 0, "output": "x"}])
-    for own in ("o.jsonl.tmp", "o.jsonl.lock"):
+    for own in ("o.jsonl.lock",):
         src = tmp_path / own
         write(src, [{"id": 1, "prompt": "hi"}])
         assert cli(["batch", "--input", str(src), "--output", str(out), "--wait-s", "0"]) == 2
@@ -682,3 +681,28 @@ def test_a_host_that_stops_taking_connections_costs_the_connect_timeout_not_the_
             c.close()
     assert rc == 1 and "ConnectTimeout" in capsys.readouterr().err
     assert time.monotonic() - t0 < 15  # two tries of 0.5 s and a 1 s wait (was two of 60 s)
+
+
+def test_a_rerun_rewrites_its_output_through_a_file_of_its_own_with_the_outputs_permissions(tmp_path):
+    # it truncated <output>.tmp through whatever was there (a symlink another user of the folder planted:
+    # their target emptied, then renamed over the output), and the output came back with the umask's mode
+    import os
+    import stat
+
+    from app.batch import _only_writer, resume
+
+    out, victim = tmp_path / "o.jsonl", tmp_path / "victim.txt"
+    write(out, [{"id": 0, "output": "x"}, {"id": 1, "error": "busy"}])
+    out.chmod(0o600)
+    victim.write_text("precious\n")
+    (tmp_path / "o.jsonl.tmp").symlink_to(victim)
+    (tmp_path / "o.jsonl.lock").symlink_to(victim)
+    assert resume(out) == {"id 0"}
+    assert victim.read_text() == "precious\n" and not out.is_symlink()
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [0]
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl", "o.jsonl.lock", "o.jsonl.tmp", "victim.txt"]
+    with pytest.raises(OSError):  # nor is the lock taken through a symlink
+        with _only_writer(out):
+            pass
+    assert victim.read_text() == "precious\n"
