@@ -318,12 +318,28 @@ class HotPrefixDirectory:
 
         page = 4 * k
 
+        most = 4 * self.max_prefix_tokens  # bytes of the longest token payload an entry may hold
+
         def read(r, start: int):
             ranked = r.zrevrange(self.ns + "hot", start, start + page - 1, withscores=True)
+            keys = [self.ns + f"p:{member.decode(errors='replace')}" for member, _ in ranked]
+            # sizes first: an entry's payload is fetched only when it may be one (one that another writer
+            # of this Redis made hundreds of MB would be read whole, by a starting replica and every router)
             p = r.pipeline(transaction=False)
-            for member, _ in ranked:
-                p.hgetall(self.ns + f"p:{member.decode(errors='replace')}")
-            return ranked, p.execute(), r.get(self.ns + "epoch")
+            for key in keys:
+                p.hstrlen(key, "tokens")
+                p.exists(key)
+            found = p.execute()
+            sizes, there = found[0::2], found[1::2]
+            p = r.pipeline(transaction=False)
+            for key, size in zip(keys, sizes, strict=True):
+                if 0 < size <= most:
+                    p.hget(key, "tokens")
+            fetched = iter(p.execute())
+            # (an entry that is there without a payload it may hold: malformed, counted as skipped)
+            entries = [{b"tokens": next(fetched)} if 0 < size <= most else ({b"malformed": b""} if ok else {})
+                       for size, ok in zip(sizes, there, strict=True)]
+            return ranked, entries, r.get(self.ns + "epoch")
 
         out: list[HotPrefix] = []
         used = 0

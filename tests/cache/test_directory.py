@@ -400,3 +400,18 @@ def test_a_warm_up_holds_a_prefix_without_ranking_it_or_keeping_it_alive(d):
     assert d.top_k(1)[0].score == pytest.approx(3, rel=0.01)  # not a hit
     assert d._r.ttl(d.ns + f"p:{h}") <= 5 < ttl  # not renewed
     assert d.record("r3", toks(2), hits=0) is not None and [p.hash for p in d.top_k(5)] == [h]  # never ranked
+
+
+def test_an_oversized_entry_is_never_read_whole(d):
+    # every entry's fields were read (HGETALL) before their size was checked: another writer of this Redis
+    # could make a starting replica, and every router, pull hundreds of MB
+    good = d.record("r1", toks(7))
+    d._r.zadd(d.ns + "hot", {"4242": 1e9})
+    d._r.hset(d.ns + "p:4242", mapping={"tokens": b"\0" * (4 * d.max_prefix_tokens + 4), "blocks": 1})
+
+    def calls(command: str) -> int:
+        return d._r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
+
+    before = calls("hgetall"), calls("hget")
+    assert [p.hash for p in d.top_k(3)] == [good] and d.skipped == 1
+    assert (calls("hgetall"), calls("hget")) == (before[0], before[1] + 1)  # the good one's payload alone
