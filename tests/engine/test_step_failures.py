@@ -59,11 +59,11 @@ def test_a_request_whose_sampling_fails_ends_alone_and_the_others_sample_as_in_t
     real = sampler._adjust
     calls = []
 
-    def adjust(row, seq):
+    def adjust(row, seq, **kw):
         calls.append(seq.request_id)
         if seq.params.repetition_penalty != 1.0 and len(seq.output_ids) == 2:
             raise RuntimeError("a guide's mask could not be computed")
-        return real(row, seq)
+        return real(row, seq, **kw)
 
     monkeypatch.setattr(sampler, "_adjust", adjust)
     events, seqs = _run(eng, _params())
