@@ -330,7 +330,9 @@ def _decode_rows(pool: KVPool, layer: int, q: torch.Tensor, slots: torch.Tensor,
 
 # ----------------------------------------------------------------------------- flash (CUDA)
 def flash_available(device: torch.device) -> bool:
-    if device.type != "cuda":
+    """Whether vllm-flash-attn imports and runs here: its kernels need an Ampere GPU or newer (a T4 or a
+    V100 passed the start-up and failed at the first real step)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
         return False
     try:
         import vllm_flash_attn  # noqa: F401

@@ -257,7 +257,8 @@ def _draw(dists: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
     last = positive.shape[-1] - 1 - positive.flip(-1).int().argmax(dim=-1)
     ids = torch.minimum(ids, last)
     ok = torch.isfinite(probs).all(dim=-1) & (total.squeeze(-1) > 0)
-    return torch.where(ok, ids, _argmax(torch.nan_to_num(dists, nan=float("-inf"))))
+    # (the copy has no NaN: its plain argmax, without _argmax's check, a sync with the device each step)
+    return torch.where(ok, ids, torch.nan_to_num(dists, nan=float("-inf")).argmax(dim=-1))
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled | NoTokenLeft]:

@@ -149,3 +149,18 @@ def test_the_mixed_decode_bench_runs(model_dir, tmp_path):
                 "--repeats", "1", "--out", str(tmp_path)])
     assert out["mixed_chunked_ms"] > 0 and (tmp_path / "mixed_decode.png").stat().st_size > 0
     assert attention.CHUNK_PAD_RATIO == 2  # (put back)
+
+
+def test_flash_is_taken_only_on_gpus_its_kernels_run_on(monkeypatch):
+    # a T4 or V100 (compute capability 7.x) took vllm-flash-attn when it imported, and failed at the first
+    # real step, after the start-up passed
+    import sys
+    import types
+
+    from engine import attention
+
+    monkeypatch.setitem(sys.modules, "vllm_flash_attn", types.ModuleType("vllm_flash_attn"))
+    for capability, takes in (((7, 5), False), ((8, 0), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert attention.flash_available(torch.device("cuda")) is takes, capability
+    assert attention.flash_available(torch.device("cpu")) is False
