@@ -135,6 +135,32 @@ def like_length_runs(lengths: list[int], row_tokens: int = DECODE_ROW_TOKENS) ->
     return runs
 
 
+# query x key pairs one batched call of cached prefill chunks pads to (per head: a softcap model's float32
+# scores are 4 bytes each, 1 GiB at 16 heads)
+PREFILL_PAIRS = 16 * DECODE_ROW_TOKENS
+
+
+def prefill_runs(contexts: list[int], queries: list[int]) -> list[range]:
+    """``like_length_runs`` for cached prefill chunks, which pad to their call's longest query as well as
+    its longest context: runs alike in both, within ``PREFILL_PAIRS`` rows x longest query x longest
+    context (a 512-token chunk beside 127 tails of 8 tokens padded each to 512 queries: 50x the work)."""
+    runs: list[range] = []
+    start = 0
+    c_lo = c_hi = q_lo = q_hi = 0
+    for i, (c, q) in enumerate(zip((max(1, x) for x in contexts), (max(1, x) for x in queries), strict=True)):
+        ch, cl, qh, ql = max(c_hi, c), min(c_lo, c), max(q_hi, q), min(q_lo, q)
+        if i and ch <= CHUNK_PAD_RATIO * cl and qh <= CHUNK_PAD_RATIO * ql and (i - start + 1) * ch <= DECODE_ROW_TOKENS \
+                and (i - start + 1) * ch * qh <= PREFILL_PAIRS:
+            c_lo, c_hi, q_lo, q_hi = cl, ch, ql, qh
+            continue
+        if i:
+            runs.append(range(start, i))
+        start, c_lo, c_hi, q_lo, q_hi = i, c, c, q, q
+    if contexts:
+        runs.append(range(start, len(contexts)))
+    return runs
+
+
 def length_chunks(lengths: list[int], row_tokens: int = DECODE_ROW_TOKENS) -> list[list[int]]:
     """Rows (indices into ``lengths``) grouped for decode attention: ``like_length_runs`` over the rows
     ordered longest first, so a row joins its chunk while it is at least 1 / ``CHUNK_PAD_RATIO`` of the

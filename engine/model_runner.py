@@ -10,7 +10,7 @@ from engine.attention import (
     PagedBatch,
     PrefillGroup,
     decode_chunks,
-    like_length_runs,
+    prefill_runs,
 )
 from engine.cuda_graphs import StepGraphs
 from engine.scheduler import Chunk
@@ -144,7 +144,8 @@ class ModelRunner:
             q_at = num_ids - sum(end - start for _, start, end in cached)
             # padded to the longest context of their call: like lengths together (a long context beside
             # short ones padded each to its length), within a budget of rows x context
-            for run in like_length_runs([end - self._ctx_start(start, window) for _, start, end in cached]):
+            for run in prefill_runs([end - self._ctx_start(start, window) for _, start, end in cached],
+                                    [end - start for _, start, end in cached]):
                 group = cached[run.start:run.stop]
                 batch.batched.append(self._batched(group, q_at, window))
                 q_at += sum(end - start for _, start, end in group)
