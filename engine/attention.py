@@ -136,26 +136,29 @@ def like_length_runs(lengths: list[int], row_tokens: int = DECODE_ROW_TOKENS) ->
 
 
 # query x key pairs one batched call of cached prefill chunks pads to (per head: a softcap model's float32
-# scores are 4 bytes each, 1 GiB at 16 heads)
+# scores are 4 bytes each, 1 GiB at 16 heads), and the padding it may add past twice the real pairs
 PREFILL_PAIRS = 16 * DECODE_ROW_TOKENS
+PREFILL_PAD_SLACK = 1 << 20
 
 
 def prefill_runs(contexts: list[int], queries: list[int]) -> list[range]:
     """``like_length_runs`` for cached prefill chunks, which pad to their call's longest query as well as
-    its longest context: runs alike in both, within ``PREFILL_PAIRS`` rows x longest query x longest
-    context (a 512-token chunk beside 127 tails of 8 tokens padded each to 512 queries: 50x the work)."""
+    its longest context: runs within ``PREFILL_PAIRS`` rows x longest query x longest context, whose
+    padding adds at most twice their real query x key pairs (or ``PREFILL_PAD_SLACK``, for short chunks,
+    whose padding costs nothing). A 512-token chunk beside 127 tails of 8 tokens, padded each to 512
+    queries, was 50x the work."""
     runs: list[range] = []
-    start = 0
-    c_lo = c_hi = q_lo = q_hi = 0
+    start = real = 0
+    c_lo = c_hi = q_hi = 0
     for i, (c, q) in enumerate(zip((max(1, x) for x in contexts), (max(1, x) for x in queries), strict=True)):
-        ch, cl, qh, ql = max(c_hi, c), min(c_lo, c), max(q_hi, q), min(q_lo, q)
-        if i and ch <= CHUNK_PAD_RATIO * cl and qh <= CHUNK_PAD_RATIO * ql and (i - start + 1) * ch <= DECODE_ROW_TOKENS \
-                and (i - start + 1) * ch * qh <= PREFILL_PAIRS:
-            c_lo, c_hi, q_lo, q_hi = cl, ch, ql, qh
+        n, ch, cl, qh, r = i - start + 1, max(c_hi, c), min(c_lo, c), max(q_hi, q), real + q * c
+        if i and ch <= CHUNK_PAD_RATIO * cl and n * ch <= DECODE_ROW_TOKENS and n * ch * qh <= PREFILL_PAIRS \
+                and n * ch * qh - r <= max(CHUNK_PAD_RATIO * r, PREFILL_PAD_SLACK):
+            c_lo, c_hi, q_hi, real = cl, ch, qh, r
             continue
         if i:
             runs.append(range(start, i))
-        start, c_lo, c_hi, q_lo, q_hi = i, c, c, q, q
+        start, c_lo, c_hi, q_hi, real = i, c, c, q, q * c
     if contexts:
         runs.append(range(start, len(contexts)))
     return runs
