@@ -149,9 +149,11 @@ class Scheduler:
             plan.chunks.append(Chunk(seq, n))
         if plan.preempted:
             return plan  # the pool is tight: admit nothing new this step
-        # 2. admit waiting requests in queue order, skipping one whose next block another prefill computes
+        # 2. admit waiting requests in queue order, skipping one whose next block another prefill computes;
+        # a skipped one keeps its seat (counted against max_num_seqs): requests behind it took every seat,
+        # and it waited for one to free, hundreds of steps where computing the prefix again would take six
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(skipped) < self.max_num_seqs:
             seq = self.waiting.popleft()
             if seq.waits_on is not None:
                 ref, shared = seq.waits_on

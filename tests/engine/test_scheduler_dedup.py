@@ -73,3 +73,31 @@ def test_what_a_preempted_waiter_shares_counts_its_output_too():
     owner = Sequence("o", tokens, SamplingParams())
     assert _shared_blocks(waiter, owner, 12, BS) == 16
     assert _shared_blocks(Sequence("x", tokens[:9] + [1], SamplingParams()), owner, 4, BS) == 8
+
+
+def test_a_request_waiting_for_a_shared_prefill_keeps_its_seat():
+    # the owner prefills a long prefix; a request sharing it waits; later requests took every seat
+    # (max_num_seqs) and the waiter waited for one of them to finish: 300 steps on the real engine
+    kv = KVManager(1024, BS, prefix_caching=True)
+    sch = Scheduler(kv, max_batch_prefill_tokens=16, max_num_seqs=3, max_prefill_chunk_tokens=8)
+    prefix = list(range(10, 74))  # 64 tokens: 8 steps of 8
+    owner = Sequence("owner", prefix + [1, 2], SamplingParams(max_new_tokens=100))  # (its seat stays taken)
+    waiter = Sequence("waiter", prefix + [3], SamplingParams(max_new_tokens=2))
+    later = [Sequence(f"late{i}", [200 + i] * 5, SamplingParams(max_new_tokens=100)) for i in range(4)]
+    seqs = [owner, waiter, *later]
+    for s in seqs:
+        sch.add(s)
+    started: dict[str, int] = {}
+    finished: list[Sequence] = []
+    for step in range(500):
+        finished += apply(sch, kv, sch.schedule())
+        for s in seqs:
+            if s.status in (Status.RUNNING, Status.FINISHED):
+                started.setdefault(s.request_id, step)
+        if "waiter" in started:
+            break
+    # right after the owner's prefix (16 steps: its chunks share the steps with a decode), not after a
+    # later request's 100-token decode freed a seat
+    assert started.get("waiter", 999) <= 20, started
+    assert [s.request_id for s in later if s.request_id in started] == ["late0"]  # the one seat left free
+    run_to_end(sch, kv, seqs, finished)
