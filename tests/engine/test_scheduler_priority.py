@@ -108,3 +108,20 @@ def test_engine_refuses_a_priority_under_fcfs_and_orders_by_it_under_priority(ma
     while eng.has_work():
         finished += [ev.request_id for ev in eng.step() if ev.finished]
     assert finished == ["urgent", "normal", "late-low"]
+
+
+@pytest.mark.parametrize("policy, steps", [("priority", 4), ("fcfs", 13)])
+def test_a_trickle_of_short_low_priority_prompts_does_not_slow_an_urgent_long_one(policy, steps):
+    # each short prompt's first token cut every other prompt's chunk to a quarter, whatever their ranks:
+    # under priority an urgent long prompt then crawled behind requests it outranks (fcfs keeps the cut)
+    kv = KVManager(512, BS, prefix_caching=False)
+    sch = Scheduler(kv, max_batch_prefill_tokens=128, max_num_seqs=64, max_prefill_chunk_tokens=64, policy=policy)
+    urgent = seq("U", [1] * 256, 0)
+    sch.add(urgent)
+    done: list[Sequence] = []
+    for step in range(1, 40):
+        sch.add(seq(f"s{step}", [2 + step] * 4, 5 if policy == "priority" else 0))
+        done += apply(sch, kv, sch.schedule())
+        if urgent.output_ids:  # its prompt is computed: its first token
+            break
+    assert step == steps
