@@ -4,6 +4,7 @@ penalties, logit bias, per-request seeds, log-probabilities with the most likely
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,35 +25,36 @@ class Sampled:
     top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
 
 
+@dataclass(slots=True)
+class TokenCounts:
+    """How often each token id occurs in a growing list of tokens (a vector as long as the logits' rows, on
+    their device), and how many of them it has counted: counted once, then only the tokens added since."""
+    counts: torch.Tensor
+    counted: int = 0
+
+
+def _tally(held: TokenCounts | None, row: torch.Tensor, since: Callable[[int], list[int]]) -> TokenCounts:
+    """``held`` brought up to date with the tokens ``since(counted)`` gives (anew for another device or
+    vocabulary width)."""
+    if held is None or held.counts.device != row.device or held.counts.shape[0] != row.shape[-1]:
+        held = TokenCounts(torch.zeros(row.shape[-1], dtype=torch.int32, device=row.device))
+    if new := since(held.counted):
+        idx = _to_device(torch.tensor(new, dtype=torch.long), row.device)
+        held.counts.index_put_((idx,), torch.ones_like(idx, dtype=torch.int32), accumulate=True)
+        held.counted += len(new)
+    return held
+
+
 def _context_counts(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
-    """How often each token id occurs in ``seq``'s prompt and output so far (a vector as long as ``row``,
-    on its device): counted once, then only the tokens added since."""
-    counts = seq.context_counts
-    if counts is None or counts.device != row.device or counts.shape[0] != row.shape[-1]:
-        counts, seq.context_counted = torch.zeros(row.shape[-1], dtype=torch.int32, device=row.device), 0
-        seq.context_counts = counts
-    new = seq.token_range(seq.context_counted)
-    if new:
-        _count(counts, new)
-        seq.context_counted += len(new)
-    return counts
+    """The counts of ``seq``'s prompt and output so far (recounted at each token, it cost O(context))."""
+    seq.context_counts = _tally(seq.context_counts, row, seq.token_range)
+    return seq.context_counts.counts
 
 
 def _output_counts(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
-    """The same of the output alone (recounted at each token, it cost O(output) a step)."""
-    counts = seq.output_counts
-    if counts is None or counts.device != row.device or counts.shape[0] != row.shape[-1]:
-        counts, seq.output_counted = torch.zeros(row.shape[-1], dtype=torch.int32, device=row.device), 0
-        seq.output_counts = counts
-    if new := seq.output_ids[seq.output_counted:]:
-        _count(counts, new)
-        seq.output_counted += len(new)
-    return counts
-
-
-def _count(counts: torch.Tensor, tokens: list[int]) -> None:
-    idx = _to_device(torch.tensor(tokens, dtype=torch.long), counts.device)
-    counts.index_put_((idx,), torch.ones_like(idx, dtype=torch.int32), accumulate=True)
+    """The counts of its output alone (OpenAI's penalties)."""
+    seq.output_counts = _tally(seq.output_counts, row, lambda at: seq.output_ids[at:])
+    return seq.output_counts.counts
 
 
 def _fixed(seq: Sequence, row: torch.Tensor) -> tuple:

@@ -241,10 +241,8 @@ class Sequence:
     generator: object | None = None  # torch.Generator for seeded sampling
     # counts of every token of the context (prompt and output) on the logits' device, kept up to date by
     # the sampler for the penalties that read the whole context: counting it again each step was O(context)
-    context_counts: object | None = None
-    context_counted: int = 0  # tokens counted so far
+    context_counts: object | None = None  # engine.sampler.TokenCounts
     output_counts: object | None = None  # the same of its output alone (OpenAI's penalties)
-    output_counted: int = 0
     # its logit_bias and allowed_token_ids as tensors on the logits' device, made once (rebuilt from lists
     # at every token, 262k allowed ids cost 16 ms a step, for every request of the batch)
     fixed_tensors: tuple | None = None

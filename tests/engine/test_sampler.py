@@ -506,5 +506,5 @@ def test_a_requests_fixed_tensors_are_made_once_and_its_counts_follow_its_output
     s.output_ids.append(3)  # the next step: one more token counted, the tensors kept
     second = sample(logits, [s])[0]
     want[3] -= 1.5 + 0.5
-    assert s.fixed_tensors is made and s.output_counted == 4
+    assert s.fixed_tensors is made and s.output_counts.counted == 4
     assert dict(second.top)[3] == pytest.approx(torch.log_softmax(want, -1)[3].item(), abs=1e-5)
