@@ -48,6 +48,7 @@ import httpx
 from tqdm import tqdm
 
 from app.config import Settings, api_keys
+from app.tool_calls import no_json_constant
 
 RETRY_STATUS = {408, 429, 502, 503, 504}  # a timeout, the service is busy or a replica is restarting: try again
 RETRY_WAITS_S = (1, 2, 4, 8, 16, 30)  # then 30 s each: the default 6 tries span a service restart
@@ -219,7 +220,7 @@ def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: set[s
     if not raw.strip():
         return None
     try:
-        obj = json.loads(raw, parse_constant=_no_constant)
+        obj = json.loads(raw, parse_constant=no_json_constant)
         # a lone surrogate (\ud800) is no Unicode text; 1e999 reads as inf, which no JSON can say
         json.dumps(obj, ensure_ascii=False, allow_nan=False).encode()
     except json.JSONDecodeError as e:
@@ -293,10 +294,6 @@ def answered(rec: dict) -> bool:
     if "custom_id" in rec:
         return rec.get("error") is None and (rec.get("response") or {}).get("status_code") == 200
     return "output" in rec
-
-
-def _no_constant(name: str):
-    raise json.JSONDecodeError(f"{name} is not a JSON number", name, 0)
 
 
 def prefix_order(lines: list[Line]) -> list[Line]:
@@ -712,9 +709,9 @@ def main(args: argparse.Namespace) -> int:
     if problem is None and dst.exists() and dst.resolve() == src.resolve():
         problem = "--output is the input file; pass another path"
     # (the run's own lock file beside the output, which it removes; its rewrite goes through a new file)
-    for own in (dst.with_name(dst.name + ".lock"),):
-        if problem is None and own.exists() and own.resolve() == src.resolve():
-            problem = f"the input is {own.name}, a file this command writes beside --output {dst.name}; rename it"
+    lock = dst.with_name(dst.name + ".lock")
+    if problem is None and lock.exists() and lock.resolve() == src.resolve():
+        problem = f"the input is {lock.name}, a file this command writes beside --output {dst.name}; rename it"
     if problem:
         print(f"radixserve batch: {problem}", file=sys.stderr)
         return 2

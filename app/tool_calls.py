@@ -102,15 +102,16 @@ def json_text(value: Any) -> str | None:
     return text
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
+def no_json_constant(name: str):
+    """``json.loads``' ``parse_constant``: NaN and Infinity, which Python's parser takes, are no JSON."""
+    raise json.JSONDecodeError(f"{name} is not a JSON number", name, 0)
 
 
 def is_json_object(text: str) -> bool:
     """Whether ``text`` is a JSON object (Python's parser also takes NaN and Infinity, which JSON has not; a
     number past a float's range, ``1e400``, is JSON, kept as written)."""
     try:
-        return isinstance(json.loads(text, parse_constant=_no_constant), dict)
+        return isinstance(json.loads(text, parse_constant=no_json_constant), dict)
     except (ValueError, RecursionError):
         return False
 
