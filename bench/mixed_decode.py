@@ -21,10 +21,9 @@ import torch
 
 import engine.attention as attention
 from bench import plots
+from bench.bench_model import load_bench_model
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_init import write_model
-from engine.model_loader import load_model
 from engine.sequence import SamplingParams
 
 DECODE_STEPS = 24  # timed decode steps per run (after the prefills and a few warm-up steps)
@@ -56,13 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model-dir", default=None, help="default: the bench model (written if missing)")
     ap.add_argument("--out", default="docs")
     args = ap.parse_args(argv)
-    model_dir = Path(args.model_dir or Path.home() / ".cache" / "radixserve" / "models" / "bench")
-    if not (model_dir / "config.json").exists():
-        write_model(model_dir, "bench")
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        torch.set_num_threads(1)
-    loaded = load_model(str(model_dir), device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32")
+    loaded = load_bench_model(args.model_dir)
     rng = random.Random(0)
 
     def prompt(n: int) -> list[int]:

@@ -5,6 +5,8 @@ Every step: running decodes (1 token each), running prefills continued in chunks
 (``max_batch_prefill_tokens``) and the pool allow. Chunking keeps a step short, so a cache hit admitted
 next to a long uncached prompt gets its first token after one short step, not after the whole prompt
 (and in a step where some request gets its first token, the other prompts' chunks shrink further).
+Long prompts (more than one chunk left) prefill at most as many at once as the budget has chunks, and
+leave one chunk to the waiting requests, so a short prompt is not stuck behind a burst of long ones.
 Admission matches the radix cache first, so only the uncached suffix is prefilled. No request reserves
 ``input + max_new_tokens`` up front: blocks are taken as tokens arrive, and when the pool runs dry the
 most recently admitted sequence is preempted (its written blocks stay cached, so its recompute is
@@ -29,6 +31,9 @@ from engine.sequence import Sequence, Status
 # a prompt whose log-probabilities are asked for returns every row's logits ([tokens, vocabulary] floats):
 # a step computes at most this many such rows, over all its prompts (256 MB at a 128k vocabulary)
 PROMPT_LOGPROBS_CHUNK = 512
+# while every long-prompt slot is taken, admission looks this far past the long prompts at the head of
+# the queue for a short one (each look matches a prompt against the cache)
+ADMISSION_LOOKAHEAD = 16
 
 
 @dataclass
@@ -71,6 +76,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.max_chunk = max_prefill_chunk_tokens or max_batch_prefill_tokens
+        self.long_slots = max(1, max_batch_prefill_tokens // self.max_chunk)  # long prompts prefilling at once
         self._logit_rows = PROMPT_LOGPROBS_CHUNK  # all-rows logits left in the step being planned
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -119,14 +125,25 @@ class Scheduler:
         bs = self.kv.block_size
         dedup = self.kv.cache is not None
         self._logit_rows = PROMPT_LOGPROBS_CHUNK
+        # Long prompts (more than one chunk left to compute) prefill at most as many at once as the budget
+        # has chunks, and while a request waits they leave it one chunk (given back to them if admission
+        # does not use it): eight long prompts took the whole budget every step, and a short prompt
+        # arriving behind them waited until one of them had computed its whole prompt (vLLM's
+        # max_long_partial_prefills, derived from the budget).
+        long_slots = self.long_slots
+        longs = sum(self._is_long(seq) for seq in self.running)
+        spare = self.max_chunk if budget >= 2 * self.max_chunk and self._may_admit() else 0
+        held_back: list[Sequence] = []  # running prefills that left their tokens to the spare chunk
         # 1. running sequences in queue order (admission under fcfs, (priority, arrival) under priority);
         # the last in it are preempted when blocks run out
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             uncomputed = seq.num_uncomputed
-            n = uncomputed if uncomputed == 1 else min(uncomputed, budget, self._chunk(seq))
-            if n == 0:
+            n = uncomputed if uncomputed == 1 else min(uncomputed, budget - spare, self._chunk(seq))
+            if spare and 1 < uncomputed and n < min(uncomputed, budget, self._chunk(seq)):
+                held_back.append(seq)
+            if n <= 0:
                 continue
             while not self.kv.ensure_blocks(seq, seq.num_computed + n):
                 # The victim is the last running sequence in queue order, and only one after ``seq``: the
@@ -150,19 +167,27 @@ class Scheduler:
         if plan.preempted:
             return plan  # the pool is tight: admit nothing new this step
         # 2. admit waiting requests in queue order, skipping one whose next block another prefill computes;
-        # a skipped one keeps its seat (counted against max_num_seqs): requests behind it took every seat,
-        # and it waited for one to free, hundreds of steps where computing the prefix again would take six
+        # one that waits for another's prefill keeps its seat (counted against max_num_seqs): requests
+        # behind it took every seat, and it waited for one to free, hundreds of steps where computing the
+        # prefix again would take six; a long prompt over the long slots keeps its place in the queue only
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) + len(skipped) < self.max_num_seqs:
+        kept_seats = held = 0
+        while self.waiting and budget > 0 and len(self.running) + kept_seats < self.max_num_seqs:
             seq = self.waiting.popleft()
             if seq.waits_on is not None:
-                ref, shared = seq.waits_on
-                owner = ref()
-                if owner is not None and owner.status is Status.RUNNING and owner.num_computed < shared:
+                if self._still_waits(seq):
                     skipped.append(seq)  # its next block is still being computed: matching again finds the same
+                    kept_seats += 1
                     continue
                 seq.waits_on = None
             self.kv.match(seq)
+            if longs >= long_slots and self._is_long(seq):
+                self.kv.release(seq)
+                skipped.append(seq)
+                held += 1
+                if held == ADMISSION_LOOKAHEAD:
+                    break
+                continue
             if seq.num_uncomputed == 0:  # warm-up of a prefix that is already cached
                 self.kv.count_admission(seq)
                 plan.finished_at_admission.append(seq)
@@ -174,13 +199,16 @@ class Scheduler:
                     and not seq.wants_prompt_logprobs):  # (that one computes its prompt itself)
                 self.kv.release(seq)
                 skipped.append(seq)  # it will hit the blocks being computed now: not matched again until
+                kept_seats += 1
                 owner = pending_keys[key]  # their owner has computed what the two share
                 seq.waits_on = (weakref.ref(owner), _shared_blocks(seq, owner, len(key) - 1, bs))
                 continue
+            long = self._is_long(seq)
             n = min(seq.num_uncomputed, budget, self._chunk(seq))
             if n == 0:  # its prompt's logits would not fit this step's rows: the next step
                 self.kv.release(seq)
                 skipped.append(seq)
+                kept_seats += 1
                 continue
             if not self.kv.ensure_blocks(seq, seq.num_computed + n):
                 self.kv.release(seq)
@@ -196,10 +224,52 @@ class Scheduler:
             else:
                 self.running.append(seq)
             budget -= n
+            longs += long
             plan.chunks.append(Chunk(seq, n))
         self.waiting.extendleft(reversed(skipped))
+        if held_back and budget > 0:
+            self._give_back(plan, held_back, budget)
         self._favor_first_tokens(plan)
         return plan
+
+    def _is_long(self, seq: Sequence) -> bool:
+        return seq.num_uncomputed > self.max_chunk
+
+    @staticmethod
+    def _still_waits(seq: Sequence) -> bool:
+        """Whether the prefill of the prefix ``seq`` shares with another request is still under way."""
+        ref, shared = seq.waits_on
+        owner = ref()
+        return owner is not None and owner.status is Status.RUNNING and owner.num_computed < shared
+
+    def _may_admit(self) -> bool:
+        """Whether some waiting request may take a seat this step (one is free, and it does not wait for
+        another's prefill of the prefix they share)."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        return any(not (seq.waits_on and self._still_waits(seq))
+                   for seq in itertools.islice(self.waiting, ADMISSION_LOOKAHEAD))
+
+    def _give_back(self, plan: StepPlan, held_back: list[Sequence], budget: int) -> None:
+        """The spare chunk admission left, to the running prefills that left it (in queue order; one
+        whose next blocks the pool cannot give without a preemption keeps what it had)."""
+        chunks = {id(c.seq): c for c in plan.chunks}
+        for seq in held_back:
+            if seq.status is not Status.RUNNING or budget <= 0:
+                continue
+            c = chunks.get(id(seq))
+            given = c.num_tokens if c else 0
+            rows = max(self._logit_rows, 0) + given if seq.wants_prompt_logprobs else self.max_chunk
+            more = min(seq.num_uncomputed, self.max_chunk, rows, budget + given) - given
+            if more <= 0 or not self.kv.ensure_blocks(seq, seq.num_computed + given + more):
+                continue
+            if seq.wants_prompt_logprobs:
+                self._logit_rows -= more
+            budget -= more
+            if c:
+                c.num_tokens += more
+            else:
+                plan.chunks.append(Chunk(seq, more))
 
     def _chunk(self, seq: Sequence) -> int:
         return min(self.max_chunk, max(self._logit_rows, 0)) if seq.wants_prompt_logprobs else self.max_chunk
