@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from engine.guided import SCHEMA_DATA_KEYS
 
 HERMES_OPEN, HERMES_CLOSE, MISTRAL_TAG, PYTHON_TAG = "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>"
 ANY_OBJECT = {"type": "object"}
@@ -46,43 +49,38 @@ def named_schema(parameters: dict[str, Any] | None) -> str:
 
 
 def _rebased(schema: Any, base: str) -> Any:
-    """``schema`` with its local ``$ref``s pointing into it from ``base`` (a JSON pointer of the whole
-    document), but those into its definitions, which move to the document's root."""
+    """``schema`` with its local ``$ref``s (``#``, ``#/properties/..``, ``#/$defs/..``, percent-encoded or
+    not) pointing into it from ``base``, a JSON pointer of the whole document. Data (``const``, ``enum``,
+    ``default``, ``examples``) is kept as it is, a ``{"$ref": ...}`` in it too."""
     if isinstance(schema, list):
         return [_rebased(v, base) for v in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _rebased(v, base) for k, v in schema.items()}
+    out = {k: v if k in SCHEMA_DATA_KEYS else _rebased(v, base) for k, v in schema.items()}
     ref = out.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
-        out["$ref"] = base + ref[1:]
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + urllib.parse.unquote(ref[1:])  # (a URI fragment: "#/%24defs/C" is "/$defs/C")
     return out
 
 
 def required_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bool) -> str:
     """The guide of ``tool_choice: required``: a list of calls (one at least; one at most unless
-    ``parallel``), each a tool's name with arguments per its parameters' schema. Each schema sits in the
-    root's ``$defs`` (its ``$ref``s to itself, ``#`` or ``#/properties/...``, rebased there); its own
-    definitions (``$defs``, where pydantic puts nested models) move to the root, where their ``$ref``s
-    point; two tools defining one name differently cannot share it (``ValueError``)."""
+    ``parallel``), each a tool's name with arguments per its parameters' schema. Each schema sits whole in
+    the root's ``$defs``, its own definitions with it, and its ``$ref``s rebased there: tools that name
+    their definitions alike do not clash, and each is written once."""
     defs: dict[str, Any] = {}
     calls = []
     for i, (name, params) in enumerate(tools):
         params = _arguments_schema(params)
         for key in ("$defs", "definitions"):
-            found = params.pop(key, None) or {}
-            if not isinstance(found, dict):
+            if not isinstance(params.get(key, {}), dict):
                 raise ValueError(f"tool {name!r}: parameters.{key} must be an object")
-            for def_name, schema in found.items():
-                schema = _rebased(schema, f"#/$defs/radixserve-tool-{i}")
-                if defs.setdefault(def_name, schema) != schema:
-                    raise ValueError(f"tools define {def_name!r} differently: tool_choice required cannot hold both")
         defs[f"radixserve-tool-{i}"] = _rebased(params, f"#/$defs/radixserve-tool-{i}")
         calls.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                       "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/radixserve-tool-{i}"}}})
     root = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
-    if defs:  # (both spellings of the refs find them)
-        root["$defs"] = root["definitions"] = defs
+    if defs:
+        root["$defs"] = defs
     return json.dumps(root)
 
 

@@ -73,7 +73,7 @@ def grammar_text(kind: str, text: str) -> str:
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
-_VALUES = ("const", "enum", "default", "examples")  # data, not schemas: kept as they are
+SCHEMA_DATA_KEYS = ("const", "enum", "default", "examples")  # data, not schemas: kept as they are
 WIDEST_BOUND = 2**63 - 2  # past it llguidance cannot write a number range (int64's bounds, 1e20, float32's)
 
 
@@ -92,7 +92,7 @@ def _loosened(schema):
             continue
         if key in _COUNTS and isinstance(v, float) and v.is_integer():
             v = int(v)
-        out[key] = v if key in _VALUES else _loosened(v)
+        out[key] = v if key in SCHEMA_DATA_KEYS else _loosened(v)
     return out
 
 
