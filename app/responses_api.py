@@ -395,6 +395,10 @@ class ResponseEvents(ChunkEvents):
                                                 and not self.stop_string)
         cut = last is not None and last["type"] == "function_call" and not whole
         out += self._close("incomplete" if cut else status)
+        if not whole:  # an earlier call may be the broken one (its item was done before the answer ended)
+            for item in self.output:
+                if item["type"] == "function_call":
+                    item["status"] = "incomplete"
         self.response = self._response(status)
         out.append(self._event(f"response.{status}", response=self.response))
         return out

@@ -224,3 +224,22 @@ def test_an_answer_without_text_keeps_its_eos_log_prob_streamed_as_whole():
     lines += ev.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "logprobs": {"content": eos}}]})
     streamed = _events(lines + ev.end())[-1]["response"]["output"][0]["content"][0]["logprobs"]
     assert streamed == eos
+
+
+def test_every_call_of_an_answer_with_a_broken_one_is_incomplete():
+    # only the last call was looked at: a broken first call ({"a": NaN}) said completed and the whole
+    # second one incomplete; the chat route's finish does not say which broke, so neither is run
+    from app.tool_stream import ToolCallStream
+
+    req = ResponsesRequest.model_validate({"input": "x", "tools": [{"type": "function", "name": "add"}]})
+    stream = ToolCallStream("hermes", {"add"})
+    deltas = stream.feed('<tool_call>{"name": "add", "arguments": {"a": NaN}}</tool_call>\n'
+                         '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>') + stream.finish()
+    ev = ResponseEvents(req, "resp_1", 0, "m")
+    ev.start()
+    for d in deltas:
+        ev.chunk(_chunk(d))
+    ev.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": stream.finish_reason("stop"), "stop_reason": None}]})
+    ev.end()
+    assert [(item["arguments"], item["status"]) for item in ev.final()["output"]] == [
+        ('{"a": NaN}', "incomplete"), ('{"a": 1}', "incomplete")]
