@@ -359,8 +359,10 @@ class MessageEvents(ChunkEvents):
         assert self.message is not None, "final() comes after end()"
         return self.message
 
-    def fail(self, message: str) -> list[str]:
-        return [self._event("error", error={"type": "api_error", "message": message})]
+    def fail(self, message: str, status: int = 500, code: str | None = None) -> list[str]:
+        """The event that ends a stream whose request failed or was refused (``status``: the HTTP status
+        it would have had before the stream started, which names its type)."""
+        return [self._event("error", error=error_body(status, message)["error"])]
 
 
 class MessagesCountRequest(MessagesRequest):

@@ -407,11 +407,13 @@ class ResponseEvents(ChunkEvents):
         assert self.response is not None, "final() comes after end()"
         return self.response
 
-    def fail(self, message: str) -> list[str]:
-        """The events that end a stream whose request failed (a server error: the API's code for it)."""
-        return [self._event("error", code="server_error", message=message, param=None),
-                self._event("response.failed", response=self._response(
-                    "failed", {"code": "server_error", "message": message}))]
+    def fail(self, message: str, status: int = 500, code: str | None = None) -> list[str]:
+        """The events that end a stream whose request failed or was refused (``status``: the HTTP status it
+        would have had before the stream started; ``code``: the error's own, if it has one)."""
+        code = code or ("server_error" if status >= 500 else "rate_limit_exceeded" if status == 429
+                        else "invalid_request_error")
+        return [self._event("error", code=code, message=message, param=None),
+                self._event("response.failed", response=self._response("failed", {"code": code, "message": message}))]
 
 
 def _copy(obj: dict[str, Any]) -> dict[str, Any]:

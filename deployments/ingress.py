@@ -388,8 +388,13 @@ class _EscapedJSON(JSONResponse):
             return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
 
 
+def _client_message(err: ApiError) -> str:
+    """An error's message in the APIs' own terms."""
+    return err.message.replace("max_new_tokens", "max_tokens")  # (the engine's name for it)
+
+
 def _error_response(request: Request, err: ApiError) -> JSONResponse:
-    message = err.message.replace("max_new_tokens", "max_tokens")  # (the engine's name for it)
+    message = _client_message(err)
     if _route_path(request.scope) in ANTHROPIC_PATHS:  # Anthropic's format, on its routes
         return JSONResponse(error_body(err.status, message), status_code=400 if err.status == 422 else err.status)
     if _is_openai(request):
@@ -1392,12 +1397,14 @@ class Ingress:
     async def chat(self, req: ChatRequest):
         return await self._chat(req, self.sampling_defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
 
-    async def _chat(self, req: ChatRequest, default: int):
+    async def _chat(self, req: ChatRequest, default: int, counted: list[int] | None = None):
         """A chat answer (a stream with ``stream``); ``default``: its max_tokens when it sets none (at most
-        the room its context leaves)."""
+        the room its context leaves). ``counted`` gets the prompt's length once it is tokenized."""
         self._check_model(req.model)
         ids = await self._truncated(await self._chat_ids(req, overlong=not req.truncate_prompt_tokens),
                                     req.truncate_prompt_tokens)
+        if counted is not None:
+            counted[0] = len(ids)
         top = req.top_logprobs or 0
         params = req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs,
                               top_logprobs=top, defaults=self.sampling_defaults)
@@ -1459,10 +1466,11 @@ class Ingress:
         pings while it waits, as Anthropic's API does, so proxies that cut idle streams keep it; a refusal
         then comes as the stream's error event (before, it is the HTTP error it always is)."""
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        pending = asyncio.ensure_future(self._chat(_validated_chat(body), default))
+        counted = [0]
+        pending = asyncio.ensure_future(self._chat(_validated_chat(body), default, counted))
         try:
             if stream and not (await asyncio.wait({pending}, timeout=self.first_token_ping_s))[0]:
-                return StreamingResponse(self._late_view(pending, events), media_type="text/event-stream",
+                return StreamingResponse(self._late_view(pending, events, counted), media_type="text/event-stream",
                                          headers=UNBUFFERED)
             answer = await pending  # (refusals raise here, before any byte)
         except BaseException:
@@ -1524,18 +1532,20 @@ class Ingress:
         for ev in events.end():
             yield ev
 
-    async def _late_view(self, pending: asyncio.Future, events: ChunkEvents) -> AsyncIterator[str]:
-        """``_chat_view``'s stream started before its first token: pings until the chat route answers."""
+    async def _late_view(self, pending: asyncio.Future, events: ChunkEvents, counted: list[int]) -> AsyncIterator[str]:
+        """``_chat_view``'s stream started before its first token: pings until the chat route answers.
+        ``counted``: the prompt's length, known by now (its cached share is not: the end says it)."""
         taken = False
         try:
+            events.prompt_tokens(counted[0], 0)
             for ev in events.start():
                 yield ev
             while not (await asyncio.wait({pending}, timeout=self.first_token_ping_s))[0]:
                 yield events.PING
             try:
                 answer = pending.result()
-            except ApiError as e:
-                for ev in events.fail(e.message):
+            except ApiError as e:  # a refusal: of the type its HTTP status would have named
+                for ev in events.fail(_client_message(e), e.status, e.code):
                     yield ev
                 return
             except Exception as e:  # noqa: BLE001 - a client waits for the stream's last event: it gets one

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -96,7 +97,7 @@ def test_a_translated_stream_whose_engine_fails_ends_with_the_engines_error(api,
     from app.responses_api import ResponseEvents, ResponsesRequest
 
     class Chatting(FakeIngress):
-        async def _chat(self, req, default):
+        async def _chat(self, req, default, counted=None):
             return await Cls._openai_stream(self, [([1, 2, 3], {"logprobs": False})], "chat-1", 0,
                                             "chat.completion.chunk", req, [""])
 
@@ -254,14 +255,15 @@ def test_a_translated_stream_starts_and_pings_while_its_first_token_is_slow(api)
     class Slow(_Answering):
         first_token_ping_s = 0.05
 
-        def __init__(self, refuse: bool = False):
+        def __init__(self, refuse: int = 0):
             super().__init__(["Hi", " there"], "stop")
             self.refuse = refuse
 
-        async def _chat(self, req, default):
+        async def _chat(self, req, default, counted=None):
+            counted[0] = 3  # (tokenized)
             await asyncio.sleep(0.3)  # a long prefill
             if self.refuse:
-                raise ingress.ApiError(422, "refused late")
+                raise ingress.ApiError(self.refuse, "refused late: max_new_tokens")
             return await Cls._openai_stream(self, [([1, 2, 3], {"logprobs": False})], "chat-1", 0,
                                             "chat.completion.chunk", req, [""])
 
@@ -280,8 +282,17 @@ def test_a_translated_stream_starts_and_pings_while_its_first_token_is_slow(api)
     pings = [p for p in pieces if "ping" in p]
     assert len(pings) >= 3 and pieces.index(pings[0]) < min(i for i, p in enumerate(pieces) if "Hi" in p)
     assert ("message_stop" if api == "messages" else "response.completed") in pieces[-2]
-    refused = read(Slow(refuse=True))  # a refusal after the stream started: its error event ends it
-    assert "refused late" in refused[-2] and first in refused[0]
+    if api == "messages":  # its first event says the prompt's tokens (it said 0: not counted yet)
+        assert json.loads(pieces[0].split("data: ", 1)[1])["message"]["usage"]["input_tokens"] == 3
+    # a refusal after the stream started: its error event ends it, of the type its status names (a 429
+    # said api_error / server_error, so clients that retry on overload did not), in the API's words
+    for status, kind in ((422, "invalid_request_error"), (429, "rate_limit_error" if api == "messages"
+                                                           else "rate_limit_exceeded")):
+        refused = read(Slow(refuse=status))
+        assert first in refused[0]
+        error = next(json.loads(p.split("data: ", 1)[1]) for p in refused if p.startswith("event: error"))
+        got = error["error"] if api == "messages" else error
+        assert (got["type"] if api == "messages" else got["code"], got["message"]) == (kind, "refused late: max_tokens")
 
 
 def test_a_calls_own_tokens_do_not_ride_with_the_text_after_it():
