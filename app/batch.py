@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -320,12 +321,15 @@ def resume(output: Path, rewrite: bool = True) -> set[str]:
     if not output.exists():
         return set()
     done: set[str] = set()
+    if rewrite and not os.access(output, os.W_OK):  # (the rewrite's file could be written, the answers not)
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(output))
     tmp = _private_twin(output) if rewrite else None
     try:
         with output.open(encoding="utf-8", errors="replace") as src, \
                 (tmp.open("w", encoding="utf-8") if tmp else open(os.devnull, "w")) as dst:
             _keep_answered(output, src, dst, done)
         if tmp:
+            os.chmod(tmp, stat.S_IMODE(os.stat(output).st_mode))  # (once written: a read-only mode is kept)
             os.replace(tmp, output)
     finally:
         if tmp and tmp.exists():
@@ -334,15 +338,12 @@ def resume(output: Path, rewrite: bool = True) -> set[str]:
 
 
 def _private_twin(output: Path) -> Path:
-    """A new empty file beside ``output`` with its permissions, created here and nowhere else: a fixed
-    name (``output.tmp``) was opened through whatever a user of the folder had put there (a symlink to
-    another file, which the rewrite emptied and then renamed over the output), and with the umask's
-    permissions (a 0600 output came back readable by all)."""
+    """A new empty file beside ``output``, created here and nowhere else, readable by its owner alone until
+    it takes the output's permissions: a fixed name (``output.tmp``) was opened through whatever a user of
+    the folder had put there (a symlink to another file, which the rewrite emptied and then renamed over
+    the output), and with the umask's permissions (a 0600 output came back readable by all)."""
     fd, name = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, stat.S_IMODE(os.stat(output).st_mode))
-    finally:
-        os.close(fd)
+    os.close(fd)
     return Path(name)
 
 

@@ -683,6 +683,38 @@ def test_a_host_that_stops_taking_connections_costs_the_connect_timeout_not_the_
     assert time.monotonic() - t0 < 15  # two tries of 0.5 s and a 1 s wait (was two of 60 s)
 
 
+def test_a_rerun_over_a_read_only_output_is_refused_by_its_name_and_leaves_it_as_it_was():
+    # the rewrite's file took the output's 0444 before it was written: PermissionError on a temp file's
+    # name (and, before that, a rerun made a 0444 output 0644 and wrote on); run as a user who is not root
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp())  # (pytest's tmp_path is under a folder only root may enter)
+    try:
+        out = folder / "o.jsonl"
+        write(out, [{"id": 0, "output": "x"}, {"id": 1, "error": "busy"}])
+        before = out.read_text()
+        out.chmod(0o444)
+        # (root may write a 0444 file: the child leaves root once it has imported what it runs)
+        code = ("import os, sys; from pathlib import Path; from app.batch import resume\n"
+                "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
+                "try:\n    resume(Path(sys.argv[1]))\nexcept PermissionError as e:\n    print('refused', e.filename)")
+        if os.geteuid() == 0:
+            os.chown(folder, 65534, 65534)
+            os.chown(out, 65534, 65534)
+        got = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True,
+                             cwd=os.getcwd(), timeout=60)
+        assert got.stdout.strip() == f"refused {out}", (got.stdout, got.stderr)
+        assert out.read_text() == before and oct(out.stat().st_mode & 0o777) == "0o444"
+        assert [p.name for p in folder.iterdir()] == ["o.jsonl"]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_a_rerun_rewrites_its_output_through_a_file_of_its_own_with_the_outputs_permissions(tmp_path):
     # it truncated <output>.tmp through whatever was there (a symlink another user of the folder planted:
     # their target emptied, then renamed over the output), and the output came back with the umask's mode
