@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.guided import SCHEMA_DATA_KEYS
+from engine.guided import walk_schema
 
 HERMES_OPEN, HERMES_CLOSE, MISTRAL_TAG, PYTHON_TAG = "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>"
 ANY_OBJECT = {"type": "object"}
@@ -50,17 +50,16 @@ def named_schema(parameters: dict[str, Any] | None) -> str:
 
 def _rebased(schema: Any, base: str) -> Any:
     """``schema`` with its local ``$ref``s (``#``, ``#/properties/..``, ``#/$defs/..``, percent-encoded or
-    not) pointing into it from ``base``, a JSON pointer of the whole document. Data (``const``, ``enum``,
-    ``default``, ``examples``) is kept as it is, a ``{"$ref": ...}`` in it too."""
-    if isinstance(schema, list):
-        return [_rebased(v, base) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in SCHEMA_DATA_KEYS else _rebased(v, base) for k, v in schema.items()}
-    ref = out.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        out["$ref"] = base + urllib.parse.unquote(ref[1:])  # (a URI fragment: "#/%24defs/C" is "/$defs/C")
-    return out
+    not) pointing into it from ``base``, a JSON pointer of the whole document (data, a ``const`` that
+    holds ``{"$ref": ...}``, and names, a property named ``$ref``, are kept as they are)."""
+
+    def rebase(node: dict[str, Any]) -> dict[str, Any]:
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):  # (a URI fragment: "#/%24defs/C" is "/$defs/C")
+            return {**node, "$ref": base + urllib.parse.unquote(ref[1:])}
+        return node
+
+    return walk_schema(schema, rebase)
 
 
 def required_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bool) -> str:

@@ -74,17 +74,32 @@ def grammar_text(kind: str, text: str) -> str:
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 SCHEMA_DATA_KEYS = ("const", "enum", "default", "examples")  # data, not schemas: kept as they are
+# keywords whose object maps names (a property's, a definition's) to schemas: a property named "default"
+# or "enum" is a schema like any other
+NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 WIDEST_BOUND = 2**63 - 2  # past it llguidance cannot write a number range (int64's bounds, 1e20, float32's)
 
 
-def _loosened(schema):
-    """A JSON schema as llguidance compiles it: a numeric bound past ``WIDEST_BOUND`` (int64's, as OpenAPI
-    tools declare them) left out, as no answer comes near it, and a count written as a float (5.0) as the
-    integer it is. llguidance refused both: a valid tool was a 400. Data (``const``, ``enum``) is kept."""
+def walk_schema(schema, visit):
+    """``schema`` rebuilt bottom up: each schema in it (an object in a schema's place) goes through ``visit``
+    once the schemas inside it have; names (a property's) and data (``const``, ``enum``, ``default``,
+    ``examples``) are kept as they are."""
     if isinstance(schema, list):
-        return [_loosened(v) for v in schema]
+        return [walk_schema(v, visit) for v in schema]
     if not isinstance(schema, dict):
         return schema
+    out = {}
+    for key, v in schema.items():
+        if key in SCHEMA_DATA_KEYS:
+            out[key] = v
+        elif key in NAMED_SCHEMAS and isinstance(v, dict):
+            out[key] = {name: walk_schema(sub, visit) for name, sub in v.items()}
+        else:
+            out[key] = walk_schema(v, visit)
+    return visit(out)
+
+
+def _loosened_one(schema: dict) -> dict:
     out = {}
     for key, v in schema.items():
         numeric = isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -92,8 +107,15 @@ def _loosened(schema):
             continue
         if key in _COUNTS and isinstance(v, float) and v.is_integer():
             v = int(v)
-        out[key] = v if key in SCHEMA_DATA_KEYS else _loosened(v)
+        out[key] = v
     return out
+
+
+def _loosened(schema):
+    """A JSON schema as llguidance compiles it: a numeric bound past ``WIDEST_BOUND`` (int64's, as OpenAPI
+    tools declare them) left out, as no answer comes near it, and a count written as a float (5.0) as the
+    integer it is. llguidance refused both: a valid tool was a 400."""
+    return walk_schema(schema, _loosened_one)
 
 
 def _first_line(e: object) -> str:

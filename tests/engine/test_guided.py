@@ -246,7 +246,10 @@ def test_schemas_with_int64_bounds_or_float_counts_compile_and_keep_their_data(m
     guides = make_engine("tiny").guides
     for schema in ({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}, {"type": "number", "maximum": 1e20},
                    {"type": "object", "properties": {"n": {"type": "number", "minimum": -3.4e38}}},
-                   {"type": "string", "maxLength": 5.0}):
+                   {"type": "string", "maxLength": 5.0},
+                   # properties named as data keywords are schemas too (they were kept whole: still a 400)
+                   *({"type": "object", "properties": {name: {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}},
+                      "required": [name]} for name in ("default", "enum", "const", "examples"))):
         guides.check("json", json.dumps(schema))
     kept = {"type": "object", "properties": {"maximum": {"type": "integer", "maximum": 9}},
             "const": {"maximum": 1e30}, "enum": [{"maxLength": 5.0}]}

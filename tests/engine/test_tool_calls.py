@@ -231,7 +231,9 @@ def test_required_and_named_guides_keep_each_tools_own_refs_and_object_arguments
     num = {"type": "object", "properties": {"at": {"$ref": "#/definitions/Loc"}}, "definitions": {"Loc": {"type": "integer"}}}
     pct = {"type": "object", "properties": {"c": {"$ref": "#/%24defs/C"}}, "$defs": {"C": {"type": "string", "maxLength": 2}}}
     const = {"type": "object", "properties": {"k": {"const": {"$ref": "#/x"}}}, "required": ["k"]}
-    tools = [("loc", loc), ("num", num), ("pct", pct), ("const", const)]
+    # (and a property named as data, "default", is a schema: its ref was left pointing at the root)
+    named = {"type": "object", "properties": {"default": {"$ref": "#/$defs/M"}}, "$defs": {"M": {"enum": ["a"]}}}
+    tools = [("loc", loc), ("num", num), ("pct", pct), ("const", const), ("named", named)]
     required = required_schema(tools, parallel=True)
     big = {"type": "object", "$defs": {f"D{i}": {"type": "string", "description": "x" * 200} for i in range(20)},
            "properties": {f"p{i}": {"$ref": f"#/$defs/D{i}"} for i in range(20)}}
@@ -241,3 +243,5 @@ def test_required_and_named_guides_keep_each_tools_own_refs_and_object_arguments
     assert allows(required, [{"name": "pct", "parameters": {"c": "ab"}}])
     assert not allows(required, [{"name": "pct", "parameters": {"c": "abc"}}])
     assert allows(required, [{"name": "const", "parameters": {"k": {"$ref": "#/x"}}}])
+    assert allows(required, [{"name": "named", "parameters": {"default": "a"}}])
+    assert not allows(required, [{"name": "named", "parameters": {"default": "b"}}])
