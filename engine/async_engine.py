@@ -85,10 +85,12 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError(f"the engine thread has stopped: {self._why_closed()}")
         params = params or SamplingParams()
-        if params.guide is not None:  # compiling a large schema takes a while: not on the event loop
-            await asyncio.to_thread(self.engine.validate, prompt_ids, params, prefill_only)
+        if params.guide is not None:  # compiling a large schema takes a while: not on the event loop (its
+            # compiled start goes with the request: not compiled again on the engine's thread, had 256 other
+            # guides pushed it out of the guides' cache meanwhile)
+            start = await asyncio.to_thread(self.engine.validate, prompt_ids, params, prefill_only)
         else:
-            self.engine.validate(prompt_ids, params, prefill_only)  # reads config only: thread-safe
+            start = self.engine.validate(prompt_ids, params, prefill_only)  # reads config only: thread-safe
         rid = request_id or uuid.uuid4().hex
         # refused here: registering it would take over the stream of the request that has it (or, one
         # whose consumer just left, receive that request's last events until its abort is handled)
@@ -96,7 +98,7 @@ class AsyncEngine:
             raise RequestError(f"request id {rid!r} is already in use")
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._inbox.put(("add", rid, list(prompt_ids), params, prefill_only, time.monotonic(), sibling))
+        self._inbox.put(("add", rid, list(prompt_ids), params, prefill_only, time.monotonic(), sibling, start))
         self._wake.set()
         if self._closed:  # the thread ended between the check above and now: it may not have seen us
             self._streams.pop(rid, None)
@@ -171,7 +173,7 @@ class AsyncEngine:
                     msg[3].set()
                 continue
             if kind == "add":
-                _, rid, ids, params, prefill_only, arrival, sibling = msg
+                _, rid, ids, params, prefill_only, arrival, sibling, start = msg
                 if rid not in self._streams:
                     continue  # consumer left before we saw it
                 if rid in self.engine.requests:  # the stream that had the id left, its request not ended yet
@@ -180,7 +182,8 @@ class AsyncEngine:
                     continue
                 self._owners[rid] = self._streams[rid]
                 try:
-                    self.engine.add_request(ids, params, rid, prefill_only, arrival, sibling=sibling)
+                    self.engine.add_request(ids, params, rid, prefill_only, arrival, sibling=sibling,
+                                            guide_start=start)
                 except Exception as e:  # noqa: BLE001 - report to the one request, keep serving
                     self._emit(TokenEvent(rid, None, "", None, True, "error", error=str(e), error_kind="engine"))
             elif kind == "abort":

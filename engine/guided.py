@@ -198,9 +198,9 @@ class Guides:
             raise GuideError(f"the guide cannot go on: {_first_line(matcher.get_error())}")
         return matcher.is_stopped()
 
-    def matcher(self, kind: str, text: str):
-        """A fresh parser state for one request's guide."""
-        m = self.check(kind, text).deep_copy()
+    def matcher(self, kind: str, text: str, start=None):
+        """A fresh parser state for one request's guide (``start``: its start state, if ``check`` gave it)."""
+        m = (start or self.check(kind, text)).deep_copy()
         if m.is_error():
             raise GuideError(f"the {kind} guide cannot be used: {_first_line(m.get_error())}")
         return m

@@ -193,8 +193,11 @@ class LLMEngine:
         return out - outside
 
     # ------------------------------------------------------------------ requests
-    def validate(self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False) -> None:
-        """Raise ``RequestError`` for a request this engine cannot serve (no state changes)."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False,
+                 guide_start=None):
+        """Raise ``RequestError`` for a request this engine cannot serve (no state changes). Returns its
+        guide's compiled start state (``Guides.check``), if it has a guide; ``guide_start``: that state,
+        from a validation before (not compiled again)."""
         try:
             params.validate()
         except SamplingError as e:
@@ -208,8 +211,8 @@ class LLMEngine:
                 raise RequestError("min_tokens cannot be combined with a structured output (its guide decides the end)")
             if params.allowed_token_ids:
                 raise RequestError("allowed_token_ids cannot be combined with a structured output")
-            try:
-                self.guides.check(*params.guide)  # (a bad one is refused before it is queued)
+            try:  # (a bad one is refused before it is queued)
+                guide_start = guide_start or self.guides.check(*params.guide)
             except GuideError as e:
                 raise RequestError(str(e)) from None
         if params.allowed_token_ids:  # (with none left the sampler would draw token 0, allowed or not)
@@ -247,17 +250,19 @@ class LLMEngine:
                                f"than max_total_tokens ({self.max_total_tokens})")
         if total > self.kv.capacity_tokens:
             raise RequestError(f"{total} tokens do not fit the KV pool ({self.kv.capacity_tokens} tokens)")
+        return guide_start if params.guide is not None else None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prefill_only: bool = False,
-                    arrival: float | None = None, sibling: bool = False) -> str:
+                    arrival: float | None = None, sibling: bool = False, guide_start=None) -> str:
         """Queue a request. ``arrival`` (``time.monotonic()``): when it reached this replica, if earlier
         than now (the async wrapper hands requests over between steps); TTFT counts from it. ``sibling``:
         another choice of a prompt an earlier request of the same client call computed (``n``,
         ``best_of``): the cached prompt it finds is not a second use of it (no reuse protection, not the
-        working set)."""
+        working set). ``guide_start``: what ``validate`` returned for it on another thread (the guide
+        is not compiled again here, on the engine's thread, if it left the guides' cache meanwhile)."""
         params = params or SamplingParams()
-        self.validate(prompt_ids, params, prefill_only)
+        guide_start = self.validate(prompt_ids, params, prefill_only, guide_start)
         rid = request_id or uuid.uuid4().hex
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -267,7 +272,7 @@ class LLMEngine:
         seq = Sequence(rid, ids, params, prefill_only=prefill_only, sibling=sibling)
         if params.guide is not None:
             try:
-                seq.matcher = self.guides.matcher(*params.guide)
+                seq.matcher = self.guides.matcher(*params.guide, start=guide_start)
             except GuideError as e:
                 raise RequestError(str(e)) from None
             if params.guide_after:

@@ -3,6 +3,7 @@ of choices or a grammar, greedy and sampled, ending where the guide is complete;
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import re
@@ -293,3 +294,37 @@ def test_guides_checked_from_several_threads_at_once_never_fail(monkeypatch):
     finally:
         sys.setswitchinterval(old)
     assert not errors, errors[:3]
+
+
+def test_a_guide_checked_before_it_is_queued_is_not_compiled_again_on_the_engine_thread(make_engine):
+    # the async engine compiles a guide on a worker thread, then the engine's thread took it from the cache of
+    # checked guides: had 256 others pushed it out meanwhile (a burst of one-off schemas), it was compiled
+    # again there, every other request held while it did
+    from engine.async_engine import AsyncEngine
+
+    eng = make_engine("tiny")
+    real_validate, real_check = eng.validate, eng.guides.check
+    compiled_on: list[str] = []
+
+    def validate(*a, **kw):
+        start = real_validate(*a, **kw)
+        eng.guides._checked.clear()  # (as if 256 other guides came through)
+        return start
+
+    def check(kind, text):
+        if (kind, text) not in eng.guides._checked:
+            compiled_on.append(threading.current_thread().name)
+        return real_check(kind, text)
+
+    eng.validate, eng.guides.check = validate, check
+    ae = AsyncEngine(eng)
+
+    async def run():
+        params = SamplingParams(max_new_tokens=4, guide=("regex", "[ab]{3}"))
+        return "".join([ev.text async for ev in ae.generate([5, 6, 7, 8], params)])
+
+    try:
+        assert len(asyncio.run(run())) == 3
+    finally:
+        ae.shutdown()
+    assert len(compiled_on) == 1 and compiled_on[0] != "radixserve-engine", compiled_on  # (a worker's)
