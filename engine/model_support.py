@@ -122,11 +122,16 @@ def unsupported_type(kind) -> str:
             "architectures need attention features it does not implement")
 
 
+# what a compressed-tensors config may say of the weights (groups of quantized ones, a sparse layout, a
+# transform applied to them): with any of these they are not plain
+_WEIGHT_SCHEMES = ("config_groups", "sparsity_config", "transform_config")
+
+
 def quantizes_weights(quant) -> bool:
     """False for a quantization_config that only names fp8 KV-cache scales (llm-compressor's
-    ``kv_cache_scheme`` with no weight groups): the weights are plain, the scales the engine's to read."""
+    ``kv_cache_scheme`` with no weight scheme): the weights are plain, the scales the engine's to read."""
     q = quant if isinstance(quant, dict) else getattr(quant, "to_dict", lambda: {})()
-    return not (q.get("kv_cache_scheme") and not q.get("config_groups"))
+    return not (q.get("kv_cache_scheme") and not any(q.get(k) for k in _WEIGHT_SCHEMES))
 
 
 def unsupported(config, max_total_tokens: int | None = None) -> str | None:

@@ -180,6 +180,12 @@ def test_tensor_names_are_checked_from_the_headers_as_transformers_would_load_th
     quantized.quantization_config = {"quant_method": "compressed-tensors", "config_groups": {},
                                      "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}
     serving_limits(quantized, None, None, 4096)
+    # but sparse or transformed weights beside the KV scheme are not plain (they loaded as if they were)
+    for scheme in ("sparsity_config", "transform_config"):
+        quantized.quantization_config = {"quant_method": "compressed-tensors", scheme: {"format": "x"},
+                                         "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}
+        with pytest.raises(UnsupportedModel, match="quantized weights"):
+            serving_limits(quantized, None, None, 4096)
     (tiny_folder / "config.json").write_text(json.dumps(config))
     # tensors the model has no place for (a config that leaves out what the weights have) are refused;
     # fp8 KV scales are the engine's own to read
