@@ -36,7 +36,7 @@ def run(loaded, arm: str, longs: list[list[int]], shorts: list[list[int]]) -> di
     eng = LLMEngine(EngineConfig(model_id=loaded.model_id, max_batch_total_tokens=total, cuda_graphs=()), loaded=loaded)
     if arm == ARMS[0]:  # the scheduler before: no long-prompt limit, nothing left for arrivals
         eng.scheduler.long_slots = 1 << 30
-        eng.scheduler._may_admit = lambda: False
+        eng.scheduler._first_admissible = lambda long_ok: None
     t0 = time.perf_counter()
     arrived: dict[str, float] = {}
     first: dict[str, float] = {}

@@ -31,9 +31,10 @@ from engine.sequence import Sequence, Status
 # a prompt whose log-probabilities are asked for returns every row's logits ([tokens, vocabulary] floats):
 # a step computes at most this many such rows, over all its prompts (256 MB at a 128k vocabulary)
 PROMPT_LOGPROBS_CHUNK = 512
-# while every long-prompt slot is taken, admission looks this far past the long prompts at the head of
-# the queue for a short one (each look matches a prompt against the cache)
-ADMISSION_LOOKAHEAD = 16
+# while every long-prompt slot is taken, admission looks this far down the queue for a prompt it can
+# admit, matching at most ADMISSION_MATCHES prompts against the cache to tell (the others by their length)
+ADMISSION_LOOKAHEAD = 256
+ADMISSION_MATCHES = 16
 
 
 @dataclass
@@ -130,20 +131,29 @@ class Scheduler:
         # does not use it): eight long prompts took the whole budget every step, and a short prompt
         # arriving behind them waited until one of them had computed its whole prompt (vLLM's
         # max_long_partial_prefills, derived from the budget).
+        # (Under priority, only the prompts the first waiting request outranks leave it their part.)
         long_slots = self.long_slots
         longs = sum(self._is_long(seq) for seq in self.running)
-        spare = self.max_chunk if budget >= 2 * self.max_chunk and self._may_admit() else 0
+        first = self._first_admissible(longs < long_slots) if budget >= 2 * self.max_chunk else None
         held_back: list[Sequence] = []  # running prefills that left their tokens to the spare chunk
+
+        def pending(seq: Sequence) -> None:  # (its next block is being computed: this step or the next)
+            if dedup:
+                start = seq.num_computed // bs * bs
+                pending_keys[(seq.params.cache_salt, *seq.token_range(0, start + bs))] = seq
         # 1. running sequences in queue order (admission under fcfs, (priority, arrival) under priority);
         # the last in it are preempted when blocks run out
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             uncomputed = seq.num_uncomputed
+            spare = self.max_chunk if first is not None and (not self.by_priority or _queue_key(seq) > first) else 0
             n = uncomputed if uncomputed == 1 else min(uncomputed, budget - spare, self._chunk(seq))
             if spare and 1 < uncomputed and n < min(uncomputed, budget, self._chunk(seq)):
                 held_back.append(seq)
             if n <= 0:
+                if uncomputed > 1:
+                    pending(seq)
                 continue
             while not self.kv.ensure_blocks(seq, seq.num_computed + n):
                 # The victim is the last running sequence in queue order, and only one after ``seq``: the
@@ -160,18 +170,18 @@ class Scheduler:
                 self._logit_rows -= n
             if uncomputed > 1:
                 budget -= n
-                if dedup:
-                    start = seq.num_computed // bs * bs
-                    pending_keys[(seq.params.cache_salt, *seq.token_range(0, start + bs))] = seq
+                pending(seq)
             plan.chunks.append(Chunk(seq, n))
         if plan.preempted:
             return plan  # the pool is tight: admit nothing new this step
         # 2. admit waiting requests in queue order, skipping one whose next block another prefill computes;
         # one that waits for another's prefill keeps its seat (counted against max_num_seqs): requests
         # behind it took every seat, and it waited for one to free, hundreds of steps where computing the
-        # prefix again would take six; a long prompt over the long slots keeps its place in the queue only
+        # prefix again would take six. A long prompt over the long slots keeps its place in the queue, and
+        # the first of them (as many as there are long slots) their seats: short requests behind took every
+        # seat, and a held long prompt waited for one of them to finish its whole answer once a slot freed
         skipped: list[Sequence] = []
-        kept_seats = held = 0
+        kept_seats = held = looked = 0
         while self.waiting and budget > 0 and len(self.running) + kept_seats < self.max_num_seqs:
             seq = self.waiting.popleft()
             if seq.waits_on is not None:
@@ -180,12 +190,20 @@ class Scheduler:
                     kept_seats += 1
                     continue
                 seq.waits_on = None
-            self.kv.match(seq)
-            if longs >= long_slots and self._is_long(seq):
-                self.kv.release(seq)
+            full = longs >= long_slots
+            # (one found long before, or past the matches a step affords and long by its length: no match)
+            hold = full and (seq.held_long or (looked >= ADMISSION_MATCHES and self._is_long(seq)))
+            if not hold:
+                looked += full
+                self.kv.match(seq)
+                hold = seq.held_long = full and self._is_long(seq)
+                if hold:
+                    self.kv.release(seq)
+            if hold:
                 skipped.append(seq)
                 held += 1
-                if held == ADMISSION_LOOKAHEAD:
+                kept_seats += held <= long_slots
+                if len(skipped) >= ADMISSION_LOOKAHEAD:
                     break
                 continue
             if seq.num_uncomputed == 0:  # warm-up of a prefix that is already cached
@@ -242,13 +260,14 @@ class Scheduler:
         owner = ref()
         return owner is not None and owner.status is Status.RUNNING and owner.num_computed < shared
 
-    def _may_admit(self) -> bool:
-        """Whether some waiting request may take a seat this step (one is free, and it does not wait for
-        another's prefill of the prefix they share)."""
+    def _first_admissible(self, long_ok: bool) -> tuple[int, int] | None:
+        """The queue key of the first waiting request that may be admitted this step (a seat is free, it
+        does not wait for another's prefill of the prefix they share, nor, ``long_ok`` false, was it found
+        long while the long slots were taken); None if there is none."""
         if len(self.running) >= self.max_num_seqs:
-            return False
-        return any(not (seq.waits_on and self._still_waits(seq))
-                   for seq in itertools.islice(self.waiting, ADMISSION_LOOKAHEAD))
+            return None
+        return next((_queue_key(seq) for seq in itertools.islice(self.waiting, ADMISSION_LOOKAHEAD)
+                     if not (seq.waits_on and self._still_waits(seq)) and (long_ok or not seq.held_long)), None)
 
     def _give_back(self, plan: StepPlan, held_back: list[Sequence], budget: int) -> None:
         """The spare chunk admission left, to the running prefills that left it (in queue order; one
@@ -279,7 +298,10 @@ class Scheduler:
         its time to first token is this step's length. (Their blocks are already reserved; the rest
         of each prompt follows in the next steps.) Under priority, only the prompts it outranks: a trickle
         of low-priority short requests held an urgent long prompt to a quarter of its chunks (32 steps
-        became 125)."""
+        became 125). Under a steady trickle of short requests (one admitted into the spare chunk every
+        step) every step is cut: long prompts take more, shorter steps (eight 8k-token prompts, 59 steps
+        instead of 16), at about the same pace where a step's time follows its tokens (a CPU, a large
+        model; bench.long_prefill_bench) and slower where a step has a large fixed cost."""
         firsts = [c.seq for c in plan.chunks if c.seq.first_token_time is None and not c.seq.prefill_only
                   and c.num_tokens == c.seq.num_uncomputed]
         if not firsts:

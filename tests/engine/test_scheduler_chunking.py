@@ -103,3 +103,77 @@ def test_long_prompts_over_the_slots_keep_their_place_and_a_cached_one_counts_as
     assert admitted == ["long0", "long1", "long2", "long3", "turn2"]
     assert turn2.output_ids and [s.request_id for s in sch.waiting] == ["long4", "long5"]
     run_to_end(sch, kv, [chat, *seqs], finished)
+
+
+def first_token_steps(sch: Scheduler, kv: KVManager, watched: list[Sequence], arrivals=lambda step: (),
+                      limit: int = 2000) -> dict[str, int]:
+    """Step (adding ``arrivals(step)`` first) until every watched request has its first token."""
+    got: dict[str, int] = {}
+    for step in range(1, limit):
+        for s in arrivals(step):
+            sch.add(s)
+        apply(sch, kv, sch.schedule())
+        got.update({s.request_id: step for s in watched if s.output_ids and s.request_id not in got})
+        if len(got) == len(watched):
+            return got
+    raise AssertionError(f"no first token for {[s.request_id for s in watched if s.request_id not in got]}")
+
+
+def test_a_long_prompt_waiting_for_a_long_slot_keeps_a_seat():
+    # held for a long slot, it kept its place but not a seat: chat requests behind it took every seat, and
+    # once a slot freed it waited for one of them to finish its 400-token answer (step 407)
+    kv = KVManager(100_000, BS, prefix_caching=True)
+    sch = Scheduler(kv, max_batch_prefill_tokens=32, max_num_seqs=4, max_prefill_chunk_tokens=16)  # 2 long slots
+    longs = [Sequence(f"L{i}", [1000 + i] * 64, SamplingParams(max_new_tokens=400)) for i in range(3)]
+    for s in longs:
+        sch.add(s)
+    def chats(step):
+        return [Sequence(f"s{step}", [step] * 8, SamplingParams(max_new_tokens=400))] if step <= 20 else []
+    assert first_token_steps(sch, kv, [longs[2]], chats)["L2"] <= 30  # (its chunks cut while chats start)
+
+
+def test_under_priority_the_spare_chunk_comes_only_from_prompts_the_waiting_request_outranks():
+    # an urgent prompt left its chunk to low-priority short prompts arriving every step (0 tokens a step
+    # for the second urgent one: its first token at step 15, not 8)
+    kv = KVManager(4096, BS, prefix_caching=False)
+    sch = Scheduler(kv, max_batch_prefill_tokens=128, max_num_seqs=64, max_prefill_chunk_tokens=64, policy="priority")
+    urgent = [Sequence(f"U{i}", [1 + i] * 512, SamplingParams(max_new_tokens=1, priority=0)) for i in range(2)]
+    for s in urgent:
+        sch.add(s)
+    def low(step):
+        return [Sequence(f"s{step}", [100 + step] * 64, SamplingParams(max_new_tokens=1, priority=5))]
+    assert first_token_steps(sch, kv, urgent, low) == {"U0": 8, "U1": 8}
+
+
+def test_a_prefill_that_left_its_chunk_to_the_spare_still_makes_a_sharer_wait_for_its_blocks():
+    # with 0 tokens this step it registered nothing: a request sharing its prefix was admitted and computed
+    # 56 of the 64 shared tokens again beside it
+    kv = KVManager(1024, BS, prefix_caching=True)
+    sch = Scheduler(kv, max_batch_prefill_tokens=32, max_num_seqs=16, max_prefill_chunk_tokens=8)
+    shared = list(range(1000, 1064))
+    owner = Sequence("P", shared + [1], SamplingParams(max_new_tokens=1))
+    seqs = [Sequence(f"X{i}", [10 + i] * 16, SamplingParams(max_new_tokens=4)) for i in range(3)] + [owner]
+    for s in seqs:
+        sch.add(s)
+    sharer = Sequence("W", shared + [2, 3], SamplingParams(max_new_tokens=1))
+    finished = apply(sch, kv, sch.schedule())
+    sch.add(sharer)
+    run_to_end(sch, kv, [*seqs, sharer], finished)
+    assert sharer.num_cached_prompt_tokens == 64
+
+
+def test_a_short_prompt_passes_a_long_queue_of_long_prompts():
+    # admission looked at 16 held long prompts a step: behind 80 a short prompt waited 133 steps
+    kv = KVManager(100_000, 16, prefix_caching=True)
+    sch = Scheduler(kv, max_batch_prefill_tokens=4096, max_num_seqs=256, max_prefill_chunk_tokens=512)
+    for i in range(80):
+        sch.add(Sequence(f"L{i}", [10**6 + i] * 8192, SamplingParams(max_new_tokens=1)))
+    apply(sch, kv, sch.schedule())
+    short = Sequence("short", [5] * 100, SamplingParams(max_new_tokens=1))
+    assert first_token_steps(sch, kv, [short], lambda step: [short] if step == 1 else []) == {"short": 1}
+    matched = []
+    real = kv.match
+    kv.match = lambda seq: matched.append(seq.request_id) or real(seq)
+    for _ in range(3):  # the held ones are not matched again while the slots stay taken (16 new looks a step)
+        apply(sch, kv, sch.schedule())
+    assert len(set(matched)) == len(matched) <= 3 * 16, matched
