@@ -202,7 +202,8 @@ class Scheduler:
             if hold:
                 skipped.append(seq)
                 held += 1
-                kept_seats += held <= long_slots
+                # (and never every free seat: with few seats, a short prompt waited for a long answer)
+                kept_seats += held <= min(long_slots, self.max_num_seqs - long_slots - 1)
                 if len(skipped) >= ADMISSION_LOOKAHEAD:
                     break
                 continue

@@ -177,3 +177,16 @@ def test_a_short_prompt_passes_a_long_queue_of_long_prompts():
     for _ in range(3):  # the held ones are not matched again while the slots stay taken (16 new looks a step)
         apply(sch, kv, sch.schedule())
     assert len(set(matched)) == len(matched) <= 3 * 16, matched
+
+
+def test_with_few_seats_the_held_long_prompts_leave_one_for_a_short_prompt():
+    # two long slots, four seats: the two held long prompts kept the two free seats, and a short prompt
+    # waited for a long answer to end (step 207 with answers of 200)
+    kv = KVManager(100_000, BS, prefix_caching=True)
+    sch = Scheduler(kv, max_batch_prefill_tokens=32, max_num_seqs=4, max_prefill_chunk_tokens=16)
+    longs = [Sequence(f"L{i}", [1000 + i] * 128, SamplingParams(max_new_tokens=200)) for i in range(4)]
+    for s in longs:
+        sch.add(s)
+    apply(sch, kv, sch.schedule())
+    short = Sequence("S", [7] * 8, SamplingParams(max_new_tokens=1))
+    assert first_token_steps(sch, kv, [short], lambda step: [short] if step == 1 else []) == {"S": 1}
