@@ -15,13 +15,21 @@ from tests.engine.test_scheduler_preemption import MAX_STEPS, apply, check_books
 BS = 4
 
 
-def first_token_step(sch: Scheduler, kv: KVManager, target: Sequence, seqs: list[Sequence],
-                     finished: list[Sequence]) -> int:
-    for step in range(1, 200):
-        finished += apply(sch, kv, sch.schedule())
-        if target.output_ids:
-            return step
-    raise AssertionError("no first token")
+def first_token_steps(sch: Scheduler, kv: KVManager, watched: list[Sequence], arrivals=lambda step: (),
+                      finished: list[Sequence] | None = None, limit: int = 2000) -> dict[str, int]:
+    """Step (adding ``arrivals(step)`` first) until every watched request has its first token; the step of
+    each. ``finished`` gets the requests that end meanwhile."""
+    got: dict[str, int] = {}
+    for step in range(1, limit):
+        for s in arrivals(step):
+            sch.add(s)
+        done = apply(sch, kv, sch.schedule())
+        if finished is not None:
+            finished += done
+        got.update({s.request_id: step for s in watched if s.output_ids and s.request_id not in got})
+        if len(got) == len(watched):
+            return got
+    raise AssertionError(f"no first token for {[s.request_id for s in watched if s.request_id not in got]}")
 
 
 @pytest.mark.parametrize("longs", [4, 8])
@@ -38,7 +46,7 @@ def test_long_prefills_leave_room_for_a_short_prompt_that_arrives(longs):
     short = Sequence("short", [9] * 8, SamplingParams(max_new_tokens=2))
     sch.add(short)
     seqs.append(short)
-    assert first_token_step(sch, kv, short, seqs, finished) == 1
+    assert first_token_steps(sch, kv, [short], finished=finished) == {"short": 1}
     run_to_end(sch, kv, seqs, finished)
 
 
@@ -103,20 +111,6 @@ def test_long_prompts_over_the_slots_keep_their_place_and_a_cached_one_counts_as
     assert admitted == ["long0", "long1", "long2", "long3", "turn2"]
     assert turn2.output_ids and [s.request_id for s in sch.waiting] == ["long4", "long5"]
     run_to_end(sch, kv, [chat, *seqs], finished)
-
-
-def first_token_steps(sch: Scheduler, kv: KVManager, watched: list[Sequence], arrivals=lambda step: (),
-                      limit: int = 2000) -> dict[str, int]:
-    """Step (adding ``arrivals(step)`` first) until every watched request has its first token."""
-    got: dict[str, int] = {}
-    for step in range(1, limit):
-        for s in arrivals(step):
-            sch.add(s)
-        apply(sch, kv, sch.schedule())
-        got.update({s.request_id: step for s in watched if s.output_ids and s.request_id not in got})
-        if len(got) == len(watched):
-            return got
-    raise AssertionError(f"no first token for {[s.request_id for s in watched if s.request_id not in got]}")
 
 
 def test_a_long_prompt_waiting_for_a_long_slot_keeps_a_seat():
