@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
             inflight += 1
         before = eng.stats.prefill_tokens_computed
         # a new request waits and the cache already holds prefixes: most likely a step of cache hits
-        hot = (profiled < args.profile_steps and bool(eng.scheduler.waiting)
+        hot = (profiled < args.profile_steps and bool(eng.scheduler.num_waiting)
                and eng.kv_stats()["prefix_hit_tokens"] > 0)
         sync()
         t = time.perf_counter()

@@ -556,5 +556,5 @@ class LLMEngine:
             "recomputed_blocks": counters.recomputed_blocks if counters else 0,
             "preemptions": self.scheduler.num_preemptions,
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "waiting": self.scheduler.num_waiting,
         }

@@ -35,6 +35,10 @@ PROMPT_LOGPROBS_CHUNK = 512
 # admit, matching at most ADMISSION_MATCHES prompts against the cache to tell (the others by their length)
 ADMISSION_LOOKAHEAD = 256
 ADMISSION_MATCHES = 16
+# held long prompts (see Scheduler.held) matched again per step, in turn, once the cache has grown since
+# their last match: one whose prefix another request computed meanwhile may be short now
+RECHECK_MATCHES = 8
+RECHECK_WALK = 64
 
 
 @dataclass
@@ -81,6 +85,10 @@ class Scheduler:
         self._logit_rows = PROMPT_LOGPROBS_CHUNK  # all-rows logits left in the step being planned
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
+        # long prompts found while every long-prompt slot was taken, in queue order: out of ``waiting``,
+        # so a short prompt behind thousands of them is still seen (each has ``held_at`` set)
+        self.held: list[Sequence] = []
+        self._recheck_at = 0  # where the next re-check of ``held`` starts
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -92,14 +100,22 @@ class Scheduler:
             self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.held or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.held)
 
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out of the queues and give back its blocks (finish or abort)."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+            if seq.held_at is not None:
+                self.held.remove(seq)
+                seq.held_at = None
+            else:
+                self.waiting.remove(seq)
         self.kv.release(seq)
         seq.status = Status.FINISHED
 
@@ -134,8 +150,12 @@ class Scheduler:
         # (Under priority, only the prompts the first waiting request outranks leave it their part.)
         long_slots = self.long_slots
         longs = sum(self._is_long(seq) for seq in self.running)
+        generation = self._cache_generation()
+        if longs >= long_slots:
+            self._recheck_held(generation)
         first = self._first_admissible(longs < long_slots) if budget >= 2 * self.max_chunk else None
         held_back: list[Sequence] = []  # running prefills that left their tokens to the spare chunk
+        left: list[tuple[tuple[int, int], int]] = []  # (their queue key, tokens left), under priority
 
         def pending(seq: Sequence) -> None:  # (its next block is being computed: this step or the next)
             if dedup:
@@ -149,8 +169,11 @@ class Scheduler:
             uncomputed = seq.num_uncomputed
             spare = self.max_chunk if first is not None and (not self.by_priority or _queue_key(seq) > first) else 0
             n = uncomputed if uncomputed == 1 else min(uncomputed, budget - spare, self._chunk(seq))
-            if spare and 1 < uncomputed and n < min(uncomputed, budget, self._chunk(seq)):
+            want = min(uncomputed, budget, self._chunk(seq))
+            if spare and 1 < uncomputed and n < want:
                 held_back.append(seq)
+                if self.by_priority:
+                    left.append((_queue_key(seq), want - max(n, 0)))
             if n <= 0:
                 if uncomputed > 1:
                     pending(seq)
@@ -172,40 +195,51 @@ class Scheduler:
                 budget -= n
                 pending(seq)
             plan.chunks.append(Chunk(seq, n))
-        if plan.preempted:
-            return plan  # the pool is tight: admit nothing new this step
+        if plan.preempted:  # the pool is tight: admit nothing new this step
+            if held_back and budget > 0:
+                self._give_back(plan, held_back, budget)
+            return plan
         # 2. admit waiting requests in queue order, skipping one whose next block another prefill computes;
         # one that waits for another's prefill keeps its seat (counted against max_num_seqs): requests
         # behind it took every seat, and it waited for one to free, hundreds of steps where computing the
-        # prefix again would take six. A long prompt over the long slots keeps its place in the queue, and
-        # the first of them (as many as there are long slots) their seats: short requests behind took every
-        # seat, and a held long prompt waited for one of them to finish its whole answer once a slot freed
+        # prefix again would take six. A long prompt found while the long slots are taken goes to ``held``
+        # (in queue order, back in turn once a slot frees), and the first of them (as many as there are
+        # long slots) keep their seats from the requests behind them: short requests took every seat, and a
+        # held long prompt waited for one of them to finish its whole answer once a slot freed
+        # (and never every free seat: with few seats, a short prompt waited for a long answer).
         skipped: list[Sequence] = []
-        kept_seats = held = looked = 0
-        while self.waiting and budget > 0 and len(self.running) + kept_seats < self.max_num_seqs:
-            seq = self.waiting.popleft()
+        kept_seats = looked = 0
+        held_seats = max(0, min(long_slots, self.max_num_seqs - long_slots - 1))
+        while budget > 0:
+            long_ok = longs < long_slots
+            from_held = bool(self.held) and long_ok and (
+                not self.waiting or _queue_key(self.held[0]) < _queue_key(self.waiting[0]))
+            if not from_held and not self.waiting:
+                break
+            seq = self.held[0] if from_held else self.waiting[0]
+            ahead = 0 if long_ok else min(bisect.bisect_left(self.held, _queue_key(seq), key=_queue_key), held_seats)
+            if len(self.running) + kept_seats + ahead >= self.max_num_seqs:
+                break
+            if from_held:
+                self.held.pop(0)
+                seq.held_at = None
+            else:
+                self.waiting.popleft()
             if seq.waits_on is not None:
                 if self._still_waits(seq):
                     skipped.append(seq)  # its next block is still being computed: matching again finds the same
                     kept_seats += 1
                     continue
                 seq.waits_on = None
-            full = longs >= long_slots
-            # (one found long before, or past the matches a step affords and long by its length: no match)
-            hold = full and (seq.held_long or (looked >= ADMISSION_MATCHES and self._is_long(seq)))
-            if not hold:
-                looked += full
-                self.kv.match(seq)
-                hold = seq.held_long = full and self._is_long(seq)
-                if hold:
-                    self.kv.release(seq)
-            if hold:
-                skipped.append(seq)
-                held += 1
-                # (and never every free seat: with few seats, a short prompt waited for a long answer)
-                kept_seats += held <= min(long_slots, self.max_num_seqs - long_slots - 1)
-                if len(skipped) >= ADMISSION_LOOKAHEAD:
-                    break
+            # (past the matches a step affords, one long by its length is held unmatched)
+            if not long_ok and looked >= ADMISSION_MATCHES and self._is_long(seq):
+                self._hold(seq, -1)
+                continue
+            looked += not long_ok
+            self.kv.match(seq)
+            if not long_ok and self._is_long(seq):
+                self.kv.release(seq)
+                self._hold(seq, generation)
                 continue
             if seq.num_uncomputed == 0:  # warm-up of a prefix that is already cached
                 self.kv.count_admission(seq)
@@ -222,8 +256,14 @@ class Scheduler:
                 owner = pending_keys[key]  # their owner has computed what the two share
                 seq.waits_on = (weakref.ref(owner), _shared_blocks(seq, owner, len(key) - 1, bs))
                 continue
+            # under priority, the chunk a running prompt left is not for a request it outranks
+            reserved = sum(t for k, t in left if k < _queue_key(seq)) if left else 0
+            if budget - reserved <= 0:  # (nor for any behind it: they rank lower still)
+                self.kv.release(seq)
+                self.waiting.appendleft(seq)
+                break
             long = self._is_long(seq)
-            n = min(seq.num_uncomputed, budget, self._chunk(seq))
+            n = min(seq.num_uncomputed, budget - reserved, self._chunk(seq))
             if n == 0:  # its prompt's logits would not fit this step's rows: the next step
                 self.kv.release(seq)
                 skipped.append(seq)
@@ -251,6 +291,39 @@ class Scheduler:
         self._favor_first_tokens(plan)
         return plan
 
+    def _cache_generation(self) -> int:
+        """Grows whenever the cache takes new blocks: a held prompt matched at an older one may hit more now."""
+        return self.kv.cache.counters.inserted_blocks if self.kv.cache is not None else 0
+
+    def _hold(self, seq: Sequence, generation: int) -> None:
+        """Keep a long prompt out of ``waiting`` until a long slot frees (``generation`` -1: not matched)."""
+        seq.held_at = generation
+        bisect.insort(self.held, seq, key=_queue_key)
+
+    def _recheck_held(self, generation: int) -> None:
+        """Match again, a few a step and in turn, the held prompts the cache has grown since: one whose
+        prefix another request computed meanwhile is short now and goes back to the queue (it stayed held
+        until a long slot freed: its first token at step 37 where 4 would do)."""
+        matched = walked = 0
+        i = self._recheck_at
+        while self.held and walked < min(len(self.held), RECHECK_WALK) and matched < RECHECK_MATCHES:
+            i %= len(self.held)
+            seq = self.held[i]
+            walked += 1
+            if seq.held_at != generation:
+                matched += 1
+                self.kv.match(seq)
+                long = self._is_long(seq)
+                self.kv.release(seq)
+                if not long:
+                    del self.held[i]
+                    seq.held_at = None
+                    bisect.insort(self.waiting, seq, key=_queue_key)
+                    continue
+                seq.held_at = generation
+            i += 1
+        self._recheck_at = i
+
     def _is_long(self, seq: Sequence) -> bool:
         return seq.num_uncomputed > self.max_chunk
 
@@ -263,12 +336,15 @@ class Scheduler:
 
     def _first_admissible(self, long_ok: bool) -> tuple[int, int] | None:
         """The queue key of the first waiting request that may be admitted this step (a seat is free, it
-        does not wait for another's prefill of the prefix they share, nor, ``long_ok`` false, was it found
-        long while the long slots were taken); None if there is none."""
+        does not wait for another's prefill of the prefix they share, nor, ``long_ok`` false, is it held
+        for a long slot); None if there is none."""
         if len(self.running) >= self.max_num_seqs:
             return None
-        return next((_queue_key(seq) for seq in itertools.islice(self.waiting, ADMISSION_LOOKAHEAD)
-                     if not (seq.waits_on and self._still_waits(seq)) and (long_ok or not seq.held_long)), None)
+        first = next((_queue_key(seq) for seq in itertools.islice(self.waiting, ADMISSION_LOOKAHEAD)
+                      if not (seq.waits_on and self._still_waits(seq))), None)
+        if long_ok and self.held and (first is None or _queue_key(self.held[0]) < first):
+            return _queue_key(self.held[0])
+        return first
 
     def _give_back(self, plan: StepPlan, held_back: list[Sequence], budget: int) -> None:
         """The spare chunk admission left, to the running prefills that left it (in queue order; one
