@@ -1,6 +1,6 @@
 """Chained block hashes, shared by the engine, the router and the Redis directory.
 
-``h_i = xxh3_64(h_{i-1} || tokens of block i)`` over little-endian uint32 token ids, with
+``h_i = xxh3_64(tokens of block i, seed=h_{i-1})`` over little-endian uint32 token ids, with
 ``h_{-1}`` derived from ``extra`` (model id and tenant salt). The hash is stable across
 processes and machines (unlike Python's ``hash()``), so a router can predict what a replica
 caches. A hash identifies a whole prefix, not one block: equal hashes mean equal prefixes

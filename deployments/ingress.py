@@ -990,7 +990,8 @@ class Ingress:
         return await self._drain(*await self._stream(ids, params))
 
     async def _choices(self, jobs: list[tuple[list[int], dict[str, Any]]], n: int, stream: bool,
-                       prompt_only: bool = False) -> list[tuple[dict, AsyncIterator[dict]]] | list[list[dict]]:
+                       prompt_only: bool = False, field: str = "n"
+                       ) -> list[tuple[dict, AsyncIterator[dict]]] | list[list[dict]]:
         """``n`` choices of each prompt of ``jobs`` (its ids and sampling parameters), one engine request
         each, prompt by prompt: started (``stream``: their first events and the rest) or run to the end
         (their events). A prompt's first choice starts before its others, so the prompt is cached (and
@@ -999,9 +1000,10 @@ class Ingress:
         their prompts, and their events leave out the token each generates (``_prompt_only``)."""
         most = self.settings.max_ongoing_requests
         if len(jobs) * n > most:  # the rest would queue in Serve, and a stream's headers wait for every first token
-            what = f"n ({n})" if len(jobs) == 1 else f"{len(jobs)} prompts x n ({n})"
+            # (``field``: the request's field that asked for them, "best_of" where it draws more than n)
+            what = f"{field} ({n})" if len(jobs) == 1 else f"{len(jobs)} prompts x {field} ({n})"
             raise ApiError(422, f"{what} is more than one replica runs at once (max_ongoing_requests {most}); "
-                                "ask for fewer choices", param="n" if len(jobs) == 1 else "prompt")
+                                "ask for fewer choices", param=field if len(jobs) == 1 else "prompt")
         each = [_choice_params(params, n) for _, params in jobs]
         aborts: list = []
 
@@ -1097,7 +1099,7 @@ class Ingress:
             events = await self._collect(ids, params)
             return (self._tgi_sequence(req, ids, events, params["seed"], events[-1]["num_cached_tokens"]),
                     _replica_header(events))
-        drawn = await self._choices([(ids, params)], best_of, stream=False)
+        drawn = await self._choices([(ids, params)], best_of, stream=False, field="parameters.best_of")
         seeds = {id(run): p["seed"] for run, p in zip(drawn, _choice_params(params, best_of), strict=True)}
         runs = _likeliest(drawn, best_of, per_token=True)
         # what the cache held for the request: the first draw's find (the others find its prompt)
@@ -1387,7 +1389,8 @@ class Ingress:
         if drawn > req.n:  # the likeliest n of best_of, each prompt's in its own order
             for _, params in jobs:
                 params["logprobs"] = True  # (to rank them; left out of the answer unless asked for)
-        runs = await self._choices(jobs, drawn, stream=False, prompt_only=req.echo_only())
+        runs = await self._choices(jobs, drawn, stream=False, prompt_only=req.echo_only(),
+                                   field="best_of" if drawn > req.n else "n")
         firsts = [runs[k * drawn][-1] for k in range(len(jobs))]  # (what each prompt's first draw found cached)
         if drawn > req.n:
             runs = [run for k in range(len(jobs)) for run in _likeliest(runs[k * drawn:(k + 1) * drawn], req.n)]

@@ -125,6 +125,7 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "nope"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 129}, 400, "less than or equal to 128"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 65}, 400, "max_ongoing_requests 64"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 100}, 400, "best_of (100) is more than one replica runs"),
     ("/v1/completions", {"model": "tiny", "prompt": [999999]}, 400, "vocabulary"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 5}, 400, "temperature"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
