@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from cache.allocator import BlockAllocator, OutOfBlocks
+from cache.hashing import pack_tokens
 from cache.radix import RadixCache
 from engine.sequence import Sequence
 
@@ -43,6 +44,28 @@ class KVManager:
         seq.block_table = list(m.blocks)
         seq.num_cached_blocks = len(m.blocks)
         seq.num_computed = m.num_tokens
+
+    def match_mark(self, seq: Sequence) -> tuple:
+        """Where ``seq``'s match ended (call between ``match`` and ``release``), for ``match_grew``: its
+        last node, that node's length then, and the tokens matched; () if no match can ever give more."""
+        node = seq.lock_node
+        if node is None:  # no cache, or every prompt token's logits asked for
+            return ()
+        return node, len(node.blocks), seq.num_computed
+
+    def match_grew(self, seq: Sequence, mark: tuple) -> bool:
+        """Whether matching ``seq`` again could give more than at ``mark``, by a one-block look: the cache
+        holds the block after its match, or the match's last node was cut or dropped since (then True
+        to be safe). A waiting prompt is not matched again at every step for nothing: a match packs
+        the whole prompt, and the cache takes blocks at nearly every step."""
+        if not mark:
+            return False
+        node, length, depth = mark
+        if node.parent is None:  # (a root made for a look is not kept: ask for the tenant's own)
+            node = self.cache.root(seq.params.cache_salt, keep=False)
+        elif not node.alive or len(node.blocks) != length:
+            return True
+        return pack_tokens(seq.token_range(depth, depth + self.block_size)) in node.children
 
     def count_admission(self, seq: Sequence) -> None:
         """Prefix-cache stats count a request once: a re-admission after preemption is not a query."""

@@ -35,10 +35,14 @@ PROMPT_LOGPROBS_CHUNK = 512
 # admit, matching at most ADMISSION_MATCHES prompts against the cache to tell (the others by their length)
 ADMISSION_LOOKAHEAD = 256
 ADMISSION_MATCHES = 16
-# held long prompts (see Scheduler.held) matched again per step, in turn, once the cache has grown since
-# their last match: one whose prefix another request computed meanwhile may be short now
-RECHECK_MATCHES = 8
-RECHECK_WALK = 64
+# held long prompts (see Scheduler.held) matched per step: first those held unmatched, then, in turn,
+# those the cache may now hold more of (one whose prefix another request computed meanwhile may be
+# short now), found by a one-block look at up to RECHECK_WALK of them
+RECHECK_MATCHES = 16
+# long prompts held by their length per step at most (each costs a few microseconds: a burst of 50,000
+# is sorted out over steps, not in one step of 70 ms)
+ADMISSION_HOLDS = 1024
+RECHECK_WALK = 32
 
 
 @dataclass
@@ -86,9 +90,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         # long prompts found while every long-prompt slot was taken, in queue order: out of ``waiting``,
-        # so a short prompt behind thousands of them is still seen (each has ``held_at`` set)
+        # so a short prompt behind thousands of them is still seen (each has ``held`` set)
         self.held: list[Sequence] = []
-        self._recheck_at = 0  # where the next re-check of ``held`` starts
+        self._unmatched: deque[Sequence] = deque()  # those held by their length alone, to match in turn
+        self._recheck_after: tuple[int, int] | None = None  # queue key the last look at ``held`` ended on
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -111,9 +116,8 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
-            if seq.held_at is not None:
-                self.held.remove(seq)
-                seq.held_at = None
+            if seq.held:
+                self._unhold(seq)
             else:
                 self.waiting.remove(seq)
         self.kv.release(seq)
@@ -150,9 +154,8 @@ class Scheduler:
         # (Under priority, only the prompts the first waiting request outranks leave it their part.)
         long_slots = self.long_slots
         longs = sum(self._is_long(seq) for seq in self.running)
-        generation = self._cache_generation()
-        if longs >= long_slots:
-            self._recheck_held(generation)
+        if self.held:
+            self._recheck_held()
         first = self._first_admissible(longs < long_slots) if budget >= 2 * self.max_chunk else None
         held_back: list[Sequence] = []  # running prefills that left their tokens to the spare chunk
         left: list[tuple[tuple[int, int], int]] = []  # (their queue key, tokens left), under priority
@@ -208,7 +211,7 @@ class Scheduler:
         # held long prompt waited for one of them to finish its whole answer once a slot freed
         # (and never every free seat: with few seats, a short prompt waited for a long answer).
         skipped: list[Sequence] = []
-        kept_seats = looked = 0
+        kept_seats = looked = holds = 0
         held_seats = max(0, min(long_slots, self.max_num_seqs - long_slots - 1))
         while budget > 0:
             long_ok = longs < long_slots
@@ -217,12 +220,11 @@ class Scheduler:
             if not from_held and not self.waiting:
                 break
             seq = self.held[0] if from_held else self.waiting[0]
-            ahead = 0 if long_ok else min(bisect.bisect_left(self.held, _queue_key(seq), key=_queue_key), held_seats)
+            ahead = 0 if long_ok else self._held_ahead(seq, held_seats)
             if len(self.running) + kept_seats + ahead >= self.max_num_seqs:
                 break
             if from_held:
-                self.held.pop(0)
-                seq.held_at = None
+                self._unhold(seq)
             else:
                 self.waiting.popleft()
             if seq.waits_on is not None:
@@ -233,13 +235,17 @@ class Scheduler:
                 seq.waits_on = None
             # (past the matches a step affords, one long by its length is held unmatched)
             if not long_ok and looked >= ADMISSION_MATCHES and self._is_long(seq):
-                self._hold(seq, -1)
+                self._hold(seq, None)
+                holds += 1
+                if holds >= ADMISSION_HOLDS:
+                    break
                 continue
             looked += not long_ok
             self.kv.match(seq)
             if not long_ok and self._is_long(seq):
+                mark = self.kv.match_mark(seq)
                 self.kv.release(seq)
-                self._hold(seq, generation)
+                self._hold(seq, mark)
                 continue
             if seq.num_uncomputed == 0:  # warm-up of a prefix that is already cached
                 self.kv.count_admission(seq)
@@ -291,38 +297,75 @@ class Scheduler:
         self._favor_first_tokens(plan)
         return plan
 
-    def _cache_generation(self) -> int:
-        """Grows whenever the cache takes new blocks: a held prompt matched at an older one may hit more now."""
-        return self.kv.cache.counters.inserted_blocks if self.kv.cache is not None else 0
+    def _hold(self, seq: Sequence, mark: tuple | None) -> None:
+        """Keep a long prompt out of ``waiting`` until a long slot frees (``mark`` None: not matched)."""
+        seq.held, seq.held_mark = True, mark
+        if mark is None:
+            if len(self._unmatched) > 2 * len(self.held) + 64:  # (those admitted unmatched meanwhile)
+                self._unmatched = deque(s for s in self._unmatched if s.held and s.held_mark is None)
+            self._unmatched.append(seq)
+        held = self.held
+        if not held or _queue_key(held[-1]) < _queue_key(seq):  # (the common case: in queue order)
+            held.append(seq)
+        else:
+            bisect.insort(held, seq, key=_queue_key)
 
-    def _hold(self, seq: Sequence, generation: int) -> None:
-        """Keep a long prompt out of ``waiting`` until a long slot frees (``generation`` -1: not matched)."""
-        seq.held_at = generation
-        bisect.insort(self.held, seq, key=_queue_key)
+    def _unhold(self, seq: Sequence) -> None:
+        held = self.held
+        i = 0 if held[0] is seq else bisect.bisect_left(held, _queue_key(seq), key=_queue_key)  # (keys are unique)
+        del held[i]
+        seq.held, seq.held_mark = False, None
+        if not held:
+            self._unmatched.clear()
 
-    def _recheck_held(self, generation: int) -> None:
-        """Match again, a few a step and in turn, the held prompts the cache has grown since: one whose
-        prefix another request computed meanwhile is short now and goes back to the queue (it stayed held
-        until a long slot freed: its first token at step 37 where 4 would do)."""
-        matched = walked = 0
-        i = self._recheck_at
-        while self.held and walked < min(len(self.held), RECHECK_WALK) and matched < RECHECK_MATCHES:
-            i %= len(self.held)
-            seq = self.held[i]
-            walked += 1
-            if seq.held_at != generation:
-                matched += 1
-                self.kv.match(seq)
-                long = self._is_long(seq)
-                self.kv.release(seq)
-                if not long:
-                    del self.held[i]
-                    seq.held_at = None
-                    bisect.insort(self.waiting, seq, key=_queue_key)
-                    continue
-                seq.held_at = generation
+    def _held_ahead(self, seq: Sequence, seats: int) -> int:
+        """How many of the held prompts ahead of ``seq`` keep their seats from it: at most ``seats``."""
+        held = self.held
+        if len(held) >= seats and (seats == 0 or _queue_key(held[seats - 1]) < _queue_key(seq)):
+            return seats
+        return min(bisect.bisect_left(held, _queue_key(seq), key=_queue_key), seats)
+
+    def _recheck_held(self) -> None:
+        """Match the held prompts that may be short by now, at most RECHECK_MATCHES a step: first those held
+        by their length alone, in the order they were held (a cached chat turn behind a burst of long
+        prompts waited for every one ahead of it), then, looking at the rest in turn, those the cache holds
+        more of since their match (one whose prefix another request computed stayed held until a long
+        slot freed: its first token at step 38 where 2 would do). One found short goes back to the queue."""
+        matches = RECHECK_MATCHES
+        while self._unmatched and matches:
+            seq = self._unmatched.popleft()
+            if seq.held and seq.held_mark is None:
+                matches -= 1
+                self._rematch(seq)
+        held = self.held
+        if not held or not matches:
+            return
+        i = 0 if self._recheck_after is None else bisect.bisect_right(held, self._recheck_after, key=_queue_key)
+        for _ in range(min(len(held), RECHECK_WALK)):
+            if not held or not matches:
+                break
+            if i >= len(held):
+                i = 0
+            seq = held[i]
+            self._recheck_after = _queue_key(seq)
+            if seq.held_mark is not None and self.kv.match_grew(seq, seq.held_mark):
+                matches -= 1
+                if not self._rematch(seq):
+                    continue  # (gone from ``held``: the next one is at i now)
             i += 1
-        self._recheck_at = i
+
+    def _rematch(self, seq: Sequence) -> bool:
+        """Match a held prompt again: still long, it stays held (True); short, it goes back to the queue."""
+        self.kv.match(seq)
+        long = self._is_long(seq)
+        mark = self.kv.match_mark(seq)
+        self.kv.release(seq)
+        if long:
+            seq.held_mark = mark
+            return True
+        self._unhold(seq)
+        bisect.insort(self.waiting, seq, key=_queue_key)
+        return False
 
     def _is_long(self, seq: Sequence) -> bool:
         return seq.num_uncomputed > self.max_chunk

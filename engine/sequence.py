@@ -251,8 +251,8 @@ class Sequence:
     # (weak: a finished one is not kept alive by the requests behind it)
     waits_on: tuple[object, int] | None = None
     queue_order: int = 0  # when the scheduler first took it: ties between equal priorities go to the earlier
-    # in Scheduler.held (long, while every long-prompt slot was taken): the cache generation it was matched at
-    held_at: int | None = None
+    held: bool = False  # in Scheduler.held: long, found while every long-prompt slot was taken
+    held_mark: tuple | None = None  # where its match ended then (KVManager.match_mark); None: held unmatched
     ends: tuple[int, ...] = ()  # token ids that would end it (EOS, stop tokens): banned before min_tokens,
     # and while a guided answer still thinks (its guide waits for the end tag)
     prefill_only: bool = False  # warm-up: compute the prompt's KV, generate nothing

@@ -170,9 +170,9 @@ def test_a_short_prompt_passes_a_long_queue_of_long_prompts():
     matched = []
     real = kv.match
     kv.match = lambda seq: matched.append(seq.request_id) or real(seq)
-    for _ in range(3):  # while the slots stay taken the held ones are matched again in turn, 8 a step
-        apply(sch, kv, sch.schedule())
-    assert len(set(matched)) == len(matched) == 3 * 8, matched
+    for _ in range(8):  # while the slots stay taken those held unmatched are matched in turn, 16 a step,
+        apply(sch, kv, sch.schedule())  # and none again: what the running prompts cache is not theirs
+    assert len(matched) == len(set(matched)) and set(matched) == {s.request_id for s in sch.held[16:]}, matched
 
 
 def test_with_few_seats_the_held_long_prompts_leave_one_for_a_short_prompt():
@@ -251,3 +251,21 @@ def test_a_short_prompt_behind_hundreds_of_held_long_prompts_is_still_seen():
     apply(sch, kv, sch.schedule())
     short = Sequence("short", [5] * 100, SamplingParams(max_new_tokens=1))
     assert first_token_steps(sch, kv, [short], lambda step: [short] if step == 1 else []) == {"short": 1}
+
+
+def test_a_cached_chat_turn_behind_a_burst_of_long_prompts_is_matched_soon():
+    # held by its length (past the matches a step affords), it was matched only once every long prompt
+    # ahead of it had left: its first token at step 29 behind 100 of them (12 before long prompts were
+    # held apart; 7 now: the long prompts ahead of it take the slots as they free, then it passes them)
+    kv = KVManager(100_000, 16, prefix_caching=True)
+    sch = Scheduler(kv, max_batch_prefill_tokens=4096, max_num_seqs=256, max_prefill_chunk_tokens=512)
+    history = list(range(2000))
+    turn1 = Sequence("turn1", history, SamplingParams(max_new_tokens=1))
+    sch.add(turn1)
+    finished: list[Sequence] = []
+    run_to_end(sch, kv, [turn1], finished)
+    longs = [Sequence(f"L{i}", [10**6 + i] * 2048, SamplingParams(max_new_tokens=1)) for i in range(100)]
+    turn2 = Sequence("turn2", history + [7] * 40, SamplingParams(max_new_tokens=1))
+    for s in [*longs, turn2]:
+        sch.add(s)
+    assert first_token_steps(sch, kv, [turn2], finished=finished)["turn2"] <= 8
