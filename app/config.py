@@ -243,11 +243,15 @@ class Settings(BaseModel):
         from redis.connection import parse_url
 
         try:  # here, not in every replica's start-up (which Serve would retry until it gives up)
-            parse_url(v)
+            options = parse_url(v)
         except ValueError as e:  # not redis' words: they quote a part of the URL, which may be a password's
             what = "its port is not a number in 0-65535" if "port" in str(e).lower() else "it is malformed"
             raise ValueError(f"redis_url cannot be parsed: {what} (a / or @ in a password must be "
                              "percent-encoded: %2F, %40)") from None
+        # the directory reads and writes bytes: with answers decoded to text it failed once anything was
+        # recorded, and every replica's start with it (Serve retried them for good)
+        if refused := sorted({"decode_responses", "encoding", "encoding_errors"} & set(options)):
+            raise ValueError(f"redis_url: the option {refused[0]} is not supported (the directory reads bytes)")
         return v
 
     @field_validator("deployment_name")

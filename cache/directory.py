@@ -47,6 +47,11 @@ _INCREMENT_LUA = """
 local epoch = tonumber(redis.call('GET', KEYS[1]))
 -- none yet, or garbage (not a number, or further ahead than a clock could be off): from now
 if not epoch or epoch ~= epoch or math.abs(epoch) == math.huge or epoch > tonumber(ARGV[1]) + tonumber(ARGV[2]) then
+  -- scores weighed against a lost epoch (up to 2^60): brought down to at most one hit now, in their order
+  local top = redis.call('ZREVRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  if top[2] and tonumber(top[2]) > 1 then
+    redis.call('ZUNIONSTORE', KEYS[2], 1, KEYS[2], 'WEIGHTS', string.format('%.17g', 1 / tonumber(top[2])))
+  end
   redis.call('SET', KEYS[1], ARGV[1]); epoch = tonumber(ARGV[1])
 end
 local exp = (tonumber(ARGV[1]) - epoch) / tonumber(ARGV[2])
@@ -63,8 +68,12 @@ return redis.call('ZCARD', KEYS[2])
 
 
 # what a call may raise when Redis fails or holds what it should not (another tool's value in a key):
-# counted and backed off, never passed on (the directory is a hint)
+# counted and backed off, never passed on (the directory is a hint; anything else is logged with its trace)
 _FAILURES = (redis.RedisError, redis.exceptions.RedisClusterException, OSError, ValueError, TypeError)
+# a key of the namespace that holds another type than ours (another tool's value, a hand-made key): that
+# key is deleted and the write runs again, once; a failure like any other kept failing the same write
+# (it went back first in the replica's queue, and every record behind it waited for good)
+_WRONG_TYPE = "WRONGTYPE"
 
 
 def _refuses_scripts(e: redis.ResponseError) -> bool:
@@ -86,6 +95,7 @@ def _epoch(raw, now: float, half_life_s: float) -> float | None:
 
 
 TOP_K_PAGES = 8  # top_k reads at most this many pages of 4 k ranked entries
+WATCH_RETRIES = 16  # tries of a transaction whose watched epoch another writer changed meanwhile
 
 
 @dataclass
@@ -138,7 +148,9 @@ class HotPrefixDirectory:
                     raise
                 self._to_cluster()
                 out = fn(self._r)
-        except _FAILURES as e:
+        except Exception as e:  # noqa: BLE001 - the directory is a hint: serving goes on without it
+            if not isinstance(e, _FAILURES):
+                log.warning("hot-prefix directory call failed", exc_info=True)
             with self._lock:
                 self.errors += 1
                 self._down_until = time.monotonic() + self._backoff
@@ -184,27 +196,35 @@ class HotPrefixDirectory:
         # the same steps in a transaction that watches the epoch: a rescale by another writer between
         # reading it and adding the hit (which would weigh the hit 2**exp times too much) retries it
         epoch_key, hot = self.ns + "epoch", self.ns + "hot"
+        # (the epoch's expiry is renewed only when half gone: any write to a watched key, EXPIRE too, made
+        # every other writer's transaction start again; six writers aborted 2,000 transactions for 900 records)
         with r.pipeline(transaction=True) as p:  # (a cluster's too: both keys share the namespace's slot)
-            while True:
+            for _ in range(WATCH_RETRIES):
                 try:
                     p.watch(epoch_key)
                     epoch = _epoch(p.get(epoch_key), now, self.half_life_s)
+                    top = p.zrevrange(hot, 0, 0, withscores=True) if epoch is None else []
+                    renew = epoch is None or p.ttl(epoch_key) < self.ttl_s / 2
                     p.multi()
-                    if epoch is None:  # none yet, or garbage: decay from now
+                    if epoch is None:  # none yet, or garbage: decay from now (scores at most one hit now)
+                        if top and top[0][1] > 1:
+                            p.zunionstore(hot, {hot: 1.0 / top[0][1]})
                         p.set(epoch_key, now)
                         epoch = now
                     exp = (now - epoch) / self.half_life_s
                     if exp > _MAX_EXP:
                         p.zunionstore(hot, {hot: 2.0 ** -exp})
                         p.set(epoch_key, now)
-                        exp = 0.0
+                        exp, renew = 0.0, True
                     p.zincrby(hot, 2.0 ** exp * hits, member)
-                    p.expire(epoch_key, int(self.ttl_s))
+                    if renew:
+                        p.expire(epoch_key, int(self.ttl_s))
                     p.expire(hot, int(self.ttl_s))
                     p.zcard(hot)
                     return int(p.execute()[-1])
                 except redis.WatchError:
                     continue
+        raise redis.WatchError(f"the epoch kept changing ({WATCH_RETRIES} tries)")
 
     def record(self, replica: str, tokens: Sequence[int], hits: int = 1, cache_salt: str | None = None,
                now: float | None = None) -> int | None:
@@ -251,7 +271,30 @@ class HotPrefixDirectory:
                 self._drop_coldest(r, over)
             return h
 
-        return self._call(write, None)
+        def write_or_repair(r):
+            try:
+                return write(r)
+            except redis.ResponseError as e:
+                if _WRONG_TYPE not in str(e):
+                    raise
+                self._delete_wrong_types(r, {self.ns + f"p:{h}": b"hash", self.ns + f"h:{h}": b"zset",
+                                             self.ns + f"r:{replica}": b"set", self.ns + "hot": b"zset",
+                                             self.ns + "epoch": b"string"})
+                self._tokens_sent.pop(h, None)
+                return write(r)
+
+        return self._call(write_or_repair, None)
+
+    def _delete_wrong_types(self, r, expected: dict[str, bytes]) -> None:
+        """Delete those of these keys that hold another type than ours (missing ones are fine)."""
+        p = r.pipeline(transaction=False)
+        for key in expected:
+            p.type(key)
+        kinds = [k.encode() if isinstance(k, str) else k for k in p.execute()]
+        wrong = [key for key, kind in zip(expected, kinds, strict=True) if kind not in (expected[key], b"none")]
+        if wrong:
+            log.warning("hot-prefix directory: %d key(s) of another type in its namespace deleted", len(wrong))
+            r.delete(*wrong)
 
     def _write_holder(self, p, h: int, replica: str, now: float) -> None:
         """``replica`` holds prefix ``h`` (into pipeline ``p``)."""
@@ -273,12 +316,12 @@ class HotPrefixDirectory:
         p = r.pipeline(transaction=False)
         for m in dropped:
             p.zrange(self.ns + f"h:{m}", 0, -1)
-        held_by = p.execute()
+        held_by = p.execute(raise_on_error=False)  # (a key of another type: no holders to tell)
         for m, holders in zip(dropped, held_by, strict=True):
-            for holder in holders:
+            for holder in [] if isinstance(holders, Exception) else holders:
                 p.srem(self.ns + f"r:{holder.decode(errors='replace')}", m)
             p.delete(self.ns + f"p:{m}", self.ns + f"h:{m}")
-        p.execute()
+        p.execute(raise_on_error=False)
 
     def drop_holder(self, replica: str, hashes: Sequence[int]) -> bool:
         """``replica`` evicted these prefixes (by their last-block hash). True when Redis ran every removal
@@ -325,11 +368,12 @@ class HotPrefixDirectory:
             keys = [self.ns + f"p:{member.decode(errors='replace')}" for member, _ in ranked]
             # sizes first: an entry's payload is fetched only when it may be one (one that another writer
             # of this Redis made hundreds of MB would be read whole, by a starting replica and every router)
+            # (an error answer, a key of another type: malformed, not a failure of the whole read)
             p = r.pipeline(transaction=False)
             for key in keys:
                 p.hstrlen(key, "tokens")
                 p.exists(key)
-            found = p.execute()
+            found = [0 if isinstance(x, Exception) else x for x in p.execute(raise_on_error=False)]
             sizes, there = found[0::2], found[1::2]
             p = r.pipeline(transaction=False)
             for key, size in zip(keys, sizes, strict=True):
@@ -339,7 +383,11 @@ class HotPrefixDirectory:
             # (an entry that is there without a payload it may hold: malformed, counted as skipped)
             entries = [{b"tokens": next(fetched)} if 0 < size <= most else ({b"malformed": b""} if ok else {})
                        for size, ok in zip(sizes, there, strict=True)]
-            return ranked, entries, r.get(self.ns + "epoch")
+            try:
+                epoch = r.get(self.ns + "epoch")
+            except redis.ResponseError:  # (another type: garbage, read as none; the next record repairs it)
+                epoch = None
+            return ranked, entries, epoch
 
         out: list[HotPrefix] = []
         used = 0

@@ -135,7 +135,13 @@ class LLMServer:
             return report
         t0 = time.monotonic()
         added: list[tuple[str, list[int]]] = []
-        for hp in self.directory.top_k(k, token_budget=budget):  # the hottest first: a deadline cuts the coldest
+        try:
+            hot = self.directory.top_k(k, token_budget=budget)
+        except Exception as e:  # noqa: BLE001 - a directory that fails starts the replica cold, never stops it
+            log.warning("warm-up skipped: the hot-prefix directory failed: %s", e)
+            report["error"] = str(e)
+            return report
+        for hp in hot:  # the hottest first: a deadline cuts the coldest
             try:
                 added.append((self.engine.add_request(hp.tokens, SamplingParams(max_new_tokens=1),
                                                       prefill_only=True), hp.tokens))

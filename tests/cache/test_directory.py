@@ -180,6 +180,36 @@ def test_old_scores_are_rescaled_when_the_epoch_moves(d):
     assert float(d._r.get(d.ns + "epoch")) == pytest.approx(later)
 
 
+@pytest.mark.parametrize("scripting", [True, False])
+def test_a_lost_epoch_does_not_freeze_the_ranking(d, scripting):
+    """Scores weighed against an epoch that was then lost (evicted, replaced) stayed up to 2**60 heavier than
+    any new hit: a prefix with 100 fresh hits ranked below three stale ones, and was the one dropped."""
+    d._scripting = scripting
+    now = time.time()
+    old = [d.record("r1", toks(60 + i), hits=1, now=now) for i in range(3)]
+    later = now + 50 * d.half_life_s  # each old hit weighs 2**50 against a hit at the epoch now
+    recent = d.record("r1", toks(59), hits=1, now=later)
+    d._r.delete(d.ns + "epoch")
+    new = d.record("r2", toks(70), hits=100, now=later + 1)
+    top = [p.hash for p in d.top_k(5)]
+    assert top[:2] == [new, recent] and set(top[2:]) == set(old)  # (the others keep their order below it)
+
+
+def test_a_key_of_another_type_in_the_namespace_is_repaired_not_retried_for_good(d):
+    """A prefix's key holding a string failed every read of the ranking (WRONGTYPE) and every write of
+    that prefix, as if Redis were down: the replica's queue of records stopped at it for good."""
+    r = d._r
+    good = d.record("r1", toks(80))
+    bad = block_hashes(toks(81), BS, "m")[-1]
+    r.zadd(d.ns + "hot", {str(bad): 1e9})
+    r.set(d.ns + f"p:{bad}", "not a hash")
+    assert [p.hash for p in d.top_k(5)] == [good] and d.errors == 0
+    r.set(d.ns + f"h:{bad}", "not a zset")
+    r.set(d.ns + "r:r2", "not a set")
+    assert d.record("r2", toks(81), hits=3) == bad and d.errors == 0
+    assert {p.hash for p in d.top_k(5)} == {good, bad} and d.holders(bad) == ["r2"]
+
+
 def test_redis_down_never_raises_or_hangs():
     d = HotPrefixDirectory(f"redis://127.0.0.1:{free_port()}/0", model="m")
     t0 = time.monotonic()
