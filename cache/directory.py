@@ -363,11 +363,16 @@ class HotPrefixDirectory:
 
         most = 4 * self.max_prefix_tokens  # bytes of the longest token payload an entry may hold
 
-        def read(r, start: int):
+        def read(r, start: int, need: int, room: int | None):
+            """Up to a page of the ranking from ``start``, cut after the ``need``-th entry worth fetching:
+            (the entries read, their payloads, the epoch, whether the ranking ended)."""
             ranked = r.zrevrange(self.ns + "hot", start, start + page - 1, withscores=True)
+            end = len(ranked) < page
             keys = [self.ns + f"p:{member.decode(errors='replace')}" for member, _ in ranked]
             # sizes first: an entry's payload is fetched only when it may be one (one that another writer
-            # of this Redis made hundreds of MB would be read whole, by a starting replica and every router)
+            # of this Redis made hundreds of MB would be read whole, by a starting replica and every router),
+            # and fits what is left of the budget, and only as many as are needed (a page of 4 k was read
+            # whole: 256 prefixes of 32k tokens, 170 MB, for a warm-up budget that took two of them)
             # (an error answer, a key of another type: malformed, not a failure of the whole read)
             p = r.pipeline(transaction=False)
             for key in keys:
@@ -375,34 +380,54 @@ class HotPrefixDirectory:
                 p.exists(key)
             found = [0 if isinstance(x, Exception) else x for x in p.execute(raise_on_error=False)]
             sizes, there = found[0::2], found[1::2]
+            kinds: list[str] = []  # per entry read: "fetch", "over" (past the budget), "malformed", "gone"
+            for size, ok in zip(sizes, there, strict=True):
+                if not 0 < size <= most:
+                    kinds.append("malformed" if ok else "gone")
+                elif room is not None and size // 4 > room:
+                    kinds.append("over")
+                else:
+                    kinds.append("fetch")
+                    room = None if room is None else room - size // 4
+                    need -= 1
+                    if need == 0:
+                        break
+            ranked, keys = ranked[:len(kinds)], keys[:len(kinds)]
             p = r.pipeline(transaction=False)
-            for key, size in zip(keys, sizes, strict=True):
-                if 0 < size <= most:
+            for key, kind in zip(keys, kinds, strict=True):
+                if kind == "fetch":
                     p.hget(key, "tokens")
             fetched = iter(p.execute())
             # (an entry that is there without a payload it may hold: malformed, counted as skipped)
-            entries = [{b"tokens": next(fetched)} if 0 < size <= most else ({b"malformed": b""} if ok else {})
-                       for size, ok in zip(sizes, there, strict=True)]
+            entries = [{b"tokens": next(fetched)} if kind == "fetch" else
+                       None if kind == "over" else {b"malformed": b""} if kind == "malformed" else {}
+                       for kind in kinds]
             try:
                 epoch = r.get(self.ns + "epoch")
             except redis.ResponseError:  # (another type: garbage, read as none; the next record repairs it)
                 epoch = None
-            return ranked, entries, epoch
+            return ranked, entries, epoch, end
 
         out: list[HotPrefix] = []
-        used = 0
+        used = start = 0
         stale: list[bytes] = []
         # page on past entries that expired (a burst's prefixes, ranked high, outlive their tokens until a
         # read drops them): a starting replica reads once, and a first page of them alone warmed nothing
-        for n in range(TOP_K_PAGES):
-            got = self._call(lambda r, start=n * page: read(r, start), None)
+        for _ in range(TOP_K_PAGES):
+            room = None if token_budget is None else token_budget - used
+            need = k - len(out)
+            got = self._call(lambda r, s=start, n=need, room=room: read(r, s, n, room), None)
             if not got:
                 break
-            ranked, entries, epoch = got
+            ranked, entries, epoch, end = got
+            start += len(ranked)
+            before = len(stale)
             now = time.time()  # report decayed hit counts as of now
             epoch = _epoch(epoch, now, self.half_life_s)
             scale = 2.0 ** -max(0.0, (now - epoch) / self.half_life_s) if epoch is not None else 1.0
             for (member, score), entry in zip(ranked, entries, strict=True):
+                if entry is None:
+                    continue  # past the budget: not read
                 hp = self._parse(member, score * scale, entry)
                 if hp is None:
                     stale.append(member)  # expired, corrupt or foreign: drop it from the ranking for good
@@ -411,13 +436,11 @@ class HotPrefixDirectory:
                     continue
                 out.append(hp)
                 used += len(hp.tokens)
-                if len(out) == k:
-                    break
-            if len(out) == k or len(ranked) < page or len(stale) < (n + 1) * page // 2:
-                break  # enough, the ranking's end, or pages mostly live (the budget, not staleness, left it short)
+            if len(out) >= k or end or (len(ranked) == page and 2 * (len(stale) - before) < page):
+                break  # enough, the ranking's end, or a page read whole and mostly live (the budget left it short)
         if stale:
             self._call(lambda r: r.zrem(self.ns + "hot", *stale), None)
-        return out
+        return out[:k]
 
     def _parse(self, member: bytes, score: float, entry: dict) -> HotPrefix | None:
         """A checked entry, or None (counted) for anything malformed or foreign."""

@@ -210,6 +210,22 @@ def test_a_key_of_another_type_in_the_namespace_is_repaired_not_retried_for_good
     assert {p.hash for p in d.top_k(5)} == {good, bad} and d.holders(bad) == ["r2"]
 
 
+def test_top_k_fetches_only_the_payloads_it_can_return(d):
+    """A page of 4 k entries was fetched whole before the budget was applied: 600 ranked 32k-token prefixes
+    and a warm-up budget of two of them read 170 MB."""
+    for i in range(40):
+        d.record("r1", toks(100 + i, 256), hits=40 - i)
+
+    def hgets() -> int:
+        return int(d._r.info("commandstats").get("cmdstat_hget", {}).get("calls", 0))
+
+    before = hgets()
+    top = d.top_k(16, token_budget=600)
+    assert [len(p.tokens) for p in top] == [256, 256] and hgets() - before == 2
+    before = hgets()
+    assert len(d.top_k(3)) == 3 and hgets() - before == 3
+
+
 def test_redis_down_never_raises_or_hangs():
     d = HotPrefixDirectory(f"redis://127.0.0.1:{free_port()}/0", model="m")
     t0 = time.monotonic()
