@@ -158,15 +158,21 @@ def test_a_prefill_that_left_its_chunk_to_the_spare_still_makes_a_sharer_wait_fo
     assert sharer.num_cached_prompt_tokens == 64
 
 
-def test_a_short_prompt_passes_a_long_queue_of_long_prompts():
-    # admission looked at 16 held long prompts a step: behind 80 a short prompt waited 133 steps
-    kv = KVManager(100_000, 16, prefix_caching=True)
-    sch = Scheduler(kv, max_batch_prefill_tokens=4096, max_num_seqs=256, max_prefill_chunk_tokens=512)
-    for i in range(80):
-        sch.add(Sequence(f"L{i}", [10**6 + i] * 8192, SamplingParams(max_new_tokens=1)))
+def short_prompt_behind_long_ones(longs: int, length: int, seats: int) -> tuple[Scheduler, KVManager]:
+    """``longs`` long prompts queued (one step run), then a short one: it gets its first token in one step."""
+    kv = KVManager(1_000_000, 16, prefix_caching=True)
+    sch = Scheduler(kv, max_batch_prefill_tokens=4096, max_num_seqs=seats, max_prefill_chunk_tokens=512)
+    for i in range(longs):
+        sch.add(Sequence(f"L{i}", [10**6 + i] * length, SamplingParams(max_new_tokens=1)))
     apply(sch, kv, sch.schedule())
     short = Sequence("short", [5] * 100, SamplingParams(max_new_tokens=1))
     assert first_token_steps(sch, kv, [short], lambda step: [short] if step == 1 else []) == {"short": 1}
+    return sch, kv
+
+
+def test_a_short_prompt_passes_a_long_queue_of_long_prompts():
+    # admission looked at 16 held long prompts a step: behind 80 a short prompt waited 133 steps
+    sch, kv = short_prompt_behind_long_ones(80, 8192, seats=256)
     matched = []
     real = kv.match
     kv.match = lambda seq: matched.append(seq.request_id) or real(seq)
@@ -244,13 +250,7 @@ def test_a_step_that_preempts_still_gives_the_unused_spare_chunk_back():
 def test_a_short_prompt_behind_hundreds_of_held_long_prompts_is_still_seen():
     # the held long prompts filled the 256 places admission looked down the queue: a short prompt
     # behind 300 of them waited 23 steps
-    kv = KVManager(1_000_000, 16, prefix_caching=True)
-    sch = Scheduler(kv, max_batch_prefill_tokens=4096, max_num_seqs=512, max_prefill_chunk_tokens=512)
-    for i in range(300):
-        sch.add(Sequence(f"L{i}", [10**6 + i] * 2048, SamplingParams(max_new_tokens=1)))
-    apply(sch, kv, sch.schedule())
-    short = Sequence("short", [5] * 100, SamplingParams(max_new_tokens=1))
-    assert first_token_steps(sch, kv, [short], lambda step: [short] if step == 1 else []) == {"short": 1}
+    short_prompt_behind_long_ones(300, 2048, seats=512)
 
 
 def test_a_cached_chat_turn_behind_a_burst_of_long_prompts_is_matched_soon():
