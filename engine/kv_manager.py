@@ -61,7 +61,7 @@ class KVManager:
         if not mark:
             return False
         node, length, depth = mark
-        if node.parent is None:  # (a root made for a look is not kept: ask for the tenant's own)
+        if node.is_root:  # (a root made for a look is not kept: ask for the tenant's own)
             node = self.cache.root(seq.params.cache_salt, keep=False)
         elif not node.alive or len(node.blocks) != length:
             return True

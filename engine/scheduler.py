@@ -39,10 +39,10 @@ ADMISSION_MATCHES = 16
 # those the cache may now hold more of (one whose prefix another request computed meanwhile may be
 # short now), found by a one-block look at up to RECHECK_WALK of them
 RECHECK_MATCHES = 16
+RECHECK_WALK = 32
 # long prompts held by their length per step at most (each costs a few microseconds: a burst of 50,000
 # is sorted out over steps, not in one step of 70 ms)
 ADMISSION_HOLDS = 1024
-RECHECK_WALK = 32
 
 
 @dataclass
