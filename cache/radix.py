@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cache.hashing import chain_hashes, pack_tokens, root_hash
+from cache.hot_sketch import BottomK
 
 
 @dataclass(eq=False, slots=True)
@@ -439,12 +440,14 @@ class HotWalk:
     """Counts the working set (blocks hit at ``since`` or later) a few nodes at a time: walking a big
     tree at once holds the engine thread (~40 ms per 100k nodes). The cache may change between slices:
     nodes evicted meanwhile are skipped and nodes added after they were due are missed, so a count
-    taken while serving is an estimate (what the autoscaling policy needs)."""
+    taken while serving is an estimate (what the autoscaling policy needs). ``sketch`` keeps the
+    smallest hashes of those blocks: the fleet's sketches merge into a count of the distinct ones."""
 
     def __init__(self, roots: list[Node], since: float):
         self._stack = roots
         self.since = since
         self.blocks = 0
+        self.sketch = BottomK()
 
     @property
     def done(self) -> bool:
@@ -460,5 +463,6 @@ class HotWalk:
                 continue  # evicted since it was queued (with its subtree)
             if node.parent is not None and node.last_hit >= since:
                 self.blocks += len(node.blocks)
+                self.sketch.update(node.hashes)
             stack.extend(node.children.values())
         return not stack

@@ -12,7 +12,10 @@ Serve's default policy counts requests in flight, and a prefix cache changes wha
 - Removing a replica throws its cache away: the policy scales down one replica at a time, and only when
   the blocks that served a hit in the last minute, with the blocks its running sequences hold, fit in
   the replicas that stay with room to spare (``working_set_fill``), and less than half of
-  ``recompute_share`` is being recomputed.
+  ``recompute_share`` is being recomputed. A block several replicas hold (a prefix hot enough for the
+  router to copy) is in each one's count, but the replicas that stay need it at most once each: the
+  copies kept count at most ``replicas left x distinct hot blocks`` (the hub merges every replica's
+  sketch of its working set into the count of distinct ones, ``fleet_hot_blocks``).
 - After the fleet changes, Serve's averages still cover the old fleet for a look-back window (and a
   metrics interval): until then only requests in flight may add replicas, and none are removed.
 
@@ -40,6 +43,7 @@ class ReplicaSignals:
     recompute_tps: float = 0.0  # of which computed again soon after their eviction, per second
     hot_blocks: float = 0.0  # cached blocks that served a hit in the last minute (its working set)
     total_blocks: float = 0.0  # its KV pool
+    fleet_hot_blocks: float = 0.0  # the distinct ones among every replica's (the same for all; 0: unknown)
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,10 @@ def desired_replicas(current: int, total_requests: float, signals: list[ReplicaS
     pool = sum(s.total_blocks for s in signals) / seen
     scale = current / seen  # replicas that did not report count as the mean of those that did
     working_set = sum(s.hot_blocks for s in signals) * scale
+    if current > 1 and (distinct := max(s.fleet_hot_blocks for s in signals)) > 0:
+        # each block keeps at most one copy per replica left: sum(min(copies, current - 1)) over blocks
+        # (not when going to zero: then nothing stays to hold what is hot)
+        working_set = min(working_set, distinct * (current - 1))
     running = sum(s.kv_usage * s.total_blocks for s in signals) * scale  # moves to the replicas that stay
     if share > k.recompute_share / 2:
         return float(current), "recomputed prefixes"

@@ -40,6 +40,7 @@ MAX_PENDING_RECORD_TOKENS = 4_000_000  # 16 MB as uint32
 LAST_EVENTS_KEPT = 100_000  # block hashes whose last cache event (stored/removed) is remembered
 # a block hit within this window is in the working set that scaling down must not throw away
 HOT_WINDOW_S = 60.0
+HOT_SKETCH_PUSH_S = 5.0  # how often a replica's working-set sketch goes to the hub (see hot_union)
 EVENTS_WAIT_S = 5.0  # how long a stats poll waits for the engine thread to hand over its cache events
 
 
@@ -91,6 +92,9 @@ class LLMServer:
             self.replica_id = f"local-{os.getpid()}"
         self._stats_seq = 0
         self._autoscaling_prev: tuple[float, dict] | None = None  # last autoscaling poll (for rates)
+        self._hot_sketch: list[int] | None = None  # of the working set at the last poll, for the hub
+        self._hot_sketch_pushed_at = float("-inf")
+        self._fleet_hot = 0.0  # the hub's count of the fleet's distinct hot blocks (0: none yet)
         self._events_lock = threading.Lock()
         # block hash -> True if its last event since the routers' last report was "stored", else "removed":
         # the net change (a block stored and evicted within one period is not held; reported as two
@@ -337,8 +341,10 @@ class LLMServer:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Polled by Serve for the cache-aware autoscaling policy (``deployments.autoscaling_policy``),
         which averages each value over its look-back window: load, KV pressure, the prompt tokens
-        computed again after their eviction (per second, since the last poll) and the working set."""
-        s, hot = self.aengine.call(lambda e: (e.kv_stats(), e.hot_blocks(HOT_WINDOW_S)), timeout=5)
+        computed again after their eviction (per second, since the last poll), the working set, and the
+        fleet's distinct hot blocks (the hub's merge of every replica's sketch, see ``hot_union``)."""
+        s, hot, self._hot_sketch = self.aengine.call(
+            lambda e: (e.kv_stats(), e.hot_blocks(HOT_WINDOW_S), e.hot_sketch()), timeout=5)
         now = time.monotonic()
         prev, self._autoscaling_prev = self._autoscaling_prev, (now, s)
         prompt_tps = recompute_tps = 0.0
@@ -349,7 +355,8 @@ class LLMServer:
         return {"ongoing": float(s["running"] + s["waiting"]),
                 "kv_usage": float(s["blocks_in_use"]) / max(1, s["blocks_total"]),
                 "prompt_tps": prompt_tps, "recompute_tps": recompute_tps,
-                "hot_blocks": float(hot), "total_blocks": float(s["blocks_total"])}
+                "hot_blocks": float(hot), "total_blocks": float(s["blocks_total"]),
+                "fleet_hot_blocks": self._fleet_hot}
 
     def _background_loop(self) -> None:
         """Every second: push metrics to the hub and flush directory records; never on the request path.
@@ -368,11 +375,22 @@ class LLMServer:
             except Exception as e:  # noqa: BLE001 - metrics must never take a replica down
                 log.debug("metrics push failed: %s", e)
             try:
+                self._push_hot_sketch()
+            except Exception as e:  # noqa: BLE001 - an autoscaling hint: a failed push keeps the last count
+                log.debug("working-set sketch push failed: %s", e)
+            try:
                 self._flush_directory()
             except Exception:  # noqa: BLE001 - the directory is a hint: say so, at most once a minute
                 if time.monotonic() - self._flush_warned_at > 60:
                     self._flush_warned_at = time.monotonic()
                     log.warning("hot-prefix directory: records lost", exc_info=True)
+
+    def _push_hot_sketch(self) -> None:
+        sketch = self._hot_sketch
+        if sketch is None or time.monotonic() - self._hot_sketch_pushed_at < HOT_SKETCH_PUSH_S:
+            return
+        self._hot_sketch_pushed_at = time.monotonic()
+        self._fleet_hot = float(self._hub.call("hot_union", self.replica_id, sketch, create=False))
 
     def _flush_directory(self) -> None:
         if self.directory is None:

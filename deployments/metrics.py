@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from cache.hot_sketch import union_estimate
 from engine.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 
 STALE_AFTER_S = 30.0
@@ -23,7 +24,7 @@ RETIRED_MERGE_S = 600.0
 # after a hub restart, how long a newer view than the one taken back may still replace it (under
 # STALE_AFTER_S: the entries a view gave have not folded away yet)
 RESTORE_WINDOW_S = 20.0
-HUB_VERSION = 7  # in the hub's name: a detached hub of older code (without the ingress TTFT) is not reused
+HUB_VERSION = 8  # in the hub's name: a detached hub of older code (without ``hot_union``) is not reused
 HUNG_AFTER_TIMEOUTS = 2  # calls in a row that time out before a client restarts the hub
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,7 @@ class SnapshotStore:
         self._routing_retired: dict[str, tuple[float, dict[str, int]]] = {}
         self._routing_gone: dict[str, Any] = {}
         self._cut: set[str] = set()  # replicas told to end what still runs (see cut)
+        self._hot_sketches: dict[str, list[int]] = {}  # replica -> its working set's sketch (see hot_union)
         self._block_size = 0  # the last one a replica reported, rendered while none is live
         self._swept_at = float("-inf")
 
@@ -239,7 +241,15 @@ class SnapshotStore:
         replacement Serve starts, or a later deployment of the same name, is not cut."""
         self._cut |= set(self._snaps)
 
+    def hot_union(self, replica: str, sketch: list[int]) -> float:
+        """A replica's working-set sketch in (``cache.hot_sketch``); out, the distinct hot blocks of the
+        replicas that push (a prefix on every replica counted once), for the autoscaling policy."""
+        self._hot_sketches[replica] = list(sketch)
+        live = self.snapshots()  # (forgets the replicas gone quiet, their sketches with them)
+        return union_estimate(s for r, s in self._hot_sketches.items() if r in live or r == replica)
+
     def forget(self, replica: str) -> None:
+        self._hot_sketches.pop(replica, None)
         gone = self._snaps.pop(replica, None)
         if gone is not None:
             totals: dict[str, Any] = {}

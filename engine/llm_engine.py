@@ -143,6 +143,7 @@ class LLMEngine:
         self.capture_logits: dict[str, list[torch.Tensor]] | None = None  # tests: raw logits per step
         self._pending_finished: list[Sequence] = []  # finished before reaching the scheduler
         self._hot: int | None = None  # working set (blocks) at the last complete count
+        self._hot_sketch: list[int] = []  # the smallest of its hashes (``cache.hot_sketch``), same count
         self._hot_walk: HotWalk | None = None  # the count in progress, a slice per step while serving
         log.info("engine ready: %s on %s/%s, %d blocks x %d tokens (%.1f MiB KV, %s), backend %s",
                  m.model_id, m.device, m.dtype, num_blocks, config.block_size, self.pool.nbytes / 2**20,
@@ -323,7 +324,7 @@ class LLMEngine:
             return events
         self.stats.steps += 1
         if self._hot_walk is not None and self._hot_walk.advance(HOT_WALK_NODES_PER_STEP):
-            self._hot, self._hot_walk = self._hot_walk.blocks, None
+            self._took_hot_count(self._hot_walk)
         sample_mask = [c.seq.num_computed + c.num_tokens == c.seq.num_tokens and not c.seq.prefill_only
                        for c in plan.chunks]
         all_rows = [c.seq.wants_prompt_logprobs for c in plan.chunks]
@@ -534,10 +535,20 @@ class LLMEngine:
         if c is None:
             return 0
         if self._hot is None or not self.scheduler.has_work():
-            self._hot, self._hot_walk = c.hot_blocks(c.wall_clock() - window_s), None
+            walk = c.hot_walk(c.wall_clock() - window_s)
+            walk.advance(None)
+            self._took_hot_count(walk)
         elif self._hot_walk is None:
             self._hot_walk = c.hot_walk(c.wall_clock() - window_s)
         return self._hot
+
+    def hot_sketch(self) -> list[int]:
+        """The smallest hashes of the working set ``hot_blocks`` last counted (``cache.hot_sketch``): the
+        fleet's merge into a count of its distinct hot blocks, a prefix every replica holds counted once."""
+        return self._hot_sketch
+
+    def _took_hot_count(self, walk: HotWalk) -> None:
+        self._hot, self._hot_sketch, self._hot_walk = walk.blocks, walk.sketch.values(), None
 
     def kv_stats(self) -> dict:
         a = self.kv.allocator

@@ -206,6 +206,9 @@ def test_hot_blocks_are_those_hit_within_the_window():
     now[0] = 110.0
     cache.match(a[:8] + [7])  # hits a's first 2 blocks (the node splits: its third is not hit)
     assert cache.hot_blocks(since=105.0) == 2
+    walk = cache.hot_walk(since=105.0)
+    walk.advance(None)  # its sketch of their hashes (for the fleet's distinct count): few, so all of them
+    assert walk.sketch.values() == sorted(block_hashes(a[:8], BS))
     now[0] = 130.0
     cache.match(b + [7])
     assert cache.hot_blocks(since=120.0) == 2 and cache.hot_blocks(since=105.0) == 4
@@ -215,6 +218,7 @@ def test_hot_blocks_are_those_hit_within_the_window():
     cache.match(a + [7], hit=False)  # a look (a warm-up's check) is not
     assert cache.hot_blocks(since=135.0) == 0
     cache.check()
+
 
 
 @settings(max_examples=60, deadline=None)

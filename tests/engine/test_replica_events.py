@@ -5,10 +5,12 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import types
 
 import deployments.llm_server as llm_server
 from cache.hashing import PackedHashes, block_hashes
 from deployments.llm_server import LLMServer
+from deployments.metrics import SnapshotStore
 from engine.async_engine import AsyncEngine
 from engine.sequence import SamplingParams
 
@@ -21,6 +23,7 @@ def _replica(engine) -> LLMServer:
     r._overflow, r._recorded, r._stats_seq = False, collections.OrderedDict(), 0
     r._pending_records, r._pending_tokens, r._last_event = collections.OrderedDict(), 0, collections.OrderedDict()
     r._cut, r.directory, r.replica_id, r._stop = False, None, "A", threading.Event()
+    r._hot_sketch, r._hot_sketch_pushed_at, r._fleet_hot = None, float("-inf"), 0.0
     return r
 
 
@@ -270,6 +273,15 @@ def test_autoscaling_stats_report_prefixes_computed_again_and_the_working_set(ma
         eng.generate([prompts[2] + [7]], SamplingParams(max_new_tokens=1))  # the last prompt is still cached
         s = r.record_autoscaling_stats()
         assert s["hot_blocks"] == 5.0 and s["recompute_tps"] == 0.0, s
+        # the working set's sketch goes to the hub, whose count of the fleet's distinct blocks comes back
+        assert r._hot_sketch == sorted(eng.kv.cache.match(prompts[2] + [7], hit=False).hashes)
+        r._hub = types.SimpleNamespace(call=lambda method, *args, **kw: getattr(store, method)(*args))
+        store = SnapshotStore()
+        store.push("B", {})
+        store.hot_union("B", r._hot_sketch[:2] + [1])  # another replica holds 2 of these and one more
+        r._hot_sketch_pushed_at = float("-inf")
+        r._push_hot_sketch()
+        assert r.record_autoscaling_stats()["fleet_hot_blocks"] == 6.0
     finally:
         r.aengine.shutdown()
 

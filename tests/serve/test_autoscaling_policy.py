@@ -47,6 +47,20 @@ def test_the_working_set_holds_a_replica_the_others_cannot_make_room_for():
     assert desired_replicas(1, 0.0, fleet(1, hot_blocks=0.0), K)[0] == 0.0
 
 
+def test_a_prefix_every_replica_holds_needs_only_one_copy_on_each_that_stays():
+    # 4 pools of 10k sharing 6.5k hot blocks: 26k summed do not fit in 3 x 8k, 3 copies of 6.5k do
+    shared = dict(hot_blocks=6_500.0, total_blocks=10_000.0)
+    assert desired_replicas(4, 0.0, fleet(4, **shared), K) == (4.0, "working set")  # no distinct count
+    assert desired_replicas(4, 0.0, fleet(4, **shared, fleet_hot_blocks=6_500.0), K)[0] == 3.0
+    # 6.5k distinct blocks each (nothing shared): the distinct count changes nothing
+    assert desired_replicas(4, 0.0, fleet(4, **shared, fleet_hot_blocks=26_000.0), K) == (4.0, "working set")
+    # half shared (4 x 3.25k) and 4 x 3.25k of their own: 16.25k distinct; the 3 that stay may need
+    # 3 x 16.25k, more than the 26k summed, which stands
+    assert desired_replicas(4, 0.0, fleet(4, **shared, fleet_hot_blocks=16_250.0), K)[1] == "working set"
+    # going to zero: nothing stays to hold what was hit, however few distinct blocks that is
+    assert desired_replicas(1, 0.0, fleet(1, hot_blocks=5.0, fleet_hot_blocks=5.0), K)[0] == 1.0
+
+
 def test_the_blocks_running_sequences_hold_count_against_the_room_that_stays():
     # 2 x 22 hot blocks fit in one pool of 64 at 80 %, but not with the 2 x 26 blocks running there:
     # removing a replica would bring back the recomputation that added it

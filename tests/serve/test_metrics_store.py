@@ -360,3 +360,18 @@ def test_the_newest_view_offered_after_a_restart_stands():
         late = SnapshotStore(clock=lambda: now[0])
         _, _, _, by, merged = late.export_state()
         assert not new.restore({"a": snap(99)}, by, merged)
+
+
+def test_the_hub_counts_the_distinct_hot_blocks_of_the_replicas_that_push():
+    now = [0.0]
+    store = SnapshotStore(clock=lambda: now[0])
+    store.push("a", snap(1))
+    store.push("b", snap(1))
+    assert store.hot_union("a", [1, 2, 3]) == 3
+    assert store.hot_union("b", [2, 3, 4, 5]) == 5  # 2 and 3 held by both: once
+    assert store.hot_union("b", [2]) == 3  # b's newer sketch replaces its older one
+    now[0] = STALE_AFTER_S + 1
+    store.push("a", snap(2))  # b stopped pushing: its sketch goes with it
+    assert store.hot_union("a", [1, 2, 3]) == 3
+    store.forget("a")
+    assert store.hot_union("c", [9]) == 1  # a sketch that came before its replica's first push counts
