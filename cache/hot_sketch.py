@@ -37,6 +37,9 @@ class BottomK:
             self._kept.add(h)
 
     def update(self, hashes: Iterable[int]) -> None:
+        if len(self._heap) >= self.k:  # full: most hashes are above the largest kept (a cheap filter first)
+            top = -self._heap[0]
+            hashes = [h for h in hashes if h < top]
         for h in hashes:
             self.add(h)
 

@@ -454,7 +454,8 @@ class HotWalk:
         return not self._stack
 
     def advance(self, max_nodes: int | None) -> bool:
-        """Visit up to ``max_nodes`` more nodes (None: all); True once the walk is complete."""
+        """Visit up to ``max_nodes`` more nodes (None: all; a hot node counts once more per 8 blocks it
+        holds, which its sketching costs); True once the walk is complete."""
         stack, since, n = self._stack, self.since, 0
         while stack and (max_nodes is None or n < max_nodes):
             node = stack.pop()
@@ -464,5 +465,6 @@ class HotWalk:
             if node.parent is not None and node.last_hit >= since:
                 self.blocks += len(node.blocks)
                 self.sketch.update(node.hashes)
+                n += len(node.blocks) // 8
             stack.extend(node.children.values())
         return not stack
