@@ -94,6 +94,7 @@ def _epoch(raw, now: float, half_life_s: float) -> float | None:
     return x if math.isfinite(x) and x <= now + half_life_s else None
 
 
+CLOCK_SYNC_S = 300.0  # how often a client measures its clock against Redis's (see _now)
 TOP_K_PAGES = 8  # top_k reads at most this many pages of 4 k ranked entries
 WATCH_RETRIES = 16  # tries of a transaction whose watched epoch another writer changed meanwhile
 
@@ -130,6 +131,8 @@ class HotPrefixDirectory:
         # prefixes whose tokens this client wrote lately -> until when it trusts they are there: a hot
         # prefix's next record only renews their TTL instead of sending them again (up to 128 KiB each)
         self._tokens_sent: OrderedDict[int, float] = OrderedDict()
+        self._clock_offset = 0.0  # Redis's clock minus ours, measured at most CLOCK_SYNC_S ago
+        self._clock_synced_until = float("-inf")  # (monotonic)
 
     # ------------------------------------------------------------------ resilience
     @property
@@ -172,6 +175,20 @@ class HotPrefixDirectory:
         self._r = RedisCluster.from_url(self._url, **self._timeouts)
         self._increment_script = self._r.register_script(_INCREMENT_LUA)
         self.cluster = True
+
+    def _now(self) -> float:
+        """Redis's clock: every replica weighs hits against the decay epoch, and stamps holders' expiry, on
+        one clock, whatever its host's says (one more than a half-life behind saw the shared epoch as
+        garbage from the future, and reset it at its every write, flattening the ranking). Measured with
+        ``TIME`` every CLOCK_SYNC_S; our own clock while Redis has not answered one."""
+        if time.monotonic() >= self._clock_synced_until:
+            sent = time.time()
+            got = self._call(lambda r: r.time(), None)
+            if got is not None:
+                back = time.time()
+                self._clock_offset = float(got[0]) + float(got[1]) / 1e6 - (sent + back) / 2
+                self._clock_synced_until = time.monotonic() + CLOCK_SYNC_S
+        return time.time() + self._clock_offset
 
     def ping(self) -> bool:
         return bool(self._call(lambda r: r.ping(), False))
@@ -239,7 +256,7 @@ class HotPrefixDirectory:
             return None
         toks = list(tokens[:n])
         h = block_hashes(toks, self.block_size, self.model)[-1]
-        now = time.time() if now is None else now
+        now = self._now() if now is None else now
 
         def write(r):
             # the tokens go in before the ranking names the prefix: a reader drops a ranked prefix
@@ -422,7 +439,7 @@ class HotPrefixDirectory:
             ranked, entries, epoch, end = got
             start += len(ranked)
             before = len(stale)
-            now = time.time()  # report decayed hit counts as of now
+            now = self._now()  # report decayed hit counts as of now
             epoch = _epoch(epoch, now, self.half_life_s)
             scale = 2.0 ** -max(0.0, (now - epoch) / self.half_life_s) if epoch is not None else 1.0
             for (member, score), entry in zip(ranked, entries, strict=True):
@@ -462,7 +479,7 @@ class HotPrefixDirectory:
             return None
 
     def holders(self, h: int, now: float | None = None) -> list[str]:
-        now = time.time() if now is None else now
+        now = self._now() if now is None else now
         got = self._call(lambda r: r.zrangebyscore(self.ns + f"h:{h}", now, "+inf"), [])
         return [m.decode(errors="replace") for m in got]
 

@@ -181,6 +181,26 @@ def test_old_scores_are_rescaled_when_the_epoch_moves(d):
 
 
 @pytest.mark.parametrize("scripting", [True, False])
+def test_a_replica_whose_clock_is_behind_weighs_its_hits_on_redis_clock(redis_server, d, scripting, monkeypatch):
+    """A host clock more than a half-life behind saw the shared decay epoch as garbage from the future:
+    each of its writes reset the epoch and brought the ranking down to one hit, and its holder entries
+    expired 20 minutes early in everyone else's eyes."""
+    import cache.directory as directory
+
+    hot, warm = d.record("r1", toks(80), hits=50), d.record("r1", toks(81), hits=10)
+    real = time.time
+    monkeypatch.setattr(directory.time, "time", lambda: real() - 1200)  # 2 half-lives behind
+    behind = HotPrefixDirectory(redis_server.url, deployment=d.deployment, model="m", block_size=BS)
+    behind._scripting = scripting
+    new = behind.record("r2", toks(82), hits=20)
+    monkeypatch.setattr(directory.time, "time", real)
+    assert [p.hash for p in d.top_k(3)] == [hot, new, warm]  # was [new, hot, warm]: 20 > 1 after the reset
+    assert [p.score for p in d.top_k(3)] == pytest.approx([50, 20, 10], rel=0.01)
+    expiry = d._r.zscore(d.ns + f"h:{new}", "r2")
+    assert expiry == pytest.approx(time.time() + d.ttl_s, abs=5)
+
+
+@pytest.mark.parametrize("scripting", [True, False])
 def test_a_lost_epoch_does_not_freeze_the_ranking(d, scripting):
     """Scores weighed against an epoch that was then lost (evicted, replaced) stayed up to 2**60 heavier than
     any new hit: a prefix with 100 fresh hits ranked below three stale ones, and was the one dropped."""
