@@ -276,9 +276,11 @@ def test_autoscaling_stats_report_prefixes_computed_again_and_the_working_set(ma
         # the working set's sketch goes to the hub, whose count of the fleet's distinct blocks comes back
         assert r._hot_sketch == sorted(eng.kv.cache.match(prompts[2] + [7], hit=False).hashes)
         r._hub = types.SimpleNamespace(call=lambda method, *args, **kw: getattr(store, method)(*args))
-        store = SnapshotStore()
+        clock = [0.0]
+        store = SnapshotStore(clock=lambda: clock[0])
         store.push("B", {})
         store.hot_union("B", r._hot_sketch[:2] + [1])  # another replica holds 2 of these and one more
+        clock[0] += 5.0  # (the hub merges the sketches every few seconds)
         r._hot_sketch_pushed_at = float("-inf")
         r._push_hot_sketch()
         assert r.record_autoscaling_stats()["fleet_hot_blocks"] == 6.0

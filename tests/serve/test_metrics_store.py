@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments.metrics import RETIRED_MERGE_S, STALE_AFTER_S, SnapshotStore, render
+from deployments.metrics import HOT_UNION_EVERY_S, RETIRED_MERGE_S, STALE_AFTER_S, SnapshotStore, render
 
 
 def values(text: str) -> dict[tuple[str, str], float]:
@@ -368,10 +368,14 @@ def test_the_hub_counts_the_distinct_hot_blocks_of_the_replicas_that_push():
     store.push("a", snap(1))
     store.push("b", snap(1))
     assert store.hot_union("a", [1, 2, 3]) == 3
+    assert store.hot_union("b", [2, 3, 4, 5]) == 3  # merged at most every HOT_UNION_EVERY_S: the last count
+    now[0] += HOT_UNION_EVERY_S
     assert store.hot_union("b", [2, 3, 4, 5]) == 5  # 2 and 3 held by both: once
+    now[0] += HOT_UNION_EVERY_S
     assert store.hot_union("b", [2]) == 3  # b's newer sketch replaces its older one
-    now[0] = STALE_AFTER_S + 1
+    now[0] = STALE_AFTER_S + 10
     store.push("a", snap(2))  # b stopped pushing: its sketch goes with it
     assert store.hot_union("a", [1, 2, 3]) == 3
     store.forget("a")
+    now[0] += HOT_UNION_EVERY_S
     assert store.hot_union("c", [9]) == 1  # a sketch that came before its replica's first push counts
