@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from engine.guided import mask_disallowed
 from engine.sequence import Sequence
@@ -344,5 +345,13 @@ def make_generator(seed: int | None) -> torch.Generator:
     """A request's own CPU generator; without a seed, a random one (``torch.seed()`` would reseed
     every device's default generator as well)."""
     g = torch.Generator()
-    g.manual_seed(seed if seed is not None else secrets.randbits(63))
+    g.manual_seed(generator_seed(seed if seed is not None else secrets.randbits(63)))
     return g
+
+
+def generator_seed(seed: int) -> int:
+    """What a request's seed (-2**63 to 2**64, as unsigned) seeds its generator with: a CPU generator
+    keeps only 32 bits, so 5 and 5 + 2**32 drew the same tokens; a seed past 32 bits goes through a hash
+    instead (the 2**32 streams stay, but no longer in pairs a user would pick)."""
+    s = seed & 0xFFFF_FFFF_FFFF_FFFF
+    return s if s <= 0xFFFF_FFFF else xxhash.xxh3_64_intdigest(s.to_bytes(8, "little")) & 0xFFFF_FFFF

@@ -38,6 +38,9 @@ def test_seeded_sampling_is_reproducible(make_engine):
     b = run(eng, PROMPT, **kw).output_ids
     c = run(eng, PROMPT, **{**kw, "seed": 99}).output_ids
     assert a == b and a != c
+    # seeds past 32 bits (a CPU generator keeps only those) are seeds of their own, not 1234's twins
+    far = [run(eng, PROMPT, **{**kw, "seed": 1234 + k * 2**32}).output_ids for k in (1, 2**31)]
+    assert a not in far and far[0] != far[1]
 
 
 def test_top_k_one_is_greedy_and_penalty_changes_output(make_engine):
