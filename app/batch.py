@@ -227,6 +227,9 @@ def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: set[s
     except json.JSONDecodeError as e:
         plan.errors.append({"line": n, "error": f"not JSON ({e.msg})"})
         return None
+    except RecursionError:  # (raised by json on arrays or objects nested past Python's recursion limit)
+        plan.errors.append({"line": n, "error": "nested too deeply to read"})
+        return None
     except UnicodeEncodeError:  # (before ValueError, which it is)
         plan.errors.append({"line": n, "error": "holds an escaped lone surrogate (\\ud800-\\udfff): not Unicode text"})
         return None

@@ -738,3 +738,13 @@ def test_a_rerun_rewrites_its_output_through_a_file_of_its_own_with_the_outputs_
         with _only_writer(out):
             pass
     assert victim.read_text() == "precious\n"
+
+
+def test_a_line_nested_past_the_recursion_limit_is_refused_for_itself_alone(tmp_path):
+    from app.batch import read_lines
+
+    src = tmp_path / "in.jsonl"
+    deep = "[" * 100_000 + "]" * 100_000
+    src.write_text('{"id": "a", "prompt": "x"}\n' + deep + '\n{"id": "b", "prompt": "y"}\n')
+    plan = read_lines(src, set())
+    assert plan.errors == [{"line": 2, "error": "nested too deeply to read"}]
