@@ -426,7 +426,8 @@ async def _one(client: httpx.AsyncClient, line: Line, request: dict, defaults: d
     line too slow for --request-timeout-s would stop every rerun)."""
     if line.path == RESPONSES:  # (that API's name for it)
         defaults = {("max_output_tokens" if k == "max_tokens" else k): v for k, v in defaults.items()}
-    body = {**defaults, **request, "stream": False}
+    # (sent whole, not streamed: a line's stream_options would be refused without its stream)
+    body = {**defaults, **{k: v for k, v in request.items() if k != "stream_options"}, "stream": False}
     gone, timeouts = True, 0
     for attempt in range(retries + 1):
         r, code = None, None
@@ -492,10 +493,17 @@ def _failure_record(line: Line, problem: str, r: httpx.Response | None, code: st
     return _openai_record(line.ref, r, body, error)
 
 
+def output_path(given: str) -> Path:
+    """--output; a symlink's target: the answers go to the file it names, rewritten and locked beside that
+    file (a rerun's rewrite would replace the link with a plain file)."""
+    path = Path(given)
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 async def run(args: argparse.Namespace, totals: dict) -> None:
     """Send the input's lines, write each result as it comes, and keep ``totals`` up to date (the caller
     still has them when the run is interrupted)."""
-    output = Path(args.output)
+    output = output_path(args.output)
     # SIGTERM (`ray job stop`) ends the run as Ctrl-C does: by cancelling it, so every request task ends
     # where it is (raised from a signal handler, it surfaced in one of them as an unretrieved exception)
     terminated = _cancel_on_sigterm()
@@ -591,6 +599,9 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
             except InputChanged as e:  # (a rerun reads it again)
                 rec, transient = _failure_record(line, str(e), None), True
                 totals["changed"] += 1
+            except OSError as e:  # the input could not be read again (a disk's or a share's error): a rerun may
+                rec = _failure_record(line, f"could not read line {line.n} of the input again: {e}", None)
+                transient = True
             except ServiceGone as e:
                 totals.setdefault("_gone", str(e))  # this line is not written: a rerun sends it
                 continue
@@ -706,7 +717,7 @@ def main(args: argparse.Namespace) -> int:
     if unknown := Settings.unknown_env(os.environ):  # a warning: the service's own settings may be set here too
         print(f"radixserve batch: ignoring {', '.join(unknown)}: no such setting (this command reads "
               "RADIXSERVE_URL and RADIXSERVE_API_KEY)", file=sys.stderr)
-    src, dst = Path(args.input), Path(args.output)
+    src, dst = Path(args.input), output_path(args.output)
     problem = (f"{src} is a folder, not a file" if src.is_dir() else None if src.is_file() else f"no input file {src}")
     problem = problem or (f"--output {dst} is a folder; name a file" if dst.is_dir() else None)
     problem = problem or (None if dst.parent.is_dir() else f"--output: no folder {dst.parent}")

@@ -23,7 +23,8 @@ DEVICE_PATTERN = r"^(auto|cpu|mps|xpu|cuda(:\d+)?)$"
 
 
 class AutoscalingSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # JSON from a flag: "1" is a mistake, not a number
+    # JSON from a flag: "1" is a mistake, not a number; nor is inf or nan
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(4, ge=1)
@@ -75,7 +76,8 @@ def api_keys(setting: str) -> list[str]:
 
 
 class Settings(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # (inf parses as a float: a replica's inf CPUs or an inf timeout would fail later, in Ray or asyncio)
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
     # model
     model_id: str | None = Field(None, description="local model folder; default: the built-in tiny model")

@@ -748,3 +748,57 @@ def test_a_line_nested_past_the_recursion_limit_is_refused_for_itself_alone(tmp_
     src.write_text('{"id": "a", "prompt": "x"}\n' + deep + '\n{"id": "b", "prompt": "y"}\n')
     plan = read_lines(src, set())
     assert plan.errors == [{"line": 2, "error": "nested too deeply to read"}]
+
+
+def test_a_streamed_lines_stream_options_are_dropped_with_its_stream(tmp_path, capsys):
+    # the batch sends each line whole: with stream false the service refuses stream_options, so such a line
+    # failed at every run
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": 0, "prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}])
+    sent: list[dict] = []
+    with _DownService(200, on_post=sent.append) as url:
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url]) == 0
+    assert sent[0]["stream"] is False and "stream_options" not in sent[0], sent
+    assert json.loads(out.read_text())["output"] == "ok"
+
+
+def test_an_output_given_as_a_symlink_is_written_where_it_points_and_stays_a_link(tmp_path, capsys):
+    # a rerun's rewrite replaced the link with a plain file (the answers left the file it named), and its
+    # lock was taken beside the link: a run through the link and one through the file wrote together
+    src, target, link = tmp_path / "in.jsonl", tmp_path / "data" / "o.jsonl", tmp_path / "o.jsonl"
+    target.parent.mkdir()
+    write(src, [{"id": 0, "prompt": "a"}, {"id": 1, "prompt": "b"}])
+    write(target, [{"id": 0, "output": "old"}, {"id": 1, "error": "busy"}])
+    link.symlink_to(target)
+    with _DownService(200) as url:
+        assert cli(["batch", "--input", str(src), "--output", str(link), "--url", url]) == 0
+    assert link.is_symlink() and link.resolve() == target
+    records = {r["id"]: r for r in map(json.loads, target.read_text().splitlines())}
+    assert records[0]["output"] == "old" and records[1]["output"] == "ok", records
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "in.jsonl", "o.jsonl"]
+
+
+def test_a_line_the_input_cannot_give_again_is_a_failure_a_rerun_retries(tmp_path, capsys, monkeypatch):
+    # an I/O error reading a line again (a share that went away) was a lasting failure: no rerun sent it
+    import errno
+    import os
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": 0, "prompt": "a"}])
+    real = os.pread
+    failing = {"left": 1}
+
+    def flaky_pread(fd, n, at):
+        if failing["left"]:
+            failing["left"] -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, n, at)
+
+    monkeypatch.setattr(os, "pread", flaky_pread)
+    with _DownService(200) as url:
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url]) == 1
+        rec = json.loads(out.read_text())
+        assert "could not read line 1 of the input again" in rec["error"], rec
+        assert "run the same command again" in capsys.readouterr().err
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url]) == 0
+    assert json.loads(out.read_text())["output"] == "ok"

@@ -81,6 +81,12 @@ def test_autoscaling_numbers_must_be_numbers():
         Settings.from_sources(file={"autoscaling": {"min_replicas": "1"}}, env={})
     a = Settings.from_sources(file={"autoscaling": {"max_replicas": 2, "target_ongoing_requests": 1}}, env={})
     assert a.autoscaling.target_ongoing_requests == 1.0  # an integer where a float goes is fine
+    # inf parsed as a float: --replica-num-gpus inf raised OverflowError building the deployment
+    for field, value in (("replica_num_gpus", "inf"), ("replica_num_cpus", "nan"), ("request_timeout_s", "inf")):
+        with pytest.raises(ValueError, match=field):
+            Settings.from_sources(cli={field: value}, env={})
+    with pytest.raises(ValueError, match="target_ongoing_requests"):
+        Settings.from_sources(file={"autoscaling": {"target_ongoing_requests": float("inf")}}, env={})
 
 
 def test_a_replica_count_and_autoscaling_follow_the_sources_precedence():
