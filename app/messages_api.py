@@ -9,6 +9,7 @@ import json
 import math
 from typing import Any, ClassVar
 
+import pydantic_core
 from pydantic import Field
 
 from app.chat_view import ChatView, ChunkEvents, sse_event
@@ -219,6 +220,16 @@ def _input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _reads_as_json_so_far(text: str) -> bool:
+    """Whether a partial JSON parser (the one Anthropic's Python SDK uses, by the same library) reads ``text``:
+    JSON, or JSON cut short."""
+    try:
+        pydantic_core.from_json(text, allow_partial=True)
+    except ValueError:
+        return False
+    return True
+
+
 def _partial_json(text: str) -> Any:
     """JSON cut short as a partial parser reads it: the longest prefix that ends after a whole value, with
     its open objects and arrays closed (an unfinished string or key is left out); None: no such prefix."""
@@ -282,7 +293,9 @@ class MessageEvents(ChunkEvents):
         self.calls: dict[int, int] = {}  # the chat delta's tool call index -> block index
         self.stop: tuple[str, str | None] = ("end_turn", None)
         self.content: list[dict[str, Any]] = []  # the blocks so far, as the whole message has them
-        self.arguments: dict[int, list[str]] = {}  # a tool_use block's arguments as they came
+        # a tool_use block's arguments as they were sent: while what came so far still reads as JSON
+        self.arguments: dict[int, list[str]] = {}
+        self.unreadable: set[int] = set()  # blocks whose arguments stopped reading as JSON
         self.message: dict[str, Any] | None = None
 
     @staticmethod
@@ -332,10 +345,17 @@ class MessageEvents(ChunkEvents):
                 out += self._open({"type": "tool_use", "id": call["id"],
                                    "name": fn.get("name", ""), "input": {}})
                 self.calls[k] = self.index
-            if fn.get("arguments"):
-                out.append(self._event("content_block_delta", index=self.calls[k],
-                                       delta={"type": "input_json_delta", "partial_json": fn["arguments"]}))
-                self.arguments.setdefault(self.calls[k], []).append(fn["arguments"])
+            at = self.calls[k]
+            if fn.get("arguments") and at not in self.unreadable:
+                sent = self.arguments.setdefault(at, [])
+                # Anthropic's SDKs parse the deltas' sum at each one: a piece past which it is no JSON
+                # would raise there, so the block keeps what read and its input is that
+                if _reads_as_json_so_far("".join(sent) + fn["arguments"]):
+                    out.append(self._event("content_block_delta", index=at,
+                                           delta={"type": "input_json_delta", "partial_json": fn["arguments"]}))
+                    sent.append(fn["arguments"])
+                else:
+                    self.unreadable.add(at)
         if choice.get("finish_reason"):
             self.stop = _stop(choice["finish_reason"], choice.get("stop_reason"))
         return out

@@ -38,7 +38,7 @@ TEXT_FIELDS = {"input_text": "text", "output_text": "text", "text": "text", "ref
 
 def _part_text(content: Any, where: str) -> str:
     """A message's or a tool output's content as text: a string, or a list of text parts."""
-    return content_text(content, f"{where}.content", TEXT_FIELDS)
+    return content_text(content, f"{where}.content", TEXT_FIELDS, "\n")  # (as the chat route joins them)
 
 
 def _messages(items: list[Any]) -> list[dict[str, Any]]:

@@ -153,3 +153,33 @@ def test_max_tokens_past_the_context_is_cut_to_it_and_an_assistant_turn_is_carri
                                              "continue_final_message": True}).json()["count"]
     assert count == carried
     assert ac.messages.create(model="tiny", max_tokens=3, messages=turns).usage.output_tokens >= 1
+
+
+def test_streamed_tool_arguments_that_stop_reading_as_json_do_not_break_the_client():
+    # auto tool calls stream their arguments as the model writes them: a piece past which they were no JSON
+    # went out as input_json_delta, and Anthropic's client raised at it ("Unable to parse tool parameter JSON")
+    from app.messages_api import MessageEvents
+
+    events = MessageEvents("msg_1", "tiny", asked=64)
+    sse = events.start()
+    head = {"index": 0, "id": "call_1", "type": "function"}
+    pieces = ['{"location": ', '"Paris"', ', oops', '"unit": "c"}']
+    for i, piece in enumerate(pieces):
+        fn = {"name": "get_weather", "arguments": piece} if i == 0 else {"arguments": piece}
+        sse += events.chunk({"choices": [{"index": 0, "delta": {"tool_calls": [{**head, "function": fn}]}}]})
+    sse += events.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": 5, "completion_tokens": 9}})
+    sse += events.end()
+    body = "".join(sse).encode()
+    try:  # the client's own HTTP library: httpx2 in its newer versions
+        import httpx2
+    except ImportError:
+        httpx2 = httpx
+    transport = httpx2.MockTransport(lambda _: httpx2.Response(200, content=body,
+                                                             headers={"content-type": "text/event-stream"}))
+    client = anthropic.Anthropic(base_url="http://test", api_key="unused", http_client=httpx2.Client(transport=transport))
+    with client.messages.stream(model="tiny", max_tokens=64, messages=[{"role": "user", "content": "hi"}]) as s:
+        got = s.get_final_message()
+    (block,) = got.content
+    assert block.type == "tool_use" and block.input == {"location": "Paris"}
+    assert events.final()["content"][0]["input"] == block.input  # the unstreamed answer says the same

@@ -183,3 +183,14 @@ def test_a_translated_stream_left_mid_answer_frees_its_blocks(serve_app, client,
         time.sleep(0.5)
     assert m[("radixserve_cache_blocks_in_use", "all")] == 0 and m[("radixserve_running_requests", "all")] == 0
     assert m[("radixserve_requests_aborted_total", "all")] == aborted + 1
+
+
+def test_text_parts_join_as_the_chat_routes_do():
+    # they were joined with nothing: "Hello" and "world" became "Helloworld", another prompt than chat's
+    from app.responses_api import _messages
+    from app.schemas import ChatMessage
+
+    parts = [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "world"}]
+    (msg,) = _messages([{"role": "user", "content": parts}])
+    chat = ChatMessage(role="user", content=[{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}])
+    assert msg["content"] == chat.text("messages[0]") == "Hello\nworld"
