@@ -107,6 +107,7 @@ class ToolCallStream:
         self.calls = 0
         self.cut = False  # the last call's arguments never ended
         self.broken = False  # some call's arguments closed with the wrong bracket: not JSON
+        self.first_broken = False  # the first call's were
         self.head_room = 96 + 2 * max((len(n) for n in names), default=0)  # (past it, no head is coming)
         self.pending: list[str] = []  # whitespace not sent yet: it goes out before more text, if any comes
         self.said = False  # whether any content went out
@@ -123,8 +124,12 @@ class ToolCallStream:
         self._advance(final=True)
         return self._take()
 
-    def finish_reason(self, engine: str) -> str:
-        """The choice's finish reason: "tool_calls" when it made calls, but for one cut short."""
+    def finish_reason(self, engine: str, first_only: bool = False) -> str:
+        """The choice's finish reason: "tool_calls" when it made calls, but for one cut short. ``first_only``:
+        only the first call is sent (parallel_tool_calls false), so only it counts (the others' ends do not:
+        a call after it cut short by max_tokens is not sent)."""
+        if first_only and self.calls > 1:  # (a later call began: the first one's arguments ended)
+            return engine if self.first_broken else "tool_calls"
         return "tool_calls" if self.calls and not (self.cut or self.broken) else engine
 
     def _take(self) -> list[dict[str, Any]]:
@@ -196,7 +201,9 @@ class ToolCallStream:
             self.cut = final
             return False
         # (balanced brackets are not JSON yet: NaN, 01, a trailing comma; such a call is no call to run)
-        self.broken = self.broken or self.args.broken or not is_json_object(self.text[self.args_at:end])
+        broken = self.args.broken or not is_json_object(self.text[self.args_at:end])
+        self.broken = self.broken or broken
+        self.first_broken = self.first_broken or (broken and self.calls == 1)
         self.args = JsonEnd(end, depth=1)  # the rest of the call's object (keys after its arguments too)
         self.state = "tail"
         return True
@@ -316,10 +323,12 @@ class ToolCallStream:
             self.out.append({"tool_calls": [{"index": self.calls - 1, "function": {"arguments": text}}]})
 
 
-def read_answer(parser: str, text: str, names: set[str]) -> tuple[str | None, list[ToolCall], bool]:
+def read_answer(parser: str, text: str, names: set[str], first_only: bool = False
+                ) -> tuple[str | None, list[ToolCall], bool]:
     """A whole answer read as its stream is (so a client gets the same calls either way): its content
-    (None: nothing but calls), its calls, and whether they are complete (False: the last was cut short, or
-    some call's arguments broke; the finish reason then stays the engine's, as the stream's does)."""
+    (None: nothing but calls), its calls (``first_only``: the first alone), and whether they are complete
+    (False: the last was cut short, or some call's arguments broke; the finish reason then stays the
+    engine's, as the stream's does)."""
     reader = ToolCallStream(parser, names)
     calls: list[ToolCall] = []
     content: list[str] = []
@@ -331,7 +340,8 @@ def read_answer(parser: str, text: str, names: set[str]) -> tuple[str | None, li
             calls[c["index"]].arguments += c["function"]["arguments"]
     if not calls:
         return text, [], True
-    return "".join(content) or None, calls, reader.finish_reason("") == "tool_calls"
+    complete = reader.finish_reason("", first_only) == "tool_calls"
+    return "".join(content) or None, calls[:1] if first_only else calls, complete
 
 
 def _json_string(raw: str) -> str | None:

@@ -1602,9 +1602,9 @@ class Ingress:
             content, calls = None, [ToolCall(req.named_tool().name, text)] if text else []  # ended thinking)
         elif mode == "required" or (mode == "auto" and self.settings.tool_call_parser != "none"):
             parser = "required" if mode == "required" else self.settings.tool_call_parser
-            content, calls, complete = read_answer(parser, text, {t.function.name for t in req.tools})
-            if req.parallel_tool_calls is False:  # one call at most (the required guide allows only one)
-                calls = calls[:1]
+            # (parallel_tool_calls false: one call at most; the required guide allows only one)
+            content, calls, complete = read_answer(parser, text, {t.function.name for t in req.tools},
+                                                   first_only=req.parallel_tool_calls is False)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if thinking:
             message["reasoning_content"] = thinking
@@ -1680,8 +1680,9 @@ class Ingress:
                         unsent[i] = []
                     if ev["finished"]:
                         finish = _oai_finish(ev["finish_reason"])
-                        yield chunk(i, {}, calls[i].finish_reason(finish) if calls[i] else finish, events=unsent[i],
-                                    stop_reason=ev.get("stop_reason"))
+                        if calls[i] is not None:
+                            finish = calls[i].finish_reason(finish, first_only=req.parallel_tool_calls is False)
+                        yield chunk(i, {}, finish, events=unsent[i], stop_reason=ev.get("stop_reason"))
             if include_usage:
                 yield self._usage_event(rid, "chat.completion.chunk", created, latest, req.n,
                                         None if thinking_mode is None else [t.reasoning_tokens for t in thinking])

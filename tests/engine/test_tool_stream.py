@@ -185,6 +185,27 @@ def test_a_call_cut_short_stays_unfinished_and_the_finish_reason_says_so():
     assert read_answer("hermes", text, NAMES)[1] == []
 
 
+def test_with_one_call_sent_only_that_calls_end_says_the_finish_reason():
+    # parallel_tool_calls false sends the first call alone: a second cut short by max_tokens (or broken)
+    # made the answer "length" though its one call was whole, and an agent loop did not run it
+    whole = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    for later, engine in [('<tool_call>{"name": "add", "arguments": {"a": [1, ', "length"),
+                          ('<tool_call>{"name": "add", "arguments": {"a": 1]}</tool_call>', "stop")]:
+        for first_only, said in ((False, engine), (True, "tool_calls")):
+            s = ToolCallStream("hermes", NAMES)
+            s.feed(whole + later)
+            s.finish()
+            assert s.finish_reason(engine, first_only) == said
+            _, calls, complete = read_answer("hermes", whole + later, NAMES, first_only)
+            assert complete is (said == "tool_calls") and len(calls) == (1 if first_only else 2)
+    # the first call's own end still counts
+    s = ToolCallStream("hermes", NAMES)
+    s.feed('<tool_call>{"name": "add", "arguments": {"a": 1]}</tool_call>' + whole)
+    s.finish()
+    assert s.finish_reason("stop", first_only=True) == "stop"
+    assert read_answer("hermes", whole[:-20], NAMES, first_only=True)[2] is False  # (one call, cut short)
+
+
 def test_a_tag_named_in_prose_is_text_at_once():
     s = ToolCallStream("hermes", NAMES)
     sent = s.feed("Qwen marks calls with a <tool_call> tag. " + "More words. " * 20)

@@ -218,6 +218,13 @@ def test_parallel_tool_calls_false_keeps_one_call_streamed_or_not():
               if e != "[DONE]"]
     indexes = {call["index"] for c in chunks for call in c["choices"][0]["delta"].get("tool_calls") or ()}
     assert indexes == {0} and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # a later call cut short by max_tokens is not sent, nor does it make the one call sent "length"
+    cut = [texts[0], '\n<tool_call>{"name": "save", "arguments": {"b": ']
+    message, finish = Cls._assistant_message(FakeIngress(), req, _Answering(cut, "length").events)
+    assert len(message["tool_calls"]) == 1 and finish == "tool_calls"
+    chunks = [e for e in response_events(asyncio.run(Cls._tool_stream(_Answering(cut, "length"), req, [([1], {})],
+                                                                      "c", 0, 0))) if e != "[DONE]"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_a_streamed_chats_log_probs_go_with_the_chunk_that_sends_their_tokens_text():
