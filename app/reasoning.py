@@ -5,7 +5,8 @@ item), what follows it the content.
 Where an answer starts is decided per request (``start_mode``), from the prompt first: a prompt that ends
 in an open ``<think>`` (QwQ, Qwen3 thinking-only models, DeepSeek-R1's templates) has the answer think
 until ``</think>``; one that ends in a closed block (Qwen3's ``enable_thinking: false``) has no thinking.
-Otherwise the parser says:
+An answer that carries on an assistant's message (``continue_final_message``, a Messages API prefill)
+thinks only if that message left a block open. Otherwise the parser says:
 
 - ``qwen3``: an answer that opens with ``<think>`` thinks until ``</think>``; any other is all content.
 - ``deepseek_r1``: the answer thinks from its start until ``</think>``, and one cut short before it is
@@ -27,8 +28,12 @@ START, END = "<think>", "</think>"
 THINKING, TAGGED, CONTENT = "thinking", "tagged", "content"
 
 
-def start_mode(parser: str, prompt_tail: str) -> str:
-    """How an answer to a prompt ending in ``prompt_tail`` (its last tokens' text) starts."""
+def start_mode(parser: str, prompt_tail: str, prefill: str | None = None) -> str:
+    """How an answer to a prompt ending in ``prompt_tail`` (its last tokens' text) starts; ``prefill``: the
+    assistant message it carries on (continue_final_message), whose own text says it: it thinks on only
+    where that left a block open (else "The answer is" went on as thinking under deepseek_r1)."""
+    if prefill and prefill.strip():  # (an empty one: the answer starts as any other)
+        return THINKING if prefill.rfind(START) > prefill.rfind(END) else CONTENT
     tail = prompt_tail.rstrip()
     if tail.endswith(END):
         return CONTENT

@@ -1416,7 +1416,8 @@ class Ingress:
             params["skip_special_tokens"] = False  # (a call's tag may be a special token: [TOOL_CALLS])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         tools = req.tool_mode() != "none"
-        mode = self._thinking_mode(ids, params)
+        prefill = req.messages[-1].text() if req.continue_final_message else None
+        mode = self._thinking_mode(ids, params, prefill)
         if req.stream and tools:  # the calls are known once the answer is whole
             return await self._tool_stream(req, [(ids, params)], rid, created, top, mode)
         if req.stream:
@@ -1566,16 +1567,17 @@ class Ingress:
             elif not taken and not pending.cancelled() and pending.exception() is None:
                 await pending.result().body_iterator.aclose()  # (left as the answer came)
 
-    def _thinking_mode(self, ids: list[int], params: dict[str, Any]) -> str | None:
+    def _thinking_mode(self, ids: list[int], params: dict[str, Any], prefill: str | None = None) -> str | None:
         """How a chat answer starts (app.reasoning.start_mode) under the reasoning parser, from the end of
         its prompt: a template may open (or close) the thinking block there. None: no parser. A guided
         answer (a schema, a tool call) thinks first, as vLLM has it: its guide waits for the end tag (one
         that may or may not open the block waits only if its first token is the start tag, a token of its
-        own), else it is guided from its first token and thinks only if the guide asks for it."""
+        own), else it is guided from its first token and thinks only if the guide asks for it. ``prefill``:
+        the assistant message the answer carries on (``start_mode``)."""
         parser = self.settings.reasoning_parser
         if parser == "none":
             return None
-        mode = start_mode(parser, self.tokenizer.decode(ids[-32:]))
+        mode = start_mode(parser, self.tokenizer.decode(ids[-32:]), prefill)
         if params.get("guide") is None or mode == CONTENT:
             return mode
         opener = self._think_tokens.get(START)

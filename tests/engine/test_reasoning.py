@@ -33,6 +33,18 @@ def test_where_an_answer_starts(parser, tail, expected):
     assert start_mode(parser, tail) == expected
 
 
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("prefill, expected", [
+    ("The answer is", CONTENT),  # under deepseek_r1 it went on as thinking: the reply's text came as reasoning
+    ("<think>\nFirst, the", THINKING),  # (under qwen3 the block it opened went on as content)
+    ("<think>plan</think>\nSo", CONTENT),
+])
+def test_an_answer_that_carries_on_a_message_thinks_only_where_that_left_a_block_open(parser, prefill, expected):
+    tail = "<｜Assistant｜>" + prefill if parser == "deepseek_r1" else "<|im_start|>assistant\n" + prefill
+    assert start_mode(parser, tail, prefill) == expected
+    assert start_mode(parser, tail[:-len(prefill)], "") == start_mode(parser, tail[:-len(prefill)])
+
+
 @pytest.mark.parametrize("mode, text, expected", [
     (TAGGED, "<think>\nplan it\n</think>\n\nThe answer.", ("\nplan it\n", "The answer.")),
     (TAGGED, "The answer, no thinking.", ("", "The answer, no thinking.")),

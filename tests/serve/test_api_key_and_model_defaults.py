@@ -239,6 +239,11 @@ def test_a_guided_answer_thinks_before_its_guide_holds_it(keyed):
                    "add_generation_prompt": False, "continue_final_message": True}
         msg, tokens = ask(**prefill, logit_bias={str(end): 100})
         assert tokens[0] == "</think>" and "ok" in json.loads(msg["content"])
+        # a prefill that thought already and left its block open: the answer thinks on (the prompt's end
+        # alone said "tagged": its "</think>" went out as content)
+        open_block = {**prefill, "messages": [*body["messages"], {"role": "assistant", "content": "<think>\nplan"}]}
+        msg, tokens = ask(**open_block, logit_bias={str(end): 100})
+        assert tokens[0] == "</think>" and "ok" in json.loads(msg["content"]), (msg, tokens)
         # a named tool's arguments too; an answer that never ends its thinking makes no call
         tools = {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
                  "tool_choice": {"type": "function", "function": {"name": "f"}}}
