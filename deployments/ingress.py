@@ -1518,9 +1518,12 @@ class Ingress:
                         if done := data == "[DONE]":
                             break
                         chunk = json.loads(data)
-                        if chunk.get("error"):
-                            failed.append(chunk["error"])
-                            for ev in events.fail(chunk["error"].get("message") or "the request failed"):
+                        if error := chunk.get("error"):
+                            failed.append(error)
+                            # (the request's own error, a guide that cannot go on, is no server error: of
+                            # the type a refusal before the stream has)
+                            status = 422 if error.get("type") == "invalid_request_error" else 500
+                            for ev in events.fail(error.get("message") or "the request failed", status):
                                 yield ev
                             return
                         for ev in events.chunk(chunk):

@@ -57,6 +57,14 @@ class _Answering(FakeIngress):
         return [(self.events[0], rest())]
 
 
+class Chatting(FakeIngress):
+    """A stand-in whose chat route streams its choices (for the Messages and Responses views of it)."""
+
+    async def _chat(self, req, default, counted=None):
+        return await Cls._openai_stream(self, [([1, 2, 3], {"logprobs": False})], "chat-1", 0,
+                                        "chat.completion.chunk", req, [""])
+
+
 @pytest.mark.parametrize("kind", ["completion", "chat", "chat with tools"])
 def test_a_stream_whose_engine_fails_ends_with_the_error_then_done(kind):
     fake, jobs = FakeIngress(), [([1, 2, 3], {"logprobs": False})]
@@ -96,11 +104,6 @@ def test_a_translated_stream_whose_engine_fails_ends_with_the_engines_error(api,
     from app.messages_api import MessageEvents
     from app.responses_api import ResponseEvents, ResponsesRequest
 
-    class Chatting(FakeIngress):
-        async def _chat(self, req, default, counted=None):
-            return await Cls._openai_stream(self, [([1, 2, 3], {"logprobs": False})], "chat-1", 0,
-                                            "chat.completion.chunk", req, [""])
-
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
     events = (MessageEvents("msg_1", "m", 10) if api == "messages" else
               ResponseEvents(ResponsesRequest.model_validate({"input": "hi", "stream": True}), "resp_1", 0, "m"))
@@ -124,6 +127,29 @@ def test_a_translated_stream_whose_engine_fails_ends_with_the_engines_error(api,
         asyncio.run(Cls._chat_view(Chatting(), {**body, "stream": False}, 10, events, False))
     assert raised.value.status == 503 and raised.value.message == FAILED["error"]
     assert raised.value.code == "engine_failure"
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_a_translated_stream_that_its_request_broke_ends_with_a_request_error(api):
+    # a guide that cannot go on is the request's fault (the chat stream says invalid_request_error): the
+    # Messages stream said api_error and the Responses stream server_error, as for an engine failure
+    from app.messages_api import MessageEvents
+    from app.responses_api import ResponseEvents, ResponsesRequest
+
+    async def broken():
+        yield {**FAILED, "error": "the guide cannot go on", "error_kind": "validation"}
+
+    class Broken(Chatting):
+        async def _choices(self, jobs, n, stream, prompt_only=False):
+            return [(dict(TOKEN), broken())]
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    events = (MessageEvents("msg_1", "m", 10) if api == "messages" else
+              ResponseEvents(ResponsesRequest.model_validate({"input": "hi", "stream": True}), "resp_1", 0, "m"))
+    sent = [e for e in response_events(asyncio.run(Cls._chat_view(Broken(), body, 10, events, True))) if e != "[DONE]"]
+    (error,) = [e for e in sent if e["type"] == "error"]
+    said = error["error"]["type"] if api == "messages" else error["code"]
+    assert said == "invalid_request_error", error
 
 
 def test_a_streamed_chats_reasoning_tokens_count_the_tokens_whose_text_was_held_back():
