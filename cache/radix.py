@@ -391,13 +391,15 @@ class RadixCache:
     def hot_blocks(self, since: float) -> int:
         """Cached blocks that served a hit at ``since`` (the cache's clock) or later: the working set a
         replica would lose if it went away. Walks the tree (O(nodes)): for periodic stats only."""
-        walk = self.hot_walk(since)
-        walk.advance(None)
-        return walk.blocks
+        return self.hot_walk(since, whole=True).blocks
 
-    def hot_walk(self, since: float) -> HotWalk:
-        """``hot_blocks`` a slice at a time (``HotWalk.advance``), between other cache operations."""
-        return HotWalk(list(self._roots.values()), since)
+    def hot_walk(self, since: float, whole: bool = False) -> HotWalk:
+        """``hot_blocks`` a slice at a time (``HotWalk.advance``), between other cache operations; ``whole``:
+        walked to its end at once."""
+        walk = HotWalk(list(self._roots.values()), since)
+        if whole:
+            walk.advance(None)
+        return walk
 
     def block_ids(self) -> list[int]:
         """Every block the cache owns (for invariant checks)."""

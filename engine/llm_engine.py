@@ -535,9 +535,7 @@ class LLMEngine:
         if c is None:
             return 0
         if self._hot is None or not self.scheduler.has_work():
-            walk = c.hot_walk(c.wall_clock() - window_s)
-            walk.advance(None)
-            self._took_hot_count(walk)
+            self._took_hot_count(c.hot_walk(c.wall_clock() - window_s, whole=True))
         elif self._hot_walk is None:
             self._hot_walk = c.hot_walk(c.wall_clock() - window_s)
         return self._hot
