@@ -77,6 +77,12 @@ def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> int | None:
     else:
         lead = _window(seq, seq.prefix_offset, seq.read_offset)
     prefix_text = _decode(tokenizer, lead, skip)
+    if not prefix_text and lead and seq.read_offset > 0 and seq.prefix_offset >= 0:
+        # output already sent that renders nothing at a text's start (a SentencePiece space, stripped
+        # there): after a guard token it shows, so a byte run it begins that an invalid byte turns to
+        # U+FFFD is seen to change (its space was sent again, as U+FFFD)
+        lead = guard_ids(tokenizer) + lead
+        prefix_text = _decode(tokenizer, lead, skip)
     new_text = _decode(tokenizer, lead + seq.output_ids[seq.read_offset:upto], skip)
     if not new_text.startswith(prefix_text):
         # a byte-fallback decoder (SentencePiece: Llama 2, Mistral) renders a run of byte pieces that holds

@@ -66,6 +66,14 @@ def test_a_character_cut_short_renders_its_own_bytes_only(sp_tokenizer):
     assert seq.text == "city😀" + sp_tokenizer.decode(cut) + " city"
 
 
+def test_a_space_byte_sent_before_an_invalid_byte_is_not_sent_again(sp_tokenizer):
+    """A space as a byte piece renders nothing at a text's start (SentencePiece strips it there): the run
+    it begins, made U+FFFD per byte by an invalid byte after it, looked unchanged, and the space already
+    sent came again as U+FFFD ("city ��", the invalid byte's one U+FFFD and the space's)."""
+    assert _generate(sp_tokenizer, [1], [9, *_bytes(" "), BYTE0 + 0xFF]).text == "city \ufffd"
+    assert _generate(sp_tokenizer, [1], [9, *_bytes("  "), BYTE0 + 0xFF, 9]).text == "city  \ufffd city"
+
+
 def test_a_prompt_window_that_starts_inside_a_character_still_gives_the_first_token_its_space(sp_tokenizer):
     """The last five prompt tokens of "is€€" start inside the first €, and the byte-fallback decoder
     rendered them all as U+FFFD: taken for a prompt that ends mid-character, the prompt was left out and
