@@ -183,20 +183,20 @@ def _schema_text(schema: Any, what: str) -> str:
     return json.dumps(schema)
 
 
-def _tgi_guide(grammar: Any) -> tuple[str, str] | None:
-    """TGI's ``grammar``: ``{"type": "json", "value": schema}``, ``{"type": "json_schema", "value":
-    {"name": ..., "schema": schema}}`` or ``{"type": "regex", "value": "..."}``."""
+def _tgi_guide(grammar: Any, where: str = "grammar") -> tuple[str, str] | None:
+    """TGI's ``grammar`` (``where``: its field): ``{"type": "json", "value": schema}``, ``{"type":
+    "json_schema", "value": {"name": ..., "schema": schema}}`` or ``{"type": "regex", "value": "..."}``."""
     if grammar is None:
         return None
     kind = grammar.get("type") if isinstance(grammar, dict) else None
     value = grammar.get("value") if isinstance(grammar, dict) else None
     if kind == "json":
-        return "json", _schema_text(value, "grammar.value")
+        return "json", _schema_text(value, f"{where}.value")
     if kind == "json_schema":
-        return "json", _schema_text(value.get("schema") if isinstance(value, dict) else None, "grammar.value.schema")
+        return "json", _schema_text(value.get("schema") if isinstance(value, dict) else None, f"{where}.value.schema")
     if kind == "regex" and isinstance(value, str):
         return "regex", value
-    raise ValueError('grammar must be {"type": "json" | "json_schema" | "regex", "value": ...}')
+    raise ValueError(f'{where} must be {{"type": "json" | "json_schema" | "regex", "value": ...}}')
 
 
 class TGIRequest(_Strict):
@@ -339,14 +339,19 @@ class _OpenAICommon(_Strict):
         rf = self.response_format
         if rf is not None:
             kind = rf.get("type")
-            if kind == "json_object":
+            if kind in ("json", "regex") or (kind == "json_object" and rf.get("value") is not None):
+                # TGI's form, as huggingface_hub's chat_completion sends it: {"type": "json", "value": schema}
+                # (json_object an alias of json there), {"type": "regex", "value": ...}
+                found.append(_tgi_guide({**rf, "type": "json" if kind == "json_object" else kind}, "response_format"))
+            elif kind == "json_object":
                 found.append(("json", '{"type": "object"}'))
             elif kind == "json_schema":
                 spec = rf.get("json_schema")
                 schema = spec.get("schema") if isinstance(spec, dict) else None
                 found.append(("json", _schema_text(schema, "response_format.json_schema.schema")))
             elif kind != "text":
-                raise ValueError("response_format type must be text, json_object or json_schema")
+                raise ValueError("response_format type must be text, json_object or json_schema (or TGI's json "
+                                 "and regex, with a value)")
         so = dict(self.structured_outputs or {})
         if so.pop("json_object", False):
             found.append(("json", '{"type": "object"}'))

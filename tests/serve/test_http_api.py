@@ -711,6 +711,26 @@ def test_structured_outputs_in_each_apis_form(client):
     tgi = client.post("/generate", json={"inputs": "Xi", "parameters": {
         "max_new_tokens": 40, "grammar": {"type": "json", "value": schema}}}).json()
     assert set(json.loads(tgi["generated_text"])) == {"n", "ok"}
+    # TGI's chat form, as huggingface_hub's client sends it (it was a 400: "response_format type must be ...")
+    for fmt in ({"type": "json", "value": schema}, {"type": "json_object", "value": schema}):
+        r = client.post("/v1/chat/completions", json={**chat, "response_format": fmt})
+        assert r.status_code == 200, r.text
+        assert set(json.loads(r.json()["choices"][0]["message"]["content"])) == {"n", "ok"}
+    r = client.post("/v1/chat/completions", json={**chat, "response_format": {"type": "regex", "value": "[ab]{5}"}})
+    assert re.fullmatch("[ab]{5}", r.json()["choices"][0]["message"]["content"]), r.text
+    r = client.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json", "value": 3}})
+    assert r.status_code == 400 and "response_format.value" in r.text, r.text
+
+
+def test_huggingface_hubs_chat_client_gets_its_json_answer(serve_app, monkeypatch):
+    hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)  # (the tests' setting; this server is local)
+    schema = {"type": "object", "required": ["ok"], "additionalProperties": False,
+              "properties": {"ok": {"type": "boolean"}}}
+    out = hub.InferenceClient(base_url=serve_app).chat_completion(
+        [{"role": "user", "content": "ok?"}], model="tgi", max_tokens=20,
+        response_format={"type": "json", "value": schema})
+    assert set(json.loads(out.choices[0].message.content)) == {"ok"}
 
 
 def _logprob_sum(choice: dict) -> float:
