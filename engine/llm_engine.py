@@ -301,6 +301,10 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request at once and give back its blocks; False if it is unknown or done."""
         seq = self.requests.pop(request_id, None)
+        if seq is not None and seq in self._pending_finished:  # (a warm-up with nothing to cache: not sent yet)
+            self._pending_finished.remove(seq)
+            seq.finish_reason = "abort"
+            return True
         if seq is None or seq.status is Status.FINISHED:
             return False
         self.scheduler.remove(seq)

@@ -229,6 +229,11 @@ def test_warmup_prefill_only_caches_whole_blocks(make_engine):
     assert eng.kv.cache.cached_blocks == len(PROMPT) // 16
     seq = run(eng, PROMPT + [3], max_new_tokens=2)
     assert seq.num_cached_prompt_tokens == len(PROMPT) // 16 * 16
+    # one shorter than a block has nothing to cache: aborted before the next step, it is aborted (it said
+    # "unknown or done", then finished as a warm-up)
+    short = eng.add_request(PROMPT[:5], SamplingParams(), prefill_only=True)
+    assert eng.abort(short) and not eng.has_work() and eng.step() == []
+    assert eng.stats.warmups_finished == 1
 
 
 def test_long_prompt_is_chunked_and_a_cache_hit_beside_it_is_answered_first(make_engine):
