@@ -111,6 +111,15 @@ def preflight(settings: Settings, local_ray: bool) -> str | None:
     """What would make the service fail to start, found in seconds and before anything starts (the
     replicas would otherwise fail half a minute later, deep in Ray's logs): the engine settings, and
     when it starts a local Ray, the model folder, the limits against its context and the HTTP port."""
+    # (joining a cluster: the model folder need only exist where replicas run)
+    problem = settings_problem(settings, folder=local_ray, device=True)
+    return problem or (_port_problem(settings) if local_ray else None)
+
+
+def settings_problem(settings: Settings, folder: bool = True, device: bool = False) -> str | None:
+    """What in the settings would fail every replica: the engine's checks; ``folder``: the model folder's
+    too (the folder itself, the limits against its context and the KV pool, an fp8 cache's scales);
+    ``device``: the device it would run on (where replicas run on this machine)."""
     from engine.config import ConfigError
     from engine.kv_scales import KVScaleError, read_kv_scales
     from engine.model_loader import ModelLoadError, check_model_folder, weight_files
@@ -118,22 +127,19 @@ def preflight(settings: Settings, local_ray: bool) -> str | None:
 
     try:
         engine = settings.engine_config()
-        if not local_ray:  # joining a cluster: the model folder need only exist where replicas run
+        if not folder:
             return None
         path, config, _ = check_model_folder(settings.resolved_model_id())
         serving_limits(config, settings.max_input_tokens, settings.max_total_tokens, engine.pool_tokens())
         if settings.kv_cache_dtype.startswith("fp8"):  # a partial or broken set fails every replica's start
             read_kv_scales(weight_files(path), config.num_hidden_layers)
-        problem = _device_problem(settings, config)
-        if problem:
-            return problem
+        return _device_problem(settings, config) if device else None
     except (ModelLoadError, ConfigError) as e:
         return str(e)
     except KVScaleError as e:
         return f"{settings.resolved_model_id()}: {e}"
     except OSError as e:  # the built-in model's folder (RADIXSERVE_HOME) cannot be written
         return f"cannot write the built-in model to {e.filename or 'its folder'}: {e.strerror or e}"
-    return _port_problem(settings)
 
 
 def _port_problem(settings: Settings) -> str | None:

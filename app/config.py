@@ -149,7 +149,10 @@ class Settings(BaseModel):
                                          "browser (CORS), comma-separated, e.g. https://app.example.com; * for "
                                          "any (TGI's flag; default: none)")
     replica_num_cpus: float = Field(1.0, ge=0)
-    replica_num_gpus: float = Field(0.0, ge=0)
+    replica_num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (a share such as 0.5 too); default: 0, "
+                                    "but `radixserve serve` starting a local Ray on a CUDA machine gives each "
+                                    "replica its share of the GPUs (1 each, or 1/2, 1/3 ... with more replicas "
+                                    "than GPUs)")
     router: Literal["prefix", "pow2", "round_robin"] = "prefix"
     routing_stats_period_s: float = Field(1.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0, description="Serve's proxy ends a request that takes longer "
@@ -184,6 +187,12 @@ class Settings(BaseModel):
             raise ValueError("a GPU share must be 0 or at least 0.0001 (Ray's smallest fraction)")
         return v
 
+    @field_validator("model_id")
+    @classmethod
+    def _absolute_folder(cls, v: str | None) -> str | None:
+        # (where the settings are made: a replica reads them in a folder of its own, where ./model is not)
+        return None if v is None else os.path.abspath(os.path.expanduser(v))
+
     @field_validator("api_key")
     @classmethod
     def _header_safe_key(cls, v: str | None) -> str | None:
@@ -196,6 +205,8 @@ class Settings(BaseModel):
     @field_validator("cuda_graphs", mode="before")
     @classmethod
     def _batch_sizes(cls, v: Any) -> Any:
+        if v is None:  # none, as a flag or variable says a setting's null: no graphs, as 0
+            return []
         if isinstance(v, str):  # a flag or an environment variable: "1,2,4,8", or "0" for none
             items = [x.strip() for x in v.split(",")]
             if not all(x.isdigit() for x in items):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -16,7 +17,6 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 from app.config import ENV_PREFIX, Settings
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
-from engine.config import ConfigError
 
 
 def llm_deployment(settings: Settings, cache_namespace: str | None = None):
@@ -104,8 +104,11 @@ def app_builder(args: dict[str, Any]):
         logging.getLogger("radixserve").warning(
             "%s ignored: under a Serve config, where Serve listens is its http_options", ", ".join(ignored))
     settings = Settings.from_sources(file=dict(args or {}))
-    try:  # the engine's own checks (`radixserve serve` makes them before it starts): else each replica fails
-        settings.engine_config()
-    except ConfigError as e:
-        raise ValueError(f"invalid settings: {e}") from None
+    from app.cli import settings_problem
+
+    # the engine's own checks (`radixserve serve` makes them before it starts), else each replica fails; the
+    # model folder's where it is here too (on a cluster it may exist only where replicas run)
+    folder = settings.model_id is None or Path(settings.resolved_model_id()).is_dir()
+    if problem := settings_problem(settings, folder=folder):
+        raise ValueError(f"invalid settings: {problem}")
     return build_app(settings)

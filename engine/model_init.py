@@ -78,8 +78,8 @@ def write_model(path: str | Path, preset: str = "tiny", seed: int = 0, init_scal
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     spec = dict(PRESETS[preset])
     arch = spec.pop("architecture")
-    init_scale = init_scale or spec.pop("init_scale", None) or 0.2
-    spec.pop("init_scale", None)
+    preset_scale = spec.pop("init_scale", None)
+    init_scale = init_scale if init_scale is not None else preset_scale or 0.2
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec["vocab_size"])

@@ -115,6 +115,8 @@ def test_cuda_graph_sizes_come_as_tgi_takes_them():
     assert Settings.from_sources(file={"cuda_graphs": 0}).cuda_graphs == []
     assert Settings.from_sources(file={"cuda_graphs": 8}).cuda_graphs == [8]
     assert Settings.from_sources(cli={"cuda_graphs": " 1, 2"}).cuda_graphs == [1, 2]
+    for source in ({"cli": {"cuda_graphs": "none"}}, {"env": {"RADIXSERVE_CUDA_GRAPHS": "null"}}):
+        assert Settings.from_sources(**source).cuda_graphs == []  # (a setting's null: "should be a valid list")
     for bad in ("1,x", "-2", [0, 4], "", ",", "1,,2", "1,2,", "1.5", [True]):
         with pytest.raises(ValueError, match="cuda_graphs"):
             Settings.from_sources(cli={"cuda_graphs": bad})
@@ -251,7 +253,7 @@ def test_api_keys_come_comma_separated_and_a_refusal_does_not_quote_them():
         assert "zq" not in str(e.value), str(e.value)
 
 
-def test_a_serve_config_the_engine_would_refuse_is_refused_when_it_is_built(model_dir):
+def test_a_serve_config_the_engine_would_refuse_is_refused_when_it_is_built(model_dir, tmp_path):
     # `radixserve serve` checks these before it starts; a Serve config's app built, and every replica failed
     from app.main import app_builder
 
@@ -260,6 +262,12 @@ def test_a_serve_config_the_engine_would_refuse_is_refused_when_it_is_built(mode
                        ({"max_batch_total_tokens": 1024, "max_total_tokens": 4096}, "more than the KV pool holds")):
         with pytest.raises(ValueError, match=f"invalid settings: .*{said}"):
             app_builder({"model_id": model_dir("tiny"), **args})
+    # the model folder's checks too, where it is here (they were made in each replica only)
+    with pytest.raises(ValueError, match="invalid settings: .*max_total_tokens"):
+        app_builder({"model_id": model_dir("tiny"), "max_total_tokens": 9000, "max_batch_total_tokens": 16384})
+    with pytest.raises(ValueError, match="invalid settings: .*has no config.json"):
+        app_builder({"model_id": str(tmp_path)})
+    app_builder({"model_id": str(tmp_path / "on-the-workers")})  # (a folder that may exist where replicas run)
 
 
 def test_a_failed_deploy_is_said_in_a_line_with_the_replicas_error():
@@ -285,3 +293,12 @@ def test_the_cluster_launcher_installs_into_a_venv_its_commands_find():
     assert any("radixserve-venv/bin:$PATH" in c and ".bashrc" in c for c in setup), setup
     mount = next(iter(cluster["file_mounts"]))
     assert mount == f"/home/{cluster['auth']['ssh_user']}/radixserve", mount  # (each `cd radixserve` is from ~)
+
+
+def test_a_relative_model_folder_is_the_one_beside_the_command(monkeypatch, tmp_path):
+    # replicas start in folders of their own: `--model-id ./model` was looked for there
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    assert Settings.from_sources(cli={"model_id": "./model"}).model_id == str(tmp_path / "model")
+    assert Settings.from_sources(env={"RADIXSERVE_MODEL_ID": "~/m"}).model_id == os.path.expanduser("~/m")
