@@ -131,7 +131,8 @@ class HotPrefixDirectory:
         # prefixes whose tokens this client wrote lately -> until when it trusts they are there: a hot
         # prefix's next record only renews their TTL instead of sending them again (up to 128 KiB each)
         self._tokens_sent: OrderedDict[int, float] = OrderedDict()
-        self._clock_offset = 0.0  # Redis's clock minus ours, measured at most CLOCK_SYNC_S ago
+        # Redis's clock minus our monotonic one, measured at most CLOCK_SYNC_S ago (None: not yet)
+        self._clock_offset: float | None = None
         self._clock_synced_until = float("-inf")  # (monotonic)
 
     # ------------------------------------------------------------------ resilience
@@ -180,15 +181,16 @@ class HotPrefixDirectory:
         """Redis's clock: every replica weighs hits against the decay epoch, and stamps holders' expiry, on
         one clock, whatever its host's says (one more than a half-life behind saw the shared epoch as
         garbage from the future, and reset it at its every write, flattening the ranking). Measured with
-        ``TIME`` every CLOCK_SYNC_S; our own clock while Redis has not answered one."""
+        ``TIME`` every CLOCK_SYNC_S, against the monotonic clock: a step of the host's wall clock between
+        two measures (NTP, a VM resumed) moves nothing; our own clock while Redis has not answered one."""
         if time.monotonic() >= self._clock_synced_until:
-            sent = time.time()
+            sent = time.monotonic()
             got = self._call(lambda r: r.time(), None)
             if got is not None:
-                back = time.time()
+                back = time.monotonic()
                 self._clock_offset = float(got[0]) + float(got[1]) / 1e6 - (sent + back) / 2
-                self._clock_synced_until = time.monotonic() + CLOCK_SYNC_S
-        return time.time() + self._clock_offset
+                self._clock_synced_until = back + CLOCK_SYNC_S
+        return time.time() if self._clock_offset is None else time.monotonic() + self._clock_offset
 
     def ping(self) -> bool:
         return bool(self._call(lambda r: r.ping(), False))

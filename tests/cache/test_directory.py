@@ -200,6 +200,23 @@ def test_a_replica_whose_clock_is_behind_weighs_its_hits_on_redis_clock(redis_se
     assert expiry == pytest.approx(time.time() + d.ttl_s, abs=5)
 
 
+def test_a_host_clock_that_steps_after_its_measure_moves_nothing(redis_server, d, monkeypatch):
+    """The offset to Redis's clock was kept against the wall clock: a step back of 2 hours within the 5
+    minutes between measures reset the shared epoch (the ranking flattened) and wrote holders expired."""
+    import cache.directory as directory
+
+    hot, warm = d.record("r1", toks(90), hits=50), d.record("r1", toks(91), hits=1)
+    stepped = HotPrefixDirectory(redis_server.url, deployment=d.deployment, model="m", block_size=BS)
+    measured = stepped.record("r2", toks(92), hits=2)  # (measured its clock here)
+    real = time.time
+    monkeypatch.setattr(directory.time, "time", lambda: real() - 7200)
+    new = stepped.record("r2", toks(93), hits=20)
+    monkeypatch.setattr(directory.time, "time", real)
+    assert [p.hash for p in d.top_k(4)] == [hot, new, measured, warm]
+    assert d.top_k(4)[0].score == pytest.approx(50, rel=0.01)
+    assert "r2" in d.holders(new)
+
+
 @pytest.mark.parametrize("scripting", [True, False])
 def test_a_lost_epoch_does_not_freeze_the_ranking(d, scripting):
     """Scores weighed against an epoch that was then lost (evicted, replaced) stayed up to 2**60 heavier than
