@@ -28,7 +28,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -290,19 +290,27 @@ class HotPrefixDirectory:
                 self._drop_coldest(r, over)
             return h
 
-        def write_or_repair(r):
+        def expected() -> dict[str, bytes]:
+            self._tokens_sent.pop(h, None)  # (its payload goes again: the entry may be deleted)
+            return {self.ns + f"p:{h}": b"hash", self.ns + f"h:{h}": b"zset", self.ns + f"r:{replica}": b"set",
+                    self.ns + "hot": b"zset", self.ns + "epoch": b"string"}
+
+        return self._call(self._repairing(write, expected), None)
+
+    def _repairing(self, fn, expected: Callable[[], dict[str, bytes]]):
+        """``fn(redis)``, run again after deleting the keys of ``expected()`` that hold another type than
+        ours, if a WRONGTYPE reply stopped it (a key left by hand or by an older version: without this, the
+        failure counted as Redis down, and every call backed off)."""
+        def run(r):
             try:
-                return write(r)
+                return fn(r)
             except redis.ResponseError as e:
                 if _WRONG_TYPE not in str(e):
                     raise
-                self._delete_wrong_types(r, {self.ns + f"p:{h}": b"hash", self.ns + f"h:{h}": b"zset",
-                                             self.ns + f"r:{replica}": b"set", self.ns + "hot": b"zset",
-                                             self.ns + "epoch": b"string"})
-                self._tokens_sent.pop(h, None)
-                return write(r)
+                self._delete_wrong_types(r, expected())
+                return fn(r)
 
-        return self._call(write_or_repair, None)
+        return run
 
     def _delete_wrong_types(self, r, expected: dict[str, bytes]) -> None:
         """Delete those of these keys that hold another type than ours (missing ones are fine)."""
@@ -357,12 +365,17 @@ class HotPrefixDirectory:
             p.execute()  # raises on any error reply: some removals may then have run, but not all
             return True
 
-        return bool(self._call(write, False))
+        def expected() -> dict[str, bytes]:
+            return {self.ns + f"r:{replica}": b"set", **{self.ns + f"h:{h}": b"zset" for h in hashes}}
+
+        return bool(self._call(self._repairing(write, expected), False))
 
     def forget_replica(self, replica: str) -> int:
         """Drop everything ``replica`` holds (it died or drains). Returns how many entries."""
+        held: set[bytes] = set()  # (kept for a second run: the first one's pipeline ran whole, its delete too)
+
         def write(r):
-            held = r.smembers(self.ns + f"r:{replica}")
+            held.update(r.smembers(self.ns + f"r:{replica}"))
             p = r.pipeline(transaction=False)
             for h in held:
                 p.zrem(self.ns + f"h:{h.decode(errors='replace')}", replica)
@@ -370,7 +383,11 @@ class HotPrefixDirectory:
             p.execute()
             return len(held)
 
-        return self._call(write, 0)
+        def expected() -> dict[str, bytes]:
+            return {self.ns + f"r:{replica}": b"set",
+                    **{self.ns + f"h:{h.decode(errors='replace')}": b"zset" for h in held}}
+
+        return self._call(self._repairing(write, expected), 0)
 
     # ------------------------------------------------------------------ reads
     def top_k(self, k: int, token_budget: int | None = None) -> list[HotPrefix]:
@@ -482,7 +499,8 @@ class HotPrefixDirectory:
 
     def holders(self, h: int, now: float | None = None) -> list[str]:
         now = self._now() if now is None else now
-        got = self._call(lambda r: r.zrangebyscore(self.ns + f"h:{h}", now, "+inf"), [])
+        key = self.ns + f"h:{h}"
+        got = self._call(self._repairing(lambda r: r.zrangebyscore(key, now, "+inf"), lambda: {key: b"zset"}), [])
         return [m.decode(errors="replace") for m in got]
 
     def clear(self) -> None:

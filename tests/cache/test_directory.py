@@ -245,6 +245,18 @@ def test_a_key_of_another_type_in_the_namespace_is_repaired_not_retried_for_good
     r.set(d.ns + "r:r2", "not a set")
     assert d.record("r2", toks(81), hits=3) == bad and d.errors == 0
     assert {p.hash for p in d.top_k(5)} == {good, bad} and d.holders(bad) == ["r2"]
+    # reading holders, dropping one, forgetting a replica: each counted as Redis down (every router then
+    # learned no holder at all for the back-off, and a warning every 5 s), and the key stayed
+    for key in (f"h:{good}", f"h:{bad}", "r:r2"):
+        r.set(d.ns + key, "left by hand")
+    assert d.holders(good) == [] and d.holders(bad) == [] and d.errors == 0
+    r.set(d.ns + f"h:{bad}", "again")
+    assert d.drop_holder("r2", [bad]) and d.errors == 0
+    r.sadd(d.ns + "r:r1", str(bad))
+    r.set(d.ns + f"h:{bad}", "and again")
+    assert d.forget_replica("r1") == 2 and d.errors == 0  # (good, recorded by r1, and bad)
+    assert d.forget_replica("r2") == 0 and d.errors == 0  # (its r: key held a string)
+    assert all(r.type(d.ns + k) in (b"none", b"zset", b"set") for k in (f"h:{good}", f"h:{bad}", "r:r1", "r:r2"))
 
 
 def test_top_k_fetches_only_the_payloads_it_can_return(d):
