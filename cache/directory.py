@@ -390,8 +390,10 @@ class HotPrefixDirectory:
         return self._call(self._repairing(write, expected), 0)
 
     # ------------------------------------------------------------------ reads
-    def top_k(self, k: int, token_budget: int | None = None) -> list[HotPrefix]:
-        """The ``k`` hottest prefixes (valid ones only), within ``token_budget`` tokens in all."""
+    def top_k(self, k: int, token_budget: int | None = None, max_tokens: int | None = None) -> list[HotPrefix]:
+        """The ``k`` hottest prefixes (valid ones only), within ``token_budget`` tokens in all; ``max_tokens``:
+        of at most that many tokens each (a replica's limit: longer ones are passed over, not fetched, and
+        leave their place to the next)."""
         if k <= 0:
             return []
 
@@ -420,7 +422,7 @@ class HotPrefixDirectory:
             for size, ok in zip(sizes, there, strict=True):
                 if not 0 < size <= most:
                     kinds.append("malformed" if ok else "gone")
-                elif room is not None and size // 4 > room:
+                elif (room is not None and size // 4 > room) or (max_tokens is not None and size // 4 > max_tokens):
                     kinds.append("over")
                 else:
                     kinds.append("fetch")

@@ -140,7 +140,9 @@ class LLMServer:
         t0 = time.monotonic()
         added: list[tuple[str, list[int]]] = []
         try:
-            hot = self.directory.top_k(k, token_budget=budget)
+            # (hot prefixes longer than this replica takes, recorded under other limits, would fill k and warm nothing)
+            hot = self.directory.top_k(k, token_budget=budget,
+                                       max_tokens=min(self.engine.max_input_tokens, self.engine.max_total_tokens))
         except Exception as e:  # noqa: BLE001 - a directory that fails starts the replica cold, never stops it
             log.warning("warm-up skipped: the hot-prefix directory failed: %s", e)
             report["error"] = str(e)

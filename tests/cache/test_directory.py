@@ -259,6 +259,16 @@ def test_a_key_of_another_type_in_the_namespace_is_repaired_not_retried_for_good
     assert all(r.type(d.ns + k) in (b"none", b"zset", b"set") for k in (f"h:{good}", f"h:{bad}", "r:r1", "r:r2"))
 
 
+def test_prefixes_longer_than_a_replica_takes_leave_their_places_to_the_next(d):
+    """Hot prefixes recorded under a larger --max-input-tokens filled k and each was refused at warm-up:
+    a replica warmed nothing, and the prefixes it could take were never read."""
+    long = [d.record("r1", toks(200 + i, 64), hits=100 - i) for i in range(3)]
+    short = [d.record("r1", toks(300 + i, 16), hits=10 - i) for i in range(3)]
+    assert [p.hash for p in d.top_k(3)] == long
+    assert [p.hash for p in d.top_k(3, max_tokens=32)] == short
+    assert [p.hash for p in d.top_k(4, token_budget=100, max_tokens=64)] == long[:1] + short[:2]
+
+
 def test_top_k_fetches_only_the_payloads_it_can_return(d):
     """A page of 4 k entries was fetched whole before the budget was applied: 600 ranked 32k-token prefixes
     and a warm-up budget of two of them read 170 MB."""

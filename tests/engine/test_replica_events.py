@@ -321,12 +321,13 @@ class HotDirectory(FakeDirectory):
         super().__init__(model)
         self.prefixes, self.budgets = prefixes, []
 
-    def top_k(self, k, token_budget=None):
+    def top_k(self, k, token_budget=None, max_tokens=None):
         import types
 
         self.budgets.append(token_budget)
+        self.max_tokens = max_tokens
         out, total = [], 0
-        for p in self.prefixes[:k]:
+        for p in [p for p in self.prefixes if max_tokens is None or len(p) <= max_tokens][:k]:
             if token_budget is not None and total + len(p) > token_budget:
                 break
             out.append(types.SimpleNamespace(tokens=p))
@@ -360,6 +361,7 @@ def test_start_up_warm_up_keeps_to_the_pool_and_the_hottest_prefixes_stay(make_e
     try:
         report = r._warm_up()
         assert r.directory.budgets == [int(0.75 * eng.kv.capacity_tokens)]
+        assert r.directory.max_tokens == min(eng.max_input_tokens, eng.max_total_tokens)  # (longer: refused)
         assert report["prefixes"] == 4 and not report.get("error")
         assert [_held(eng, p) for p in prefixes[:4]] == [6] * 4  # the hottest are cached, in full
         assert [list(t) for t, _ in r._pending_records.values()] == prefixes[:4]  # recorded as held, queued hottest first
