@@ -28,7 +28,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -104,6 +104,14 @@ class HotPrefix:
     hash: int
     tokens: list[int]
     score: float
+
+
+def _hash_of(member: bytes) -> int | None:
+    """A ranking member's prefix hash (None: not one of ours)."""
+    try:
+        return int(member)
+    except ValueError:
+        return None
 
 
 class HotPrefixDirectory:
@@ -390,10 +398,13 @@ class HotPrefixDirectory:
         return self._call(self._repairing(write, expected), 0)
 
     # ------------------------------------------------------------------ reads
-    def top_k(self, k: int, token_budget: int | None = None, max_tokens: int | None = None) -> list[HotPrefix]:
+    def top_k(self, k: int, token_budget: int | None = None, max_tokens: int | None = None,
+              known: Container[int] = ()) -> list[HotPrefix]:
         """The ``k`` hottest prefixes (valid ones only), within ``token_budget`` tokens in all; ``max_tokens``:
         of at most that many tokens each (a replica's limit: longer ones are passed over, not fetched, and
-        leave their place to the next)."""
+        leave their place to the next). Those whose hash is in ``known`` come without their tokens (empty:
+        not fetched, nor counted against the budget): a router that has their block hashes already read up
+        to 64 payloads of 128 KiB every sync for nothing."""
         if k <= 0:
             return []
 
@@ -419,9 +430,14 @@ class HotPrefixDirectory:
             found = [0 if isinstance(x, Exception) else x for x in p.execute(raise_on_error=False)]
             sizes, there = found[0::2], found[1::2]
             kinds: list[str] = []  # per entry read: "fetch", "over" (past the budget), "malformed", "gone"
-            for size, ok in zip(sizes, there, strict=True):
+            for (member, _), size, ok in zip(ranked, sizes, there, strict=True):
                 if not 0 < size <= most:
                     kinds.append("malformed" if ok else "gone")
+                elif known and _hash_of(member) in known:
+                    kinds.append("known")
+                    need -= 1
+                    if need == 0:
+                        break
                 elif (room is not None and size // 4 > room) or (max_tokens is not None and size // 4 > max_tokens):
                     kinds.append("over")
                 else:
@@ -437,7 +453,7 @@ class HotPrefixDirectory:
                     p.hget(key, "tokens")
             fetched = iter(p.execute())
             # (an entry that is there without a payload it may hold: malformed, counted as skipped)
-            entries = [{b"tokens": next(fetched)} if kind == "fetch" else
+            entries = [{b"tokens": next(fetched)} if kind == "fetch" else {b"known": b""} if kind == "known" else
                        None if kind == "over" else {b"malformed": b""} if kind == "malformed" else {}
                        for kind in kinds]
             try:
@@ -466,6 +482,9 @@ class HotPrefixDirectory:
             for (member, score), entry in zip(ranked, entries, strict=True):
                 if entry is None:
                     continue  # past the budget: not read
+                if b"known" in entry and math.isfinite(score):
+                    out.append(HotPrefix(int(member), [], float(score * scale)))
+                    continue
                 hp = self._parse(member, score * scale, entry)
                 if hp is None:
                     stale.append(member)  # expired, corrupt or foreign: drop it from the ranking for good

@@ -149,6 +149,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         # router never sent a prefix to); fetched off the hot path, applied at the next decision. Only
         # the latest sync is kept: a router that routes nothing for hours holds one snapshot, not a backlog.
         self._learned: list[tuple[str, list[int]]] | None = None
+        # the directory thread's block hashes of the hot prefixes it read (by their hash): it fetches and
+        # hashes a prefix's tokens once, not every sync
+        self._chains: OrderedDict[int, list[int]] = OrderedDict()
         # the routing thread's side: (replica, chain) pairs not applied yet, in a decision's share at a time,
         # and the pairs (replica, last hash) of the syncs taken so far (a pair is applied when it is new)
         self._to_learn: deque[tuple[str, list[int]]] = deque()
@@ -198,11 +201,18 @@ class PrefixAwareRequestRouter(RequestRouter):
                     self._gone.append(gone)
                     break
             learned = []
-            for hp in directory.top_k(top_k):
+            chains = self._chains  # (this thread's alone)
+            for hp in directory.top_k(top_k, known=chains):
                 holders = directory.holders(hp.hash)
-                if holders:
-                    chain = block_hashes(hp.tokens, self.policy.cfg.block_size, self.model_id)
-                    learned += [(rid, chain) for rid in holders]
+                chain = chains.get(hp.hash) if not hp.tokens else None
+                if chain is None:
+                    if not hp.tokens:
+                        continue  # (let go here since the read: the next sync fetches it)
+                    chain = chains[hp.hash] = block_hashes(hp.tokens, self.policy.cfg.block_size, self.model_id)
+                chains.move_to_end(hp.hash)
+                learned += [(rid, chain) for rid in holders]
+            while len(chains) > 4 * top_k:
+                chains.popitem(last=False)
             self._learned = learned  # one reference swap: the routing thread takes it whole
         except Exception:  # noqa: BLE001 - the directory is a hint; never fail routing over it
             log.debug("directory sync failed", exc_info=True)

@@ -269,6 +269,21 @@ def test_prefixes_longer_than_a_replica_takes_leave_their_places_to_the_next(d):
     assert [p.hash for p in d.top_k(4, token_budget=100, max_tokens=64)] == long[:1] + short[:2]
 
 
+def test_known_prefixes_come_without_their_tokens(d):
+    """A router that had a prefix's block hashes read its payload again at every sync (64 of up to 128 KiB
+    every 5 s, per ingress)."""
+    a, b = d.record("r1", toks(400), hits=5), d.record("r1", toks(401), hits=3)
+
+    def hgets() -> int:
+        return int(d._r.info("commandstats").get("cmdstat_hget", {}).get("calls", 0))
+
+    before = hgets()
+    top = d.top_k(2, known={a})
+    assert [(p.hash, len(p.tokens)) for p in top] == [(a, 0), (b, 64)] and hgets() - before == 1
+    assert top[0].score == pytest.approx(5, rel=0.01)
+    assert [p.hash for p in d.top_k(1, known={a})] == [a]  # (it counts toward k)
+
+
 def test_top_k_fetches_only_the_payloads_it_can_return(d):
     """A page of 4 k entries was fetched whole before the budget was applied: 600 ranked 32k-token prefixes
     and a warm-up budget of two of them read 170 MB."""

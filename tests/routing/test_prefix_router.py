@@ -73,15 +73,19 @@ def test_directory_sync_keeps_one_snapshot_while_nothing_is_routed(redis_server)
     without bound in the ingress and stalled the next routing decision)."""
     d = HotPrefixDirectory(redis_server.url, "radixserve", "m", 16)
     d.record("A", list(range(64)))
+    hgets = d._r.info("commandstats").get("cmdstat_hget", {}).get("calls", 0)
     r = _router(redis_url=redis_server.url, directory_sync_s=0.05)
     try:
         time.sleep(0.6)  # about a dozen syncs, no routing decision in between
+        # its tokens fetched once (and hashed once), not at each sync
+        assert d._r.info("commandstats").get("cmdstat_hget", {}).get("calls", 0) - hgets == 1
         learned = r._learned
         assert learned is not None and len(learned) == 1 and learned[0][0] == "A"
         r.policy.add_replica("A")
         r._apply_learned()
         assert r.policy.matches(CHAIN) == {"A": len(CHAIN)}
         assert r._learned is None or len(r._learned) == 1
+        assert list(r._chains.values()) == [CHAIN]
     finally:
         r._stop.set()
         d.clear()
