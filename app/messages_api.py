@@ -9,10 +9,10 @@ import json
 import math
 from typing import Any, ClassVar
 
-import pydantic_core
 from pydantic import Field
 
 from app.chat_view import ChatView, ChunkEvents, sse_event
+from app.json_prefix import JsonObjectPrefix
 from app.schemas import _OFF, MAX_TOOLS, content_text
 from engine.sequence import MAX_STOP_STRINGS
 
@@ -220,16 +220,6 @@ def _input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _reads_as_json_so_far(text: str) -> bool:
-    """Whether a partial JSON parser (the one Anthropic's Python SDK uses, by the same library) reads ``text``:
-    JSON, or JSON cut short."""
-    try:
-        pydantic_core.from_json(text, allow_partial=True)
-    except ValueError:
-        return False
-    return True
-
-
 def _partial_json(text: str) -> Any:
     """JSON cut short as a partial parser reads it: the longest prefix that ends after a whole value, with
     its open objects and arrays closed (an unfinished string or key is left out); None: no such prefix."""
@@ -295,7 +285,7 @@ class MessageEvents(ChunkEvents):
         self.content: list[dict[str, Any]] = []  # the blocks so far, as the whole message has them
         # a tool_use block's arguments as they were sent: while what came so far still reads as JSON
         self.arguments: dict[int, list[str]] = {}
-        self.unreadable: set[int] = set()  # blocks whose arguments stopped reading as JSON
+        self.readers: dict[int, JsonObjectPrefix] = {}  # (whether they do, per block)
         self.message: dict[str, Any] | None = None
 
     @staticmethod
@@ -346,16 +336,16 @@ class MessageEvents(ChunkEvents):
                                    "name": fn.get("name", ""), "input": {}})
                 self.calls[k] = self.index
             at = self.calls[k]
-            if fn.get("arguments") and at not in self.unreadable:
-                sent = self.arguments.setdefault(at, [])
+            sent = self.arguments.setdefault(at, [])
+            # (whitespace before the object says nothing, and a partial parser reads it as no JSON)
+            piece = (fn.get("arguments") or "") if sent else (fn.get("arguments") or "").lstrip()
+            if piece and self.readers.setdefault(at, JsonObjectPrefix()).ok:
                 # Anthropic's SDKs parse the deltas' sum at each one: a piece past which it is no JSON
                 # would raise there, so the block keeps what read and its input is that
-                if _reads_as_json_so_far("".join(sent) + fn["arguments"]):
+                if self.readers[at].feed(piece):
                     out.append(self._event("content_block_delta", index=at,
-                                           delta={"type": "input_json_delta", "partial_json": fn["arguments"]}))
-                    sent.append(fn["arguments"])
-                else:
-                    self.unreadable.add(at)
+                                           delta={"type": "input_json_delta", "partial_json": piece}))
+                    sent.append(piece)
         if choice.get("finish_reason"):
             self.stop = _stop(choice["finish_reason"], choice.get("stop_reason"))
         return out

@@ -155,7 +155,9 @@ def test_max_tokens_past_the_context_is_cut_to_it_and_an_assistant_turn_is_carri
     assert ac.messages.create(model="tiny", max_tokens=3, messages=turns).usage.output_tokens >= 1
 
 
-def test_streamed_tool_arguments_that_stop_reading_as_json_do_not_break_the_client():
+@pytest.mark.parametrize("pieces", [['{"location": ', '"Paris"', ', oops', '"unit": "c"}'],
+                                    [" ", ' {"location": ', '"Paris"}']])  # (whitespace before: no JSON yet)
+def test_streamed_tool_arguments_that_stop_reading_as_json_do_not_break_the_client(pieces):
     # auto tool calls stream their arguments as the model writes them: a piece past which they were no JSON
     # went out as input_json_delta, and Anthropic's client raised at it ("Unable to parse tool parameter JSON")
     from app.messages_api import MessageEvents
@@ -163,7 +165,6 @@ def test_streamed_tool_arguments_that_stop_reading_as_json_do_not_break_the_clie
     events = MessageEvents("msg_1", "tiny", asked=64)
     sse = events.start()
     head = {"index": 0, "id": "call_1", "type": "function"}
-    pieces = ['{"location": ', '"Paris"', ', oops', '"unit": "c"}']
     for i, piece in enumerate(pieces):
         fn = {"name": "get_weather", "arguments": piece} if i == 0 else {"arguments": piece}
         sse += events.chunk({"choices": [{"index": 0, "delta": {"tool_calls": [{**head, "function": fn}]}}]})
