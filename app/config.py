@@ -191,7 +191,7 @@ class Settings(BaseModel):
     @classmethod
     def _absolute_folder(cls, v: str | None) -> str | None:
         # (where the settings are made: a replica reads them in a folder of its own, where ./model is not)
-        return None if v is None else os.path.abspath(os.path.expanduser(v))
+        return os.path.abspath(os.path.expanduser(v)) if v else v  # ("": the built-in model, as unset)
 
     @field_validator("api_key")
     @classmethod
@@ -282,8 +282,8 @@ class Settings(BaseModel):
 
     # ------------------------------------------------------------------ derived
     def resolved_model_id(self) -> str:
-        if self.model_id:
-            return str(Path(self.model_id).expanduser())
+        if self.model_id:  # (absolute already: see _absolute_folder)
+            return self.model_id
         from engine.model_init import ensure_default_model
 
         return str(ensure_default_model())
@@ -291,8 +291,8 @@ class Settings(BaseModel):
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        # (the resolved folder's name: `--model-id .` run inside the model's folder named it "")
-        return Path(os.path.abspath(Path(self.model_id).expanduser())).name if self.model_id else "radixserve-tiny"
+        # (the absolute folder's name: `--model-id .` run inside the model's folder named it "")
+        return Path(self.model_id).name if self.model_id else "radixserve-tiny"
 
     def cache_namespace(self) -> str:
         """What seeds the block hashes and names the hot-prefix directory's entries: the served name, and

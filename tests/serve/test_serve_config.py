@@ -302,3 +302,4 @@ def test_a_relative_model_folder_is_the_one_beside_the_command(monkeypatch, tmp_
     monkeypatch.chdir(tmp_path)
     assert Settings.from_sources(cli={"model_id": "./model"}).model_id == str(tmp_path / "model")
     assert Settings.from_sources(env={"RADIXSERVE_MODEL_ID": "~/m"}).model_id == os.path.expanduser("~/m")
+    assert Settings(model_id="").resolved_model_id() == Settings().resolved_model_id()  # ("": the built-in one)
