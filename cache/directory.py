@@ -29,7 +29,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -104,6 +104,8 @@ class HotPrefix:
     hash: int
     tokens: list[int]
     score: float
+    # its blocks' hashes (the last is ``hash``), as checking its tokens made them; empty with its tokens
+    block_hashes: list[int] = field(default_factory=list)
 
 
 def _hash_of(member: bytes) -> int | None:
@@ -510,9 +512,10 @@ class HotPrefixDirectory:
             toks = array("I")
             toks.frombytes(raw)
             tokens = toks.tolist()
-            if block_hashes(tokens, self.block_size, self.model)[-1] != h:
+            chain = block_hashes(tokens, self.block_size, self.model)
+            if chain[-1] != h:
                 raise ValueError("tokens do not hash to the key")
-            return HotPrefix(h, tokens, float(score))
+            return HotPrefix(h, tokens, float(score), chain)
         except (KeyError, ValueError, TypeError):
             if entry:
                 self.skipped += 1

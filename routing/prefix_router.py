@@ -202,15 +202,12 @@ class PrefixAwareRequestRouter(RequestRouter):
                     break
             learned = []
             chains = self._chains  # (this thread's alone)
+            # (the directory is this router's block size and model: its hashes of a prefix are the router's)
             for hp in directory.top_k(top_k, known=chains):
-                holders = directory.holders(hp.hash)
-                chain = chains.get(hp.hash) if not hp.tokens else None
-                if chain is None:
-                    if not hp.tokens:
-                        continue  # (let go here since the read: the next sync fetches it)
-                    chain = chains[hp.hash] = block_hashes(hp.tokens, self.policy.cfg.block_size, self.model_id)
+                if hp.block_hashes:
+                    chains[hp.hash] = hp.block_hashes
                 chains.move_to_end(hp.hash)
-                learned += [(rid, chain) for rid in holders]
+                learned += [(rid, chains[hp.hash]) for rid in directory.holders(hp.hash)]
             while len(chains) > 4 * top_k:
                 chains.popitem(last=False)
             self._learned = learned  # one reference swap: the routing thread takes it whole
