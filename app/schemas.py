@@ -230,6 +230,11 @@ class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk says the usage so far
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:  # (nullable in OpenAI's spec, as vLLM's)
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
 
 MAX_CHOICES = 128  # OpenAI's own limit on n
 MAX_BAD_WORDS = 256

@@ -146,3 +146,14 @@ def test_openai_priority_reaches_the_engine(kind, priority, engine):
     assert _openai(kind, priority=priority)["priority"] == engine
     with pytest.raises(ValidationError, match="priority"):
         _openai(kind, priority=2**63)
+
+
+def test_null_stream_options_fields_are_their_defaults():
+    # nullable in OpenAI's spec (and vLLM's): {"include_usage": null} was a 400, "should be a valid boolean"
+    for body in ({"prompt": "x", "stream": True}, {"messages": [{"role": "user", "content": "x"}], "stream": True}):
+        cls = CompletionRequest if "prompt" in body else ChatRequest
+        req = cls.model_validate({**body, "stream_options": {"include_usage": None, "continuous_usage_stats": None}})
+        assert not req.stream_options.include_usage and not req.stream_options.continuous_usage_stats
+        assert cls.model_validate({**body, "stream_options": {"include_usage": True}}).stream_options.include_usage
+        with pytest.raises(ValidationError):
+            cls.model_validate({**body, "stream_options": {"include_usage": "yes"}})
