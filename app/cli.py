@@ -272,7 +272,9 @@ def _device_problem(settings: Settings, config) -> str | None:
     if settings.max_batch_total_tokens and device.type == "cpu":
         token_bytes = bytes_per_token(config.num_hidden_layers, kv_heads(config), head_dim(config),
                                       settings.kv_cache_dtype, resolve_dtype(settings.dtype, device))
-        return pool_problem(settings.max_batch_total_tokens, token_bytes, device)
+        # (as the engine checks it: its blocks and the padding block)
+        blocks = max(1, settings.max_batch_total_tokens // settings.block_size) + 1
+        return pool_problem(blocks * settings.block_size, token_bytes, device)
     return None
 
 

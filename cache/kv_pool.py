@@ -93,7 +93,7 @@ CPU_POOL_CAP_BYTES = 4 << 30
 def num_blocks_for(block_size: int, token_bytes: int, max_batch_total_tokens: int | None,
                    memory_fraction: float, device: torch.device) -> int:
     """Pool size: from ``max_batch_total_tokens`` when given, else a fraction of free memory (on a CPU,
-    at most ``CPU_POOL_CAP_BYTES``)."""
+    at most ``CPU_POOL_CAP_BYTES``), the pool's padding block (``KVPool``) within it."""
     if max_batch_total_tokens is not None:
         return max(1, max_batch_total_tokens // block_size)
     if not 0 < memory_fraction <= 1:
@@ -101,7 +101,7 @@ def num_blocks_for(block_size: int, token_bytes: int, max_batch_total_tokens: in
     budget = int(available_memory(device) * memory_fraction)
     if device.type == "cpu":
         budget = min(budget, CPU_POOL_CAP_BYTES)
-    return max(1, budget // (token_bytes * block_size))
+    return max(1, budget // (token_bytes * block_size) - 1)
 
 
 FP16_MAX = torch.finfo(torch.float16).max

@@ -81,14 +81,15 @@ def test_sizing():
     assert n >= 1
     with pytest.raises(ValueError):
         num_blocks_for(16, 100, None, 1.5, torch.device("cpu"))
+    with pytest.raises(ValueError):
+        resolve_kv_dtype("int4", torch.float32)
     # a CPU pool without a size takes at most 4 GiB, however much memory the machine has (this one: 24)
     from cache.kv_pool import CPU_POOL_CAP_BYTES, available_memory
 
     if available_memory(torch.device("cpu")) <= CPU_POOL_CAP_BYTES:
         pytest.skip("less than 4 GiB available: the cap cannot show")
-    assert num_blocks_for(16, 1024, None, 1.0, torch.device("cpu")) == CPU_POOL_CAP_BYTES // (1024 * 16)
-    with pytest.raises(ValueError):
-        resolve_kv_dtype("int4", torch.float32)
+    # (the pool's padding block within the budget: num_blocks + 1 blocks are allocated)
+    assert num_blocks_for(16, 1024, None, 1.0, torch.device("cpu")) == CPU_POOL_CAP_BYTES // (1024 * 16) - 1
 
 
 def test_a_gpu_pool_leaves_room_for_a_step_whatever_the_fraction(monkeypatch):
@@ -100,8 +101,8 @@ def test_a_gpu_pool_leaves_room_for_a_step_whatever_the_fraction(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
     cuda = torch.device("cuda")
     assert available_memory(cuda) == 16 * gib and emptied  # 5% of 80 GiB kept (and torch's cache let go first)
-    assert num_blocks_for(16, 1024, None, 1.0, cuda) == 16 * gib // (1024 * 16)
-    assert num_blocks_for(16, 1024, None, 0.5, cuda) == 8 * gib // (1024 * 16)
+    assert num_blocks_for(16, 1024, None, 1.0, cuda) == 16 * gib // (1024 * 16) - 1
+    assert num_blocks_for(16, 1024, None, 0.5, cuda) == 8 * gib // (1024 * 16) - 1
     assert pool_problem(16 * gib // 1024, 1024, cuda) is None
     assert "free beside a step's working memory" in pool_problem(17 * gib // 1024, 1024, cuda)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 8 * gib))
