@@ -8,8 +8,11 @@ tokenizers). Pure logic: no HTTP here."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import secrets
+import string
 import urllib.parse
 import uuid
 from dataclasses import dataclass
@@ -27,12 +30,47 @@ class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI's API carries it
 
-    def as_openai(self) -> dict[str, Any]:
-        return {"id": new_call_id(), "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+    def as_openai(self, id_style: str = "") -> dict[str, Any]:
+        return {"id": new_call_id(id_style), "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def new_call_id() -> str:
+_ALNUM = string.ascii_letters + string.digits
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def new_call_id(id_style: str = "") -> str:
+    """A new call's id; ``id_style``: the server's tool call parser. Mistral's templates refuse any id but
+    9 letters and digits (``raise_exception``), so the next turn, which sends the call back, would fail:
+    there, ids are made so, as vLLM's mistral parser makes them; elsewhere OpenAI's ``call_...``."""
+    if id_style == "mistral":
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def template_call_ids(messages: list[dict[str, Any]], id_style: str) -> list[dict[str, Any]]:
+    """A chat's messages (as templates read them) with their calls' ids as the model's template takes them:
+    under the mistral parser, an id that is not 9 letters and digits (a client's own, another server's
+    ``call_...``, an Anthropic ``toolu_...``) becomes 9 made from it, the same for a call and its answer,
+    and the same at every turn (the prompt's prefix stays cached)."""
+    if id_style != "mistral":
+        return messages
+
+    def short(call_id: Any) -> Any:
+        if not isinstance(call_id, str) or _MISTRAL_ID.fullmatch(call_id):
+            return call_id
+        n = int.from_bytes(hashlib.blake2b(call_id.encode(), digest_size=8).digest(), "big")
+        return "".join(_ALNUM[(n // len(_ALNUM) ** i) % len(_ALNUM)] for i in range(9))
+
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "id": short(c.get("id"))} for c in m["tool_calls"]]
+        if "tool_call_id" in m:
+            m["tool_call_id"] = short(m["tool_call_id"])
+        out.append(m)
+    return out
 
 
 def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
@@ -156,7 +194,9 @@ def _hermes_block(text: str, at: int, names: set[str]) -> tuple[ToolCall, int] |
     except (ValueError, RecursionError):
         return None
     call, at = _call(obj, names), _skip_space(text, at)
-    if call is None or not (at == len(text) or text.startswith(HERMES_CLOSE, at)):
+    # the closing tag, or the answer's end, in that tag too (max_tokens cut it: the start of a tag is no text)
+    closed = text.startswith(HERMES_CLOSE, at) or (len(text) - at < len(HERMES_CLOSE) and HERMES_CLOSE.startswith(text[at:]))
+    if call is None or not closed:
         return None
     return call, min(at + len(HERMES_CLOSE), len(text))
 

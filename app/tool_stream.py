@@ -91,8 +91,8 @@ class ToolCallStream:
     give the OpenAI chat deltas to send (``{"content": ...}`` or ``{"tool_calls": [...]}``). ``parser``:
     one of ``app.tool_calls.PARSERS`` (tool_choice auto), or "required" (the guided list of calls)."""
 
-    def __init__(self, parser: str, names: set[str]):
-        self.parser, self.names = parser, names
+    def __init__(self, parser: str, names: set[str], id_style: str = ""):
+        self.parser, self.names, self.id_style = parser, names, id_style  # (id_style: see new_call_id)
         self.opener = _OPENERS.get(parser)
         self.text = ""
         self.sent = 0  # content is decided up to here (sent, or whitespace dropped around calls)
@@ -223,8 +223,12 @@ class ToolCallStream:
             if tag == HERMES_CLOSE:
                 self.sent = self.at = at + len(HERMES_CLOSE)
                 return self._to("text")
-            if HERMES_CLOSE.startswith(tag) and not final:  # (the tag may be coming)
-                return False
+            if HERMES_CLOSE.startswith(tag):
+                if not final:  # (the tag may be coming)
+                    return False
+                if tag:  # cut inside its closing tag (max_tokens): the call ended, the tag's start is no text
+                    self.sent = self.at = at + len(tag)
+                    return self._to("text")
             # something else follows the call's object (prose, the next call's tag), as the whole parse
             # reads it: the call ends with its object, and the answer's text goes on from there
             self.sent = self.at
@@ -311,7 +315,7 @@ class ToolCallStream:
             self.out.append({"content": text})
 
     def _call_start(self, name: str, arguments: str = "") -> None:
-        self.out.append({"tool_calls": [{"index": self.calls, "id": new_call_id(), "type": "function",
+        self.out.append({"tool_calls": [{"index": self.calls, "id": new_call_id(self.id_style), "type": "function",
                                          "function": {"name": name, "arguments": arguments}}]})
         self.calls += 1
 

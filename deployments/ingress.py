@@ -61,7 +61,7 @@ from app.schemas import (
     TokenizeRequest,
     WarmupRequest,
 )
-from app.tool_calls import ToolCall, new_call_id
+from app.tool_calls import ToolCall, new_call_id, template_call_ids
 from app.tool_stream import ToolCallStream, read_answer
 from cache.hashing import block_hashes
 from deployments.cors import Cors
@@ -1398,7 +1398,8 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat(self, req: ChatRequest):
-        return await self._chat(req, self.sampling_defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+        # without max_tokens, as OpenAI, vLLM and TGI: up to the room the context leaves (or the model's own default)
+        return await self._chat(req, self.sampling_defaults.get("max_new_tokens", sys.maxsize))
 
     async def _chat(self, req: ChatRequest, default: int, counted: list[int] | None = None):
         """A chat answer (a stream with ``stream``); ``default``: its max_tokens when it sets none (at most
@@ -1615,7 +1616,7 @@ class Ingress:
             message["reasoning_content"] = thinking
             message["content"] = content or None  # (all thinking: no answer yet, as vLLM says it)
         if calls:
-            message["tool_calls"] = [c.as_openai() for c in calls]
+            message["tool_calls"] = [c.as_openai(self.settings.tool_call_parser) for c in calls]
         return message, "tool_calls" if calls and complete and mode != "named" else None
 
     async def _tool_stream(self, req: ChatRequest, jobs, rid: str, created: int, top: int,
@@ -1642,8 +1643,8 @@ class Ingress:
 
         def reader() -> ToolCallStream | None:
             if mode == "required":
-                return ToolCallStream("required", names)
-            return ToolCallStream(parser, names) if mode == "auto" and parser != "none" else None
+                return ToolCallStream("required", names, parser)
+            return ToolCallStream(parser, names, parser) if mode == "auto" and parser != "none" else None
 
         async def body():
             named_sent = [False] * len(started)  # whether a named call's first delta (its id and name) is out
@@ -1665,7 +1666,7 @@ class Ingress:
                         yield chunk(i, {"reasoning_content": thought}, events=unsent[i])
                         unsent[i] = []
                     if mode == "named":  # (the answer is the arguments)
-                        head = {} if named_sent[i] else {"id": new_call_id(), "type": "function"}
+                        head = {} if named_sent[i] else {"id": new_call_id(parser), "type": "function"}
                         fn = {} if named_sent[i] else {"name": req.named_tool().name}
                         deltas = [{"tool_calls": [{"index": 0, **head, "function": {**fn, "arguments": piece}}]}] \
                             if piece else []  # (none at all where the answer never ended its thinking)
@@ -1760,7 +1761,8 @@ class Ingress:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         try:
-            msgs = [m.for_template(f"messages[{i}].content") for i, m in enumerate(req.messages)]
+            msgs = template_call_ids([m.for_template(f"messages[{i}].content") for i, m in enumerate(req.messages)],
+                                     self.settings.tool_call_parser)
             if overlong:
                 await self._refuse_overlong(sum(len(m["content"]) for m in msgs), "messages")
         except ValueError as e:

@@ -4,6 +4,7 @@ chat history's calls as templates read them."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -245,3 +246,36 @@ def test_required_and_named_guides_keep_each_tools_own_refs_and_object_arguments
     assert allows(required, [{"name": "const", "parameters": {"k": {"$ref": "#/x"}}}])
     assert allows(required, [{"name": "named", "parameters": {"default": "a"}}])
     assert not allows(required, [{"name": "named", "parameters": {"default": "b"}}])
+
+
+def test_under_the_mistral_parser_call_ids_are_what_mistral_templates_take():
+    # Mistral's templates raise unless a call's id is 9 letters and digits: an agent's second turn, which
+    # sends back the call_... id it was given (or its own ids), failed under --tool-call-parser mistral
+    from app.tool_calls import ToolCall, new_call_id, template_call_ids
+    from app.tool_stream import ToolCallStream, read_answer
+
+    nine = re.compile(r"[A-Za-z0-9]{9}")
+    assert nine.fullmatch(new_call_id("mistral")) and new_call_id("mistral") != new_call_id("mistral")
+    assert new_call_id("hermes").startswith("call_") and new_call_id().startswith("call_")
+    assert nine.fullmatch(ToolCall("add", "{}").as_openai("mistral")["id"])
+    text = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]'
+    s = ToolCallStream("mistral", NAMES, "mistral")
+    heads = [c for d in s.feed(text) + s.finish() for c in d.get("tool_calls", ()) if "id" in c]
+    assert len(heads) == 1 and nine.fullmatch(heads[0]["id"])
+    assert read_answer("mistral", text, NAMES)[1][0].name == "add"
+    # a history's ids: each maps to 9 of its own, a call and its answer alike, the same at every turn;
+    # ids already in that form, and other parsers' histories, are left as they are
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_0a1aa25b59794ddabb6db155", "type": "function", "function": {"name": "add", "arguments": {}}},
+                   {"id": "toolu_01A", "type": "function", "function": {"name": "add", "arguments": {}}},
+                   {"id": "abcDEF123", "type": "function", "function": {"name": "add", "arguments": {}}}]},
+               {"role": "tool", "tool_call_id": "call_0a1aa25b59794ddabb6db155", "content": "1"},
+               {"role": "tool", "tool_call_id": "toolu_01A", "content": "2"},
+               {"role": "tool", "tool_call_id": "abcDEF123", "content": "3"}]
+    mapped = template_call_ids(history, "mistral")
+    ids = [c["id"] for c in mapped[1]["tool_calls"]]
+    assert all(nine.fullmatch(i) for i in ids) and len(set(ids)) == 3 and ids[2] == "abcDEF123"
+    assert [m["tool_call_id"] for m in mapped[2:]] == ids
+    assert template_call_ids(history, "mistral") == mapped and history[2]["tool_call_id"].startswith("call_")
+    assert template_call_ids(history, "hermes") is history

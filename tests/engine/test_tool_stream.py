@@ -217,6 +217,19 @@ def test_a_tag_named_in_prose_is_text_at_once():
         same_as_whole("hermes", text, [text])
 
 
+def test_an_answer_cut_inside_a_calls_closing_tag_sends_no_piece_of_the_tag():
+    # max_tokens cut "</tool_call>": its start went out as content ("Sure.</tool"), streamed or not; a
+    # call held to be read whole (its arguments as a JSON string) was no call at all, its block all text
+    for args in ('{"a": 1}', '"{\\"a\\": 1}"'):
+        for cut in range(1, len("</tool_call>")):
+            text = f'Sure.<tool_call>{{"name": "add", "arguments": {args}}}' + "</tool_call>"[:cut]
+            for pieces in ([text], list(text)):
+                content, calls, _ = streamed("hermes", pieces)
+                assert (content, [(n, json.loads(a)) for n, a in calls]) == ("Sure.", [("add", {"a": 1})]), text
+            assert whole("hermes", text) == ("Sure.", [("add", {"a": 1})])
+            assert read_answer("hermes", text, NAMES)[2]  # (its arguments are whole: a call to run)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(["<tool_call>", "</tool_call>", '{"name": "add", "arguments": ', "{", "}", '"',
                                  "\\", "[TOOL_CALLS]", "add[ARGS]", "[", "]", ",", ";", " ", "x", "<|python_tag|>",

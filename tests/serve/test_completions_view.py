@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from app.config import Settings
 from app.schemas import ChatRequest, CompletionRequest
-from deployments.ingress import Ingress, _anchor_token
+from deployments.ingress import Ingress, _anchor_token, _sanitize_option
 from engine.model_init import build_tokenizer
 from tests.serve.helpers import response_events
 
@@ -40,6 +40,7 @@ def ingress(cached: list[int] | None = None):
     ing._text_cache, ing._bytes_cache, ing._special = {}, {}, frozenset(TOK.all_special_ids)
     ing._byte_level = True
     ing._anchor = _anchor_token(TOK, True)
+    ing._sanitize = _sanitize_option(TOK)
 
     drawn: dict[tuple, int] = {}  # choices started per prompt so far
 
@@ -139,3 +140,44 @@ def test_without_max_tokens_a_completion_asks_for_at_most_openais_16():
         ing._stream = ing._stream_alone = spy
         complete(ing, {"prompt": "hi"})
         assert seen == [asked], model_says
+
+
+def test_without_max_tokens_a_chat_answer_may_fill_the_room_its_context_leaves():
+    # chat stopped at 64 tokens (finish "length") unless the client set max_tokens: OpenAI's, vLLM's and
+    # TGI's run to the room the context leaves (the model's generation_config max_new_tokens still wins)
+    for model_says, room_left in ((300, False), (None, True)):
+        ing = ingress()
+        ing.sampling_defaults = {} if model_says is None else {"max_new_tokens": model_says}
+        seen, counted = [], [0]
+        stream = ing._stream
+
+        async def spy(ids, params, aborts=None, sibling=False, stream=stream, seen=seen):
+            seen.append(params["max_new_tokens"])
+            return await stream(ids, params, aborts, sibling)
+        ing._stream = ing._stream_alone = spy
+        req = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+        asyncio.run(Cls._chat(ing, req, ing.sampling_defaults.get("max_new_tokens", 10**9), counted))
+        asyncio.run(Cls.chat(ing, req))
+        assert seen[0] == seen[1] == (ing._info["max_total_tokens"] - counted[0] if room_left else model_says)
+
+
+def test_under_the_mistral_parser_a_chat_sends_back_the_ids_it_was_given():
+    # the check of Mistral's templates (Mistral 7B v0.3, Mistral Small): with --tool-call-parser mistral the
+    # second turn of every agent loop, which sends back the call_... id it was given, was a 422
+    import copy
+    ing = ingress()
+    ing.settings.tool_call_parser = "mistral"
+    ing.tokenizer = copy.copy(TOK)
+    ing.tokenizer.chat_template = (
+        "{%- for m in messages %}{%- for tc in m.tool_calls or [] %}{%- if tc.id|length != 9 %}"
+        "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+        "{%- endfor %}{{ m.role }}: {{ m.content }} {{ m.tool_call_id }}\n{%- endfor %}")
+    call = {"id": "call_0a1aa25b59794ddabb6db155", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    req = ChatRequest.model_validate({"messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "42"}]})
+    text = TOK.decode(asyncio.run(Cls._chat_ids(ing, req)))
+    assert re.search(r"tool: 42 [A-Za-z0-9]{9}$", text), text
+    ing.settings.tool_call_parser = "hermes"
+    with pytest.raises(Exception, match="length 9"):  # (the template's own check: this test can fail)
+        asyncio.run(Cls._chat_ids(ing, req))
