@@ -8,6 +8,7 @@ import concurrent.futures
 
 import pytest
 
+from app.config import Settings
 from app.schemas import ChatRequest, ChatTokenizeRequest
 from deployments.ingress import ApiError, Ingress, _sanitize_option
 from engine.model_init import build_tokenizer
@@ -30,6 +31,7 @@ class Rendering:
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1)
         self._sanitize = _sanitize_option(self.tokenizer)
         self._max_token_chars = 16
+        self.settings = Settings()
 
     async def info_cached(self) -> dict:
         return {"max_input_tokens": 4096, "max_total_tokens": 8192, "vocab_size": 300}
