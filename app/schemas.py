@@ -145,7 +145,7 @@ class TGIParameters(_Strict):
     top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (details)
     do_sample: bool = False
     details: bool = False
-    return_full_text: bool = False
+    return_full_text: bool | None = None  # (TGI's is nullable: null is false)
     decoder_input_details: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF)  # sequences sampled; the likeliest is the answer
     watermark: bool = False

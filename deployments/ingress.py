@@ -74,7 +74,8 @@ from routing.prefix_router import avoid_replica, request_ended
 
 log = logging.getLogger("radixserve.ingress")
 
-DEFAULT_MAX_NEW_TOKENS = 64
+# TGI's max_new_tokens when a request leaves it out (its router's default; sent as null: the room left)
+TGI_DEFAULT_MAX_NEW_TOKENS = 100
 HEALTH_TIMEOUT_S = 3.0
 # replicas report every second, between engine steps (deployments.llm_server): room for long CPU steps
 HEALTHY_WITHIN_S = 10.0
@@ -582,6 +583,13 @@ def _before_tokens(first: dict) -> dict:
 
 def _continuous_usage(req) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage and req.stream_options.continuous_usage_stats)
+
+
+def _tgi_default_max_new_tokens(req: TGIRequest) -> int:
+    """As TGI's router: 100 where the request leaves max_new_tokens out, the room the context leaves where
+    it sends null (TGI's chat route, whose max_tokens is null unless set, runs to that room too)."""
+    p = req.parameters
+    return sys.maxsize if "max_new_tokens" in p.model_fields_set else TGI_DEFAULT_MAX_NEW_TOKENS
 
 
 def _failed(ev: dict, running: bool) -> ApiError:
@@ -1093,7 +1101,7 @@ class Ingress:
         ``best_of``, the likeliest of that many sampled sequences is the answer and, with ``details``, the
         others come in ``details.best_of_sequences``, as TGI gives them."""
         ids = await self._tgi_ids(req)
-        params = _seeded(req.sampling(await self._within_room(ids, DEFAULT_MAX_NEW_TOKENS)))
+        params = _seeded(req.sampling(await self._within_room(ids, _tgi_default_max_new_tokens(req))))
         best_of = req.parameters.best_of or 1
         if best_of == 1:
             events = await self._collect(ids, params)
@@ -1149,7 +1157,7 @@ class Ingress:
         if (req.parameters.best_of or 1) > 1:
             raise ApiError(422, "`best_of` != 1 is not allowed for this endpoint", param="best_of")
         ids = await self._tgi_ids(req)
-        params = _seeded(req.sampling(await self._within_room(ids, DEFAULT_MAX_NEW_TOKENS)))
+        params = _seeded(req.sampling(await self._within_room(ids, _tgi_default_max_new_tokens(req))))
         first, rest = await self._stream(ids, params)
 
         async def body():

@@ -79,11 +79,18 @@ def test_the_finish_reason_is_tgis(finish, stop_reason, expected):
 
 
 def test_without_max_new_tokens_a_long_prompt_gets_the_room_it_leaves():
-    # 64 by default: a prompt within 64 tokens of the limit was refused for a max_new_tokens never sent
-    fake = FakeTGI([_token(0, "a", "length")], max_total_tokens=100)
-    for prompt, expected in (("x" * 90, 10), ("x" * 10, 64)):
-        asyncio.run(Cls._tgi_answer(fake, TGIRequest.model_validate({"inputs": prompt})))
-        assert fake.asked[-1]["max_new_tokens"] == expected
+    # TGI's router's default, 100 (it was 64), cut to the room the context leaves: a prompt within 100
+    # tokens of the limit was refused for a max_new_tokens never sent; sent as null, the room itself
+    fake = FakeTGI([_token(0, "a", "length")], max_total_tokens=200)
+    for prompt, params, expected in (("x" * 190, {}, 10), ("x" * 10, {}, 100), ("x" * 10, {"max_new_tokens": None}, 190),
+                                     ("x" * 10, {"max_new_tokens": 150}, 150)):
+        asyncio.run(Cls._tgi_answer(fake, TGIRequest.model_validate({"inputs": prompt, "parameters": params})))
+        assert fake.asked[-1]["max_new_tokens"] == expected, params
+        list(response_events(asyncio.run(Cls.generate_stream(fake, TGIRequest.model_validate(
+            {"inputs": prompt, "parameters": params})))))
+        assert fake.asked[-1]["max_new_tokens"] == expected, params
+    # (return_full_text is nullable in TGI: null is false)
+    assert not TGIRequest.model_validate({"inputs": "x", "parameters": {"return_full_text": None}}).parameters.return_full_text
     asyncio.run(Cls._tgi_answer(fake, TGIRequest.model_validate({"inputs": "x" * 90, "parameters": {"max_new_tokens": 30}})))
     assert fake.asked[-1]["max_new_tokens"] == 30  # (asked for: the engine refuses what does not fit)
 
