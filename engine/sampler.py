@@ -97,7 +97,9 @@ def _adjust(row: torch.Tensor, seq: Sequence, keep_raw: bool = False) -> tuple[t
         if p.repetition_penalty != 1.0:  # every token seen, prompt included (as HF's processor does)
             penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             big = torch.finfo(row.dtype).max  # (a penalty near 0 or past 1e38 overflows: inf, then NaN)
-            row = torch.where(counts > 0, penalized.clamp(-big, big), row)
+            # (an impossible token, -inf under its guide's mask, stays impossible: clamped, it was a
+            # finite -3.4e38 that the checks for "no token left" took for a token)
+            row = torch.where((counts > 0) & torch.isfinite(row), penalized.clamp(-big, big), row)
         if p.frequency_penalty and per_context:  # TGI's: the whole context's counts over its length
             row -= p.frequency_penalty * counts.to(row.dtype) / seq.num_tokens
     frequency = 0.0 if per_context else p.frequency_penalty

@@ -101,6 +101,13 @@ def test_a_guide_ends_at_any_of_the_engines_end_tokens_and_cannot_be_contradicte
     brace = eng.tokenizer.convert_tokens_to_ids("{")
     texts, _ = _texts(eng, ("json", json.dumps(SCHEMA)), n=2, bad_words_ids=[[brace]])
     assert all(set(json.loads(t)) == {"n", "kind"} for t in texts)
+    # also under a repetition penalty, which made the guide's -inf a finite -3.4e38 for the tokens the
+    # prompt holds: the structure lost, a forbidden token was drawn and the request failed
+    a = eng.tokenizer.convert_tokens_to_ids("a")
+    for penalty in (1.0, 1.3):
+        seq = eng.generate([PROMPT], SamplingParams(max_new_tokens=5, guide=("regex", "a"), bad_words_ids=[[a]],
+                                                    repetition_penalty=penalty))[0]
+        assert seq.output_ids[:1] == [a] and seq.finish_reason in ("stop", "eos"), (penalty, seq.finish_reason)
 
 
 def test_a_guided_request_preempted_mid_answer_keeps_to_its_guide(make_engine):
