@@ -1143,7 +1143,11 @@ class Ingress:
     @app.post("/")
     async def tgi_compat(self, req: TGIRequest):
         """TGI's route at the root, which its clients (``text_generation``, ``huggingface_hub``) post
-        to: a stream when ``stream`` is true, else a list holding the one ``/generate`` answer."""
+        to: a stream when ``stream`` is true, else a list holding the one ``/generate`` answer. As TGI's
+        route for a text-generation model (``/info``'s pipeline tag), an unset ``return_full_text`` is true:
+        ``huggingface_hub``'s ``text_generation`` leaves it unset, and TGI gives it the prompt and its answer."""
+        if req.parameters.return_full_text is None:
+            req = req.model_copy(update={"parameters": req.parameters.model_copy(update={"return_full_text": True})})
         if req.stream:
             return await self.generate_stream(req)
         out, headers = await self._tgi_answer(req)

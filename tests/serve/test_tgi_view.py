@@ -4,6 +4,7 @@ engine side (its ``_stream``, its cached ``/info``), the route methods themselve
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -32,6 +33,7 @@ class FakeTGI:
     _tgi_token = Cls._tgi_token
     _tgi_sequence = Cls._tgi_sequence
     _tgi_prefill = Cls._tgi_prefill
+    _tgi_answer, generate_stream = Cls._tgi_answer, Cls.generate_stream
 
     def __init__(self, events: list[dict] | None = None, max_total_tokens: int = 100):
         self.events, self.asked = events or [], []
@@ -142,3 +144,18 @@ def test_best_of_picks_the_best_log_probability_per_token_as_tgi_does():
     assert _likeliest([short, long_], 2, per_token=True) == [long_, short]
     first, second = run(-0.5), run(-0.25, -0.75)  # a tie: the first drawn wins, as in TGI
     assert _likeliest([first, second], 1, per_token=True)[0] is first
+
+
+def test_the_root_route_gives_the_prompt_with_the_answer_unless_told_otherwise():
+    # TGI's "/" (where huggingface_hub's text_generation posts, return_full_text left out) prepends the
+    # prompt for a text-generation model; "/generate" does not. The root gave the answer alone
+    for params, whole in (({}, True), ({"return_full_text": None}, True), ({"return_full_text": False}, False),
+                          ({"return_full_text": True}, True)):
+        fake = FakeTGI([_token(0, "a"), _token(1, "b", "length")])
+        body = {"inputs": "Say: ", "parameters": {"max_new_tokens": 2, **params}}
+        out = asyncio.run(Cls.tgi_compat(fake, TGIRequest.model_validate(body)))
+        assert json.loads(out.body)[0]["generated_text"] == ("Say: ab" if whole else "ab"), params
+        last = response_events(asyncio.run(Cls.tgi_compat(fake, TGIRequest.model_validate({**body, "stream": True}))))[-1]
+        assert last["generated_text"] == ("Say: ab" if whole else "ab"), params
+        plain = asyncio.run(Cls.generate(fake, TGIRequest.model_validate(body)))
+        assert json.loads(plain.body)["generated_text"] == ("Say: ab" if params.get("return_full_text") else "ab")
