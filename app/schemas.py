@@ -203,6 +203,7 @@ class TGIRequest(_Strict):
     inputs: str = Field(..., min_length=1)
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool = False
+    add_special_tokens: bool = True  # (TGI's: false for a text that already holds them, a rendered chat's BOS)
 
     def sampling(self, default_max_new_tokens: int) -> dict[str, Any]:
         p = self.parameters
@@ -652,10 +653,11 @@ class ChatRequest(_OpenAICommon, ChatPrompt):
 
 # ----------------------------------------------------------------------------- tokenizer routes
 class TGITokenizeRequest(_Strict):
-    """TGI's ``/tokenize``: a generate request's body (its parameters are accepted and not used)."""
+    """TGI's ``/tokenize``: a generate request's body (of its parameters, truncate is used, as by TGI)."""
 
     inputs: str = Field(..., min_length=1)
     parameters: TGIParameters = Field(default_factory=TGIParameters)
+    add_special_tokens: bool = True
 
 
 class TokenizeRequest(_Strict):

@@ -1060,8 +1060,11 @@ class Ingress:
     async def _tgi_ids(self, req: TGIRequest) -> list[int]:
         if not req.parameters.truncate:  # with truncate, a long text is fine: its end is kept
             await self._refuse_overlong(len(req.inputs), "inputs")
-        ids = await self._tokenize(req.inputs)
         t = req.parameters.truncate
+        if t and t > (limit := (await self.info_cached())["max_input_tokens"]):  # (TGI's check and words)
+            raise ApiError(422, f"`truncate` must be strictly positive and less than {limit}. Given: {t}",
+                           param="truncate")
+        ids = await self._tokenize(req.inputs, req.add_special_tokens)
         return ids[-t:] if t else ids  # TGI's truncate keeps the end of the prompt
 
     def _tgi_finish(self, ev: dict) -> str:
@@ -1802,9 +1805,12 @@ class Ingress:
                 raise ApiError(501, "this model's tokenizer does not give character offsets (it is not a fast "
                                     "tokenizer): use {\"prompt\": ...} for the ids alone", "tokenizer")
             def answer() -> _EscapedJSON:  # (made and rendered off the event loop: 2 MB of text is a million
-                enc = self.tokenizer(req.inputs, return_offsets_mapping=True)  # entries, a second of work)
+                enc = self.tokenizer(req.inputs, return_offsets_mapping=True,  # entries, a second of work)
+                                     add_special_tokens=req.add_special_tokens)
+                pairs = list(zip(enc["input_ids"], enc["offset_mapping"], strict=True))
+                t = req.parameters.truncate  # (as the prompt a generate request with it would have)
                 return _EscapedJSON([{"id": tid, "text": req.inputs[a:b], "start": a, "stop": b}
-                                     for tid, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)])
+                                     for tid, (a, b) in (pairs[-t:] if t else pairs)])
             return await self._off_loop(answer)
         self._check_model(req.model)
         if isinstance(req, ChatTokenizeRequest):

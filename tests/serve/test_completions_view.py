@@ -181,3 +181,30 @@ def test_under_the_mistral_parser_a_chat_sends_back_the_ids_it_was_given():
     ing.settings.tool_call_parser = "hermes"
     with pytest.raises(Exception, match="length 9"):  # (the template's own check: this test can fail)
         asyncio.run(Cls._chat_ids(ing, req))
+
+
+def test_tgi_add_special_tokens_and_truncate_as_tgi_reads_them():
+    # TGI's add_special_tokens (false: a text already rendered with its BOS) was ignored, /tokenize
+    # ignored truncate, and a truncate past max_input_tokens was taken (after tokenizing the whole text)
+    import copy
+
+    from tokenizers import processors
+
+    from app.schemas import TGIRequest, TGITokenizeRequest
+    from deployments.ingress import ApiError
+
+    ing = ingress()
+    ing.tokenizer = copy.deepcopy(TOK)  # (one that adds a BOS, as Llama's)
+    ing.tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", BOS)])
+    plain = ing.tokenizer("hello", add_special_tokens=False)["input_ids"]
+    with_bos = ing.tokenizer("hello")["input_ids"]
+    assert with_bos != plain  # (this tokenizer adds a BOS: the test can fail)
+    for add, expected in ((True, with_bos), (False, plain)):
+        req = TGIRequest.model_validate({"inputs": "hello", "add_special_tokens": add})
+        assert asyncio.run(Cls._tgi_ids(ing, req)) == expected
+        tok = TGITokenizeRequest.model_validate({"inputs": "hello", "add_special_tokens": add,
+                                                 "parameters": {"truncate": 2}})
+        assert [t["id"] for t in json.loads(asyncio.run(Cls.tokenize(ing, tok)).body)] == expected[-2:]
+    with pytest.raises(ApiError, match="must be strictly positive and less than 4000"):
+        asyncio.run(Cls._tgi_ids(ing, TGIRequest.model_validate({"inputs": "x", "parameters": {"truncate": 4001}})))
