@@ -351,6 +351,9 @@ class _OpenAICommon(_Strict):
                 found.append(_tgi_guide({**rf, "type": "json" if kind == "json_object" else kind}, "response_format"))
             elif kind == "json_object":
                 found.append(("json", '{"type": "object"}'))
+            elif kind == "json_schema" and "json_schema" not in rf and "value" in rf:
+                # TGI's json_schema form: {"type": "json_schema", "value": {"name": ..., "schema": ...}}
+                found.append(_tgi_guide(rf, "response_format"))
             elif kind == "json_schema":
                 spec = rf.get("json_schema")
                 schema = spec.get("schema") if isinstance(spec, dict) else None

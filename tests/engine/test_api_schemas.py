@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -157,3 +159,13 @@ def test_null_stream_options_fields_are_their_defaults():
         assert cls.model_validate({**body, "stream_options": {"include_usage": True}}).stream_options.include_usage
         with pytest.raises(ValidationError):
             cls.model_validate({**body, "stream_options": {"include_usage": "yes"}})
+
+
+def test_chat_takes_tgis_json_schema_response_format():
+    # TGI's {"type": "json_schema", "value": {"name", "schema"}} was refused in chat ("json_schema.schema must
+    # be a JSON schema") though /generate's grammar takes it; OpenAI's own form still reads json_schema
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for rf in ({"type": "json_schema", "value": {"name": "x", "schema": schema}},
+               {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}):
+        req = ChatRequest.model_validate({**CHAT, "response_format": rf})
+        assert req.guide() == ("json", json.dumps(schema)), rf
