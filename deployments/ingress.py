@@ -403,7 +403,10 @@ def _error_response(request: Request, err: ApiError) -> JSONResponse:
         body = {"error": {"message": message, "type": etype, "param": err.param, "code": err.code}}
         status = 400 if err.status == 422 else err.status
         return JSONResponse(body, status_code=status)
-    return JSONResponse({"error": err.message, "error_type": err.kind}, status_code=err.status)
+    # TGI answers a failed generation 424 (a 503 invites a retry, and the request may be what failed it);
+    # an engine that never took the request stays 503
+    status = 424 if err.kind == "generation" and err.code == ENGINE_FAILURE else err.status
+    return JSONResponse({"error": err.message, "error_type": err.kind}, status_code=status)
 
 
 @app.exception_handler(ApiError)

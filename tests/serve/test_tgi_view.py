@@ -159,3 +159,19 @@ def test_the_root_route_gives_the_prompt_with_the_answer_unless_told_otherwise()
         assert last["generated_text"] == ("Say: ab" if whole else "ab"), params
         plain = asyncio.run(Cls.generate(fake, TGIRequest.model_validate(body)))
         assert json.loads(plain.body)["generated_text"] == ("Say: ab" if params.get("return_full_text") else "ab")
+
+
+def test_a_failed_generation_is_tgis_424_and_an_unreachable_engine_a_503():
+    from starlette.requests import Request
+
+    from deployments.ingress import ENGINE_FAILURE, ApiError, _error_response
+
+    def answer(path: str, err: ApiError) -> tuple[int, dict]:
+        r = _error_response(Request({"type": "http", "path": path, "method": "POST", "headers": []}), err)
+        return r.status_code, json.loads(r.body)
+
+    failed = ApiError(503, "boom", "generation", code=ENGINE_FAILURE)
+    assert answer("/generate", failed) == (424, {"error": "boom", "error_type": "generation"})
+    assert answer("/", failed)[0] == 424
+    assert answer("/generate", ApiError(503, "no replica", "generation"))[0] == 503
+    assert answer("/v1/completions", failed)[0] == 503  # (OpenAI's routes: a server error, its code says which)
