@@ -1165,7 +1165,7 @@ class Ingress:
             raise ApiError(422, "`decoder_input_details` == true is not supported when streaming tokens",
                            param="decoder_input_details")
         if (req.parameters.best_of or 1) > 1:
-            raise ApiError(422, "`best_of` != 1 is not allowed for this endpoint", param="best_of")
+            raise ApiError(422, "`best_of` != 1 is not supported when streaming tokens", param="best_of")
         ids = await self._tgi_ids(req)
         params = _seeded(req.sampling(await self._within_room(ids, _tgi_default_max_new_tokens(req))))
         first, rest = await self._stream(ids, params)

@@ -175,3 +175,12 @@ def test_a_failed_generation_is_tgis_424_and_an_unreachable_engine_a_503():
     assert answer("/", failed)[0] == 424
     assert answer("/generate", ApiError(503, "no replica", "generation"))[0] == 503
     assert answer("/v1/completions", failed)[0] == 503  # (OpenAI's routes: a server error, its code says which)
+
+
+def test_a_stream_refuses_best_of_in_tgis_words():
+    from deployments.ingress import ApiError
+
+    req = TGIRequest.model_validate({"inputs": "x", "parameters": {"best_of": 2, "do_sample": True}})
+    with pytest.raises(ApiError, match="`best_of` != 1 is not supported when streaming tokens") as err:
+        asyncio.run(Cls.generate_stream(FakeTGI([_token(0, "a", "length")]), req))
+    assert err.value.status == 422
