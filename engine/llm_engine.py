@@ -438,8 +438,8 @@ class LLMEngine:
         guide_done = seq.matcher is not None and seq.guide_wait is None and self.guides.step(seq.matcher, tok)
         reason = None
         stop_reason: str | int | None = None  # which stop string or stop token ended it (vLLM's field)
-        if tok in self.eos_ids and not p.ignore_eos:
-            reason = "eos"
+        if tok in self.eos_ids and (not p.ignore_eos or guide_done):  # (an EOS its guide ended on ends it,
+            reason = "eos"  # ignore_eos or not: no text, as any ending token)
         elif tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok
         before = start = len(seq.text)  # this token's text starts here (a held-back byte: where it completes)

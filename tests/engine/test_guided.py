@@ -101,6 +101,13 @@ def test_a_guide_ends_at_any_of_the_engines_end_tokens_and_cannot_be_contradicte
     brace = eng.tokenizer.convert_tokens_to_ids("{")
     texts, _ = _texts(eng, ("json", json.dumps(SCHEMA)), n=2, bad_words_ids=[[brace]])
     assert all(set(json.loads(t)) == {"n", "kind"} for t in texts)
+    # an EOS that completes the guide ends the answer under ignore_eos too, as no text (it was written into it)
+    eos = eng.tokenizer.eos_token_id
+    for skip in (True, False):
+        seq = eng.generate([PROMPT], SamplingParams(max_new_tokens=10, guide=("regex", "[0-9]+"), ignore_eos=True,
+                                                    skip_special_tokens=skip, logit_bias={eos: 100.0}))[0]
+        assert seq.output_ids[-1] == eos and re.fullmatch("[0-9]+", seq.text), (seq.text, seq.output_ids)
+        assert seq.finish_reason == "eos"
     # also under a repetition penalty, which made the guide's -inf a finite -3.4e38 for the tokens the
     # prompt holds: the structure lost, a forbidden token was drawn and the request failed
     a = eng.tokenizer.convert_tokens_to_ids("a")
