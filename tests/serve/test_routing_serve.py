@@ -91,7 +91,8 @@ def test_killed_replica_stops_getting_traffic_and_nothing_hangs(routed):
         ray.kill(ray.get_actor(actors[victim], namespace="serve"), no_restart=True)
         codes = [f.result(timeout=90) for f in futures]
     assert -1 not in codes, codes  # every request was answered
-    assert all(c in (200, 503) for c in codes), f"codes {codes}"
+    # (those it was running: TGI's 424, a generation that failed; not yet taken: 503)
+    assert all(c in (200, 424, 503) for c in codes), f"codes {codes}"
     after = [served_by(routed, text + f" after {i}") for i in range(8)]
     assert victim not in after
 
