@@ -238,7 +238,7 @@ def _device_problem(settings: Settings, config) -> str | None:
     runs the replicas; ``config``: the model's)."""
     import torch
 
-    from cache.kv_pool import bytes_per_token, pool_problem
+    from cache.kv_pool import bytes_per_token, num_blocks_for, pool_problem
     from engine.attention import flash_available
     from engine.model_loader import ModelLoadError, resolve_device, resolve_dtype
     from engine.model_support import head_dim, kv_heads
@@ -273,7 +273,8 @@ def _device_problem(settings: Settings, config) -> str | None:
         token_bytes = bytes_per_token(config.num_hidden_layers, kv_heads(config), head_dim(config),
                                       settings.kv_cache_dtype, resolve_dtype(settings.dtype, device))
         # (as the engine checks it: its blocks and the padding block)
-        blocks = max(1, settings.max_batch_total_tokens // settings.block_size) + 1
+        blocks = num_blocks_for(settings.block_size, token_bytes, settings.max_batch_total_tokens,
+                                settings.kv_memory_fraction, device) + 1
         return pool_problem(blocks * settings.block_size, token_bytes, device)
     return None
 

@@ -303,3 +303,11 @@ def test_a_relative_model_folder_is_the_one_beside_the_command(monkeypatch, tmp_
     assert Settings.from_sources(cli={"model_id": "./model"}).model_id == str(tmp_path / "model")
     assert Settings.from_sources(env={"RADIXSERVE_MODEL_ID": "~/m"}).model_id == os.path.expanduser("~/m")
     assert Settings(model_id="").resolved_model_id() == Settings().resolved_model_id()  # ("": the built-in one)
+
+
+def test_a_cpu_pool_past_the_free_memory_is_refused_before_start_up():
+    # the start-up check sizes the pool as the engine allocates it: its blocks and the padding block
+    from app.cli import settings_problem
+
+    assert "max_batch_total_tokens" in settings_problem(Settings(max_batch_total_tokens=10**9), device=True)
+    assert settings_problem(Settings(max_batch_total_tokens=4096), device=True) is None
