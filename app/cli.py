@@ -272,10 +272,9 @@ def _device_problem(settings: Settings, config) -> str | None:
     if settings.max_batch_total_tokens and device.type == "cpu":
         token_bytes = bytes_per_token(config.num_hidden_layers, kv_heads(config), head_dim(config),
                                       settings.kv_cache_dtype, resolve_dtype(settings.dtype, device))
-        # (as the engine checks it: its blocks and the padding block)
         blocks = num_blocks_for(settings.block_size, token_bytes, settings.max_batch_total_tokens,
-                                settings.kv_memory_fraction, device) + 1
-        return pool_problem(blocks * settings.block_size, token_bytes, device)
+                                settings.kv_memory_fraction, device)  # (as the engine sizes and checks it)
+        return pool_problem(blocks, settings.block_size, token_bytes, device)
     return None
 
 

@@ -67,16 +67,21 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def pool_problem(tokens: int, token_bytes: int, device: torch.device) -> str | None:
-    """Why a pool of ``tokens`` cannot be allocated on ``device`` now (more than its free memory),
-    else None: said at start-up instead of the allocator's own error."""
+# blocks a pool allocates past those it hands out: padded rows of a fixed-shape (CUDA graph) batch write there
+PAD_BLOCKS = 1
+
+
+def pool_problem(num_blocks: int, block_size: int, token_bytes: int, device: torch.device) -> str | None:
+    """Why a pool of ``num_blocks`` (and its padding block) cannot be allocated on ``device`` now (more than
+    its free memory), else None: said at start-up instead of the allocator's own error."""
     if device.type not in ("cpu", "cuda"):
         return None  # no free-memory reading of its own here: the allocator's error will say
     try:
         free = available_memory(device)
     except (OSError, ValueError):  # no /proc/meminfo nor sysconf's count (not Linux)
         return None
-    need = tokens * token_bytes
+    tokens = num_blocks * block_size
+    need = (num_blocks + PAD_BLOCKS) * block_size * token_bytes
     if need <= free:
         return None
     room = "free" if device.type == "cpu" else "free beside a step's working memory"
@@ -101,7 +106,7 @@ def num_blocks_for(block_size: int, token_bytes: int, max_batch_total_tokens: in
     budget = int(available_memory(device) * memory_fraction)
     if device.type == "cpu":
         budget = min(budget, CPU_POOL_CAP_BYTES)
-    return max(1, budget // (token_bytes * block_size) - 1)
+    return max(1, budget // (token_bytes * block_size) - PAD_BLOCKS)
 
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -125,10 +130,10 @@ class KVPool:
         self.kv_cache_dtype = kv_cache_dtype
         self.storage_dtype, self.fp8_dtype = resolve_kv_dtype(kv_cache_dtype, compute_dtype)
         s = shape
-        # One allocation for all layers: [layers, 2 (K, V), blocks + 1, block_size, heads, head_dim]. The
+        # One allocation for all layers: [layers, 2 (K, V), blocks + 1, block_size, heads, head_dim] (PAD_BLOCKS). The
         # last block is never handed out: padded rows of a fixed-shape (CUDA graph) batch write there.
-        self._rows = (s.num_blocks + 1) * s.block_size
-        self._data = torch.zeros((s.num_layers, 2, s.num_blocks + 1, s.block_size, s.num_kv_heads, s.head_dim),
+        self._rows = (s.num_blocks + PAD_BLOCKS) * s.block_size
+        self._data = torch.zeros((s.num_layers, 2, s.num_blocks + PAD_BLOCKS, s.block_size, s.num_kv_heads, s.head_dim),
                                  dtype=self.storage_dtype, device=self.device)
         # Per-layer scales for fp8 (value = stored * scale); 1.0 unless calibrated or set.
         self.k_scale = torch.ones(s.num_layers, dtype=torch.float32)

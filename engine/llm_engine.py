@@ -105,7 +105,7 @@ class LLMEngine:
         num_blocks = num_blocks_for(config.block_size, token_bytes, config.max_batch_total_tokens,
                                     config.kv_memory_fraction, m.device)
         if config.max_batch_total_tokens:  # a pool sized from the free memory fits it by construction
-            problem = pool_problem((num_blocks + 1) * config.block_size, token_bytes, m.device)  # (+ its padding block)
+            problem = pool_problem(num_blocks, config.block_size, token_bytes, m.device)
             if problem:
                 raise ConfigError(problem)
         self.max_input_tokens, self.max_total_tokens = serving_limits(

@@ -103,7 +103,8 @@ def test_a_gpu_pool_leaves_room_for_a_step_whatever_the_fraction(monkeypatch):
     assert available_memory(cuda) == 16 * gib and emptied  # 5% of 80 GiB kept (and torch's cache let go first)
     assert num_blocks_for(16, 1024, None, 1.0, cuda) == 16 * gib // (1024 * 16) - 1
     assert num_blocks_for(16, 1024, None, 0.5, cuda) == 8 * gib // (1024 * 16) - 1
-    assert pool_problem(16 * gib // 1024, 1024, cuda) is None
-    assert "free beside a step's working memory" in pool_problem(17 * gib // 1024, 1024, cuda)
+    # (the blocks handed out and the padding block: 16 GiB of 16-token blocks of 1 KiB per token fit)
+    assert pool_problem(16 * gib // (1024 * 16) - 1, 16, 1024, cuda) is None
+    assert "free beside a step's working memory" in pool_problem(16 * gib // (1024 * 16), 16, 1024, cuda)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 8 * gib))
     assert available_memory(cuda) == 1 * gib  # at least 1 GiB kept on a small GPU
