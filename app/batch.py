@@ -565,12 +565,16 @@ async def _run_input(args: argparse.Namespace, totals: dict, output: Path, done:
                                  trust_env=not local) as client:
         # a finished job's rerun needs no service; any other finds it before the output is touched
         model = await _model(client, args.wait_s) if todo else ""
+        workers = min(args.concurrency, await _service_limit(client) or args.concurrency) if todo else 0
+        if workers < args.concurrency:  # more would only be refused (429) and wait to try again
+            print(f"radixserve batch: the service serves {workers} requests at once (its --max-concurrent-requests): "
+                  f"sending {workers} at a time, not {args.concurrency}", file=sys.stderr)
         resume(output)  # now the failed records go (their lines are sent again)
         with output.open("a", encoding="utf-8") as out:
             for rec in plan.errors:
                 out.write(json.dumps(rec, ensure_ascii=False) + "\n")
             if todo:
-                await _send(client, model, args, todo, src, out, totals)
+                await _send(client, model, args, workers, todo, src, out, totals)
 
 
 def summary(totals: dict) -> dict:
@@ -582,9 +586,9 @@ def summary(totals: dict) -> dict:
     return out
 
 
-async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace, todo: list[Line], src: BinaryIO,
-                out, totals: dict) -> None:
-    """Send ``todo`` (read from the input ``src``) with ``args.concurrency`` workers. When a line finds the service gone through all its
+async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace, workers: int, todo: list[Line],
+                src: BinaryIO, out, totals: dict) -> None:
+    """Send ``todo`` (read from the input ``src``) with ``workers`` workers. When a line finds the service gone through all its
     retries (about a minute), no new line is sent: the others would each wait as long for nothing."""
     defaults = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature}
     bar = tqdm(total=len(todo), unit="req", mininterval=2.0, file=sys.stderr)
@@ -618,7 +622,7 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
             totals["not_done"] -= 1  # answered or recorded as failed: a rerun sends only the others
 
     try:
-        await asyncio.gather(*(worker() for _ in range(min(args.concurrency, len(todo)))))
+        await asyncio.gather(*(worker() for _ in range(min(workers, len(todo)))))
     finally:
         bar.close()
     if "_unauthorized" in totals:
@@ -663,6 +667,17 @@ async def _model(client: httpx.AsyncClient, wait_s: float) -> str:
             raise ConnectionError(f"no service answering at {client.base_url} ({problem}); "
                                   "start one with `radixserve serve` or pass --url")
         await asyncio.sleep(1.0)
+
+
+async def _service_limit(client: httpx.AsyncClient) -> int | None:
+    """The requests one ingress of the service takes at once before it answers 429, when it was started with
+    --max-concurrent-requests (its /info says so); None for no limit, or a service that does not say."""
+    try:
+        r = await client.get("/info", timeout=CONNECT_TIMEOUT_S)
+        limit = r.json().get("max_concurrent_requests_per_ingress") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):  # another API's service, a proxy's page
+        return None
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

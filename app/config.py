@@ -139,6 +139,10 @@ class Settings(BaseModel):
     ingress_max_ongoing_requests: int = Field(4096, gt=0)
     engine_stall_timeout_s: float = Field(120.0, gt=0, description="a replica whose engine loop has not come "
                                           "round for this long fails its health check and is replaced")
+    max_concurrent_requests: int | None = Field(
+        None, gt=0, description="generation requests one ingress replica serves at once (a stream until its "
+        "last byte); one more gets 429 'Model is overloaded' at once instead of waiting in line (TGI's flag; "
+        "default: no limit)")
     payload_limit: int = Field(2_000_000, gt=0, description="largest request body in bytes (TGI's flag and "
                                "default: 2000000); bigger ones get 413 before they are read")
     api_key: str | None = Field(None, description="clients must send it as the header Authorization: "

@@ -67,7 +67,8 @@ def request_router_config(settings: Settings, cache_namespace: str | None = None
 
 
 # settings only the HTTP ingress reads
-INGRESS_ONLY = frozenset({"api_key", "sampling_defaults", "cors_allow_origin", "payload_limit", "tool_call_parser"})
+INGRESS_ONLY = frozenset({"api_key", "sampling_defaults", "cors_allow_origin", "payload_limit", "tool_call_parser",
+                          "max_concurrent_requests"})
 
 
 def build_app(settings: Settings):

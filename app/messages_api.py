@@ -22,7 +22,8 @@ REFUSED = {
 }
 # the error types of Anthropic's API, by HTTP status
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error"}
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error",
+               529: "overloaded_error"}
 BLOCKS_SEP = "\n\n"  # between the text blocks of one turn (Claude Code's system prompt and reminders come as several)
 # what stands for a block the model cannot read inside a tool's result (an image a tool opened)
 STAND_IN = "[a {kind} block, which this server's model cannot read]"

@@ -169,6 +169,10 @@ class InFlight:
 
     count = 0
     draining = False  # set by Ingress.drain and by the hub's word (one ingress process per replica)
+    # --max-concurrent-requests (set by Ingress.__init__): the generation requests this process answers
+    # at once, counted from their first byte; one more is refused at once (429) instead of waiting in line
+    limit: int | None = None
+    admitted = 0
 
     def __init__(self, asgi_app):
         self.app = asgi_app
@@ -178,6 +182,18 @@ class InFlight:
             return await self.app(scope, receive, send)
         if InFlight.draining:
             return await _error_response(Request(scope), _shutting_down())(scope, receive, send)
+        if InFlight.limit is None or _route_path(scope) in UNLIMITED_PATHS:
+            return await self._counted(scope, receive, send)
+        if InFlight.admitted >= InFlight.limit:
+            in_process.ROUTED["requests_overloaded"] += 1
+            return await _error_response(Request(scope), _overloaded())(scope, receive, send)
+        InFlight.admitted += 1
+        try:
+            await self._counted(scope, receive, send)
+        finally:
+            InFlight.admitted -= 1
+
+    async def _counted(self, scope, receive, send):
         counted = False
         body_at = 0.0
         status = 0
@@ -227,6 +243,16 @@ ENGINE_FAILURE = "engine_failure"
 
 def _shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down: retry on another instance", "unavailable")
+
+
+# what --max-concurrent-requests leaves out: no generation behind them, answered at once
+UNLIMITED_PATHS = frozenset({"/tokenize", "/detokenize", "/v1/messages/count_tokens"})
+OVERLOADED = "overloaded"
+RETRY_AFTER_S = 1  # an overloaded answer's Retry-After: the OpenAI and Anthropic clients wait that long
+
+
+def _overloaded() -> ApiError:
+    return ApiError(429, "Model is overloaded", OVERLOADED, code=OVERLOADED)  # (TGI's words)
 
 
 class PayloadLimit:
@@ -396,17 +422,20 @@ def _client_message(err: ApiError) -> str:
 
 def _error_response(request: Request, err: ApiError) -> JSONResponse:
     message = _client_message(err)
+    headers = {"retry-after": str(RETRY_AFTER_S)} if err.kind == OVERLOADED else None
     if _route_path(request.scope) in ANTHROPIC_PATHS:  # Anthropic's format, on its routes
-        return JSONResponse(error_body(err.status, message), status_code=400 if err.status == 422 else err.status)
+        status = {422: 400, 429: 529}.get(err.status, err.status) if err.kind == OVERLOADED or err.status == 422 \
+            else err.status  # (Anthropic's API says overloaded with its 529)
+        return JSONResponse(error_body(status, message), status_code=status, headers=headers)
     if _is_openai(request):
-        etype = "invalid_request_error" if err.status < 500 else "server_error"
+        etype = "invalid_request_error" if err.status < 500 and err.kind != OVERLOADED else "server_error"
         body = {"error": {"message": message, "type": etype, "param": err.param, "code": err.code}}
         status = 400 if err.status == 422 else err.status
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status, headers=headers)
     # TGI answers a failed generation 424 (a 503 invites a retry, and the request may be what failed it);
     # an engine that never took the request stays 503
     status = 424 if err.kind == "generation" and err.code == ENGINE_FAILURE else err.status
-    return JSONResponse({"error": err.message, "error_type": err.kind}, status_code=status)
+    return JSONResponse({"error": err.message, "error_type": err.kind}, status_code=status, headers=headers)
 
 
 @app.exception_handler(ApiError)
@@ -755,6 +784,7 @@ class Ingress:
         # loop keeps streaming other users' tokens and answering /health meanwhile
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         PayloadLimit.max_bytes = self.settings.payload_limit
+        InFlight.limit = self.settings.max_concurrent_requests
         ApiKey.keys = tuple(hashlib.sha256(k.encode()).digest() for k in api_keys(self.settings.api_key or "") if k)
         Cors.origins = tuple(self.settings.cors_allow_origin)
         # no token covers more characters than the longest vocabulary entry: bounds a text's token count
@@ -1203,9 +1233,12 @@ class Ingress:
         return {**{k: v for k, v in i.items() if k not in ("replica", "warmup")}, "served_model_name": self.model_name,
                 "router": "text-generation-router", "request_router": self.settings.router, "version": VERSION,
                 "sha": None, "model_sha": None, "model_pipeline_tag": "text-generation", "docker_label": None,
-                "max_concurrent_requests": self.settings.max_ongoing_requests * await self._live_replicas(),
+                # TGI's field: the limit that answers 429 (per ingress replica), else what the replicas take
+                "max_concurrent_requests": (self.settings.max_concurrent_requests
+                                            or self.settings.max_ongoing_requests * await self._live_replicas()),
                 "max_best_of": MAX_BEST_OF, "max_stop_sequences": MAX_STOP_STRINGS, "validation_workers": 1,
                 "max_client_batch_size": 1, "max_ongoing_requests_per_replica": self.settings.max_ongoing_requests,
+                "max_concurrent_requests_per_ingress": self.settings.max_concurrent_requests,  # (null: no limit)
                 "sampling_defaults": self.sampling_defaults}
 
     async def _live_replicas(self) -> int:

@@ -25,7 +25,7 @@ RETIRED_MERGE_S = 600.0
 # STALE_AFTER_S: the entries a view gave have not folded away yet)
 RESTORE_WINDOW_S = 20.0
 HOT_UNION_EVERY_S = 2.0  # replicas send their working-set sketches every 5 s (see hot_union)
-HUB_VERSION = 8  # in the hub's name: a detached hub of older code (without ``hot_union``) is not reused
+HUB_VERSION = 9  # in the hub's name: a detached hub of older code (without ``requests_overloaded``) is not reused
 HUNG_AFTER_TIMEOUTS = 2  # calls in a row that time out before a client restarts the hub
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ COUNTERS = {
     "radixserve_router_affinity_hits_total": ("router_affinity_hits",
                                               "Requests the prefix router sent to a replica it believed held at "
                                               "least a block of their prompt (prompts of a block or more)."),
+    "radixserve_requests_overloaded_total": ("requests_overloaded",
+                                             "Requests the ingress replicas refused with 429 at their "
+                                             "--max-concurrent-requests."),
     "radixserve_router_cold_routes_total": ("router_cold_routes",
                                             "Requests the prefix router placed without such a match (a new "
                                             "prefix, a spill off a busy holder; prompts of a block or more; "
@@ -79,9 +82,10 @@ GAUGES = {
 }
 PER_REPLICA_ONLY = frozenset({"radixserve_first_request_cached_tokens"})  # a fleet sum would mean nothing
 FLEET_ONLY = frozenset({"radixserve_router_affinity_hits_total", "radixserve_router_cold_routes_total",
+                        "radixserve_requests_overloaded_total",
                         "radixserve_ingress_requests_in_flight", "radixserve_ingress_time_to_first_token_seconds",
                         "radixserve_ingress_request_latency_seconds"})
-ROUTER_KEYS = ("router_affinity_hits", "router_cold_routes")
+ROUTER_KEYS = ("router_affinity_hits", "router_cold_routes", "requests_overloaded")
 HISTOGRAMS = {
     "radixserve_time_to_first_token_seconds": ("ttft", "Time to first token.", TTFT_BUCKETS),
     "radixserve_inter_token_latency_seconds": ("itl", "Time between generated tokens.", ITL_BUCKETS),

@@ -13,9 +13,9 @@ from engine.latency import E2E_BUCKETS, TTFT_BUCKETS, Histogram
 ROUTERS: weakref.WeakSet = weakref.WeakSet()  # live PrefixAwareRequestRouter instances
 # Replicas whose engine failed while their actor lives on: replica id -> time.monotonic() deadline.
 FAILED: dict[str, float] = {}
-# What this process's prefix routers decided, cumulative (routers come and go with their handles): sent to
-# the metrics hub by the ingress heartbeat
-ROUTED: dict[str, int] = {"router_affinity_hits": 0, "router_cold_routes": 0}
+# What this process's prefix routers decided, and the requests its ingress refused as overloaded,
+# cumulative (routers come and go with their handles): sent to the metrics hub by the ingress heartbeat
+ROUTED: dict[str, int] = {"router_affinity_hits": 0, "router_cold_routes": 0, "requests_overloaded": 0}
 # When this process had the whole request now being served (a POST's last body byte, set by the
 # ingress): the user's time to first token counts from here, the tokenizing and the wait for a replica
 # included, which the replicas' own histogram (from the request's arrival there) leaves out

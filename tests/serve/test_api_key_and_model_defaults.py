@@ -1,4 +1,5 @@
-"""A service started with ``--api-key``, ``--scheduling-policy priority`` and ``--reasoning-parser qwen3``,
+"""A service started with ``--api-key``, ``--scheduling-policy priority``, ``--reasoning-parser qwen3`` and
+``--max-concurrent-requests 2``,
 of a model whose ``generation_config.json`` declares a sampling default (top_k 1, greedy), over real HTTP:
 who gets in, what a request that leaves sampling unset gets, that a priority is served, and thinking
 split from answers."""
@@ -34,7 +35,8 @@ def keyed(serve_app, model_dir, redis_server, tmp_path_factory):
     (folder / "generation_config.json").write_text(json.dumps({**gc, "top_k": 1, "max_new_tokens": 5}))
     settings = Settings(model_id=str(folder), num_replicas=1, replica_num_cpus=1, max_batch_total_tokens=2048,
                         redis_url=redis_server.url, api_key=f"{KEY}, {NEW_KEY}", deployment_name="ktest",
-                        scheduling_policy="priority", reasoning_parser="qwen3", model_aliases="claude-haiku-4-5, gpt-x")
+                        scheduling_policy="priority", reasoning_parser="qwen3", model_aliases="claude-haiku-4-5, gpt-x",
+                        max_concurrent_requests=2)
     serve.run(build_app(settings), name="ktest", route_prefix=ROUTE)
     url = serve_app + ROUTE
     wait_healthy(url, timeout=120)  # /health needs no key
@@ -251,3 +253,47 @@ def test_a_guided_answer_thinks_before_its_guide_holds_it(keyed):
         assert "ok" in json.loads(msg["tool_calls"][0]["function"]["arguments"])
         msg, _ = ask(**prefill, **tools, logit_bias={str(end): -100}, response_format=None, max_tokens=4)
         assert "tool_calls" not in msg and msg["reasoning_content"]
+
+
+def test_a_request_past_max_concurrent_requests_gets_429_until_a_place_frees(keyed):
+    long = {"model": "tiny-top-k-1", "prompt": "hi", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=keyed, timeout=60, headers=AUTH) as c:
+        assert c.get("/info").json()["max_concurrent_requests"] == 2
+        with c.stream("POST", "/v1/completions", json=long) as s1, c.stream("POST", "/v1/completions", json=long) as s2:
+            assert s1.status_code == 200 and s2.status_code == 200
+            lines = [s.iter_lines() for s in (s1, s2)]  # (kept: an iterator let go of closes its stream)
+            first = [next(it) for it in lines]  # both are generating
+            assert all(x.startswith("data:") for x in first), first
+            r = c.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
+            assert r.status_code == 429 and r.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+            assert r.headers["retry-after"] == "1"
+            assert c.post("/tokenize", json={"inputs": "hi"}).status_code == 200  # no generation: not limited
+            oai = c.post("/v1/completions", json={"model": "tiny-top-k-1", "prompt": "hi", "max_tokens": 2})
+            assert oai.status_code == 429 and oai.json()["error"]["code"] == "overloaded", oai.text
+            rest = [line for line in lines[0] if line.startswith("data:")]  # an admitted stream goes on to its end
+            assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2].replace(" ", ""), rest[-2:]
+        deadline = time.monotonic() + 30  # s2's client left: its place comes back once Serve ends it
+        while (r := c.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})).status_code == 429:
+            assert time.monotonic() < deadline, "the places of finished and abandoned streams never came back"
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 15  # the ingress's heartbeat brings its count to the metrics hub
+        while (refused := _overloaded_total(c.get("/metrics").text)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+    assert refused >= 2
+
+
+def _overloaded_total(text: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "radixserve_requests_overloaded_total" and s.labels.get("replica") == "all")
+
+
+def test_batch_sends_no_more_at_once_than_the_services_limit(keyed, tmp_path, capsys):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"line {i}", "max_tokens": 2}) + "\n" for i in range(6)))
+    assert cli(["batch", "--input", str(src), "--output", str(out), "--url", keyed, "--api-key", KEY,
+                "--concurrency", "16"]) == 0
+    assert "sending 2 at a time, not 16" in capsys.readouterr().err
+    assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == list(range(6))

@@ -379,3 +379,13 @@ def test_the_hub_counts_the_distinct_hot_blocks_of_the_replicas_that_push():
     store.forget("a")
     now[0] += HOT_UNION_EVERY_S
     assert store.hot_union("c", [9]) == 1  # a sketch that came before its replica's first push counts
+
+
+def test_requests_refused_as_overloaded_are_summed_over_the_ingresses():
+    store = SnapshotStore()
+    store.push("a", snap(10))
+    store.ingress_poll("i1", 0, {"router_affinity_hits": 0, "router_cold_routes": 0, "requests_overloaded": 4})
+    store.ingress_poll("i2", 0, {"router_affinity_hits": 0, "router_cold_routes": 0, "requests_overloaded": 1})
+    m = values(render(*store.export()))
+    assert m[("radixserve_requests_overloaded_total", "all")] == 5
+    assert ("radixserve_requests_overloaded_total", "a") not in m  # refused before any replica: fleet only

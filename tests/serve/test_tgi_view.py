@@ -25,6 +25,7 @@ class FakeTGI:
 
     class settings:  # noqa: N801 - stands in for the Settings instance
         router, max_ongoing_requests, num_replicas = "prefix", 64, 1  # (the ingress is not told the count)
+        max_concurrent_requests = None
 
     _live_replicas = Cls._live_replicas
 
@@ -130,6 +131,8 @@ def test_info_has_the_fields_tgis_clients_read():
     assert info["max_concurrent_requests"] == 128 and info["max_best_of"] == 16 and info["max_stop_sequences"] == 16
     fake._last_health = (time.monotonic(), 3)  # the count /health took a moment ago stands
     assert asyncio.run(Cls.info(fake))["max_concurrent_requests"] == 192
+    fake.settings = type("limited", (fake.settings,), {"max_concurrent_requests": 100})
+    assert asyncio.run(Cls.info(fake))["max_concurrent_requests"] == 100  # the limit that answers 429
 
 
 def test_best_of_picks_the_best_log_probability_per_token_as_tgi_does():
