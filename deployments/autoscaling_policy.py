@@ -17,7 +17,8 @@ Serve's default policy counts requests in flight, and a prefix cache changes wha
   copies kept count at most ``replicas left x distinct hot blocks`` (the hub merges every replica's
   sketch of its working set into the count of distinct ones, ``fleet_hot_blocks``).
 - After the fleet changes, Serve's averages still cover the old fleet for a look-back window (and a
-  metrics interval): until then only requests in flight may add replicas, and none are removed.
+  metrics interval): until then, and while a replica it asked for is still starting, only requests in
+  flight may add replicas, and none are removed.
 
 The requests-in-flight target still holds (``target_ongoing_requests``). Pure Python: Serve applies
 ``min_replicas``/``max_replicas``, the scaling factors and the up/down delays around it.
@@ -111,8 +112,11 @@ class CacheAwarePolicy:
         if self._fleet is None or self._fleet[0] != current:
             self._fleet = (current, now)
         # the window Serve averages over must no longer reach back to the fleet before its last change
-        # (replicas push their reports every metrics interval: the newest may be that old)
-        settled = now - self._fleet[1] >= ctx.config.look_back_period_s + ctx.config.metrics_interval_s
+        # (replicas push their reports every metrics interval: the newest may be that old); and no
+        # replica may still be starting: Serve reads an answer under its target as a scale-down, and
+        # "keep the fleet" (the running count) would cancel a replica still loading its model
+        settled = (now - self._fleet[1] >= ctx.config.look_back_period_s + ctx.config.metrics_interval_s
+                   and ctx.target_num_replicas <= current)
         desired, reason = desired_replicas(current, ctx.total_num_requests, signals, k, settled,
                                            latest_share(ctx.raw_metrics, k.min_prompt_tps), ctx.target_num_replicas)
         if reason != self._last_reason and reason != "requests":

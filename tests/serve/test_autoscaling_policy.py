@@ -159,3 +159,23 @@ def test_behind_serves_own_wrapper_with_its_context_and_config():
     quiet = {k: {r: (0.0 if k == "recompute_tps" else v) for r, v in m.items()} for k, m in thrash.items()}
     n, state = decide(3, quiet, 40.0, state)
     assert n == 2
+
+
+def test_a_replica_still_starting_is_not_cancelled_when_recomputation_eases():
+    """Asked for because prefixes were computed again, a third replica is still loading its model when the
+    recomputed share falls into the band that neither adds nor removes. "Keep the fleet" was the two
+    running replicas, under Serve's target of three: Serve took it for a scale-down and, after its delay,
+    cancelled the replica that was loading (and asked for it again when the share rose)."""
+    policy = CacheAwarePolicy(recompute_share=0.1)
+
+    def fleet_of(n, recompute):
+        names = [f"r{i}" for i in range(n)]
+        return {"prompt_tps": dict.fromkeys(names, 1000.0), "recompute_tps": dict.fromkeys(names, recompute),
+                "hot_blocks": dict.fromkeys(names, 900.0), "total_blocks": dict.fromkeys(names, 1000.0)}
+
+    assert policy(Ctx(2, fleet_of(2, 150.0), now=0.0))[0] == 2.0  # (a new fleet: a window first)
+    assert policy(Ctx(2, fleet_of(2, 150.0), now=50.0))[0] == 3.0
+    for now in (55.0, 100.0, 200.0):  # the third is still starting; the share eases to 0.08
+        assert policy(Ctx(2, fleet_of(2, 80.0), now=now, target=3))[0] == 3.0
+    assert policy(Ctx(3, fleet_of(3, 80.0), now=210.0))[0] == 3.0  # it runs: a window, then the band holds it
+    assert policy(Ctx(3, fleet_of(3, 80.0), now=260.0)) == (3.0, {})
