@@ -63,6 +63,7 @@ GONE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 # gone (it may be what failed the engine: every rerun would stop there); tried once more
 ENGINE_FAILURE = "engine_failure"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE = 256, 0.0  # for lines of the command's own format that leave them unset
 CONNECT_TIMEOUT_S = 10.0  # a try's wait for a connection (its answer may take --request-timeout-s)
 
 
@@ -590,7 +591,11 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
                 src: BinaryIO, out, totals: dict) -> None:
     """Send ``todo`` (read from the input ``src``) with ``workers`` workers. When a line finds the service gone through all its
     retries (about a minute), no new line is sent: the others would each wait as long for nothing."""
-    defaults = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature}
+    given = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None}
+    # a line of the command's own format gets its defaults; an OpenAI-format line runs as OpenAI's Batch API
+    # and vLLM's run-batch would run it, with the service's defaults, unless the command was told otherwise
+    plain = {"model": model, "max_tokens": DEFAULT_MAX_TOKENS, "temperature": DEFAULT_TEMPERATURE, **given}
+    as_given = {"model": model, **given}
     bar = tqdm(total=len(todo), unit="req", mininterval=2.0, file=sys.stderr)
     queue = iter(todo)  # workers take the next line in order (no task per line)
 
@@ -599,7 +604,8 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
             if "_gone" in totals or "_unauthorized" in totals:
                 return
             try:
-                rec, transient = await _one(client, line, line.request(src), defaults, args.retries)
+                rec, transient = await _one(client, line, line.request(src), as_given if line.openai else plain,
+                                            args.retries)
             except InputChanged as e:  # (a rerun reads it again)
                 rec, transient = _failure_record(line, str(e), None), True
                 totals["changed"] += 1
@@ -689,8 +695,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the service's API key, sent as Authorization: Bearer; of a comma-separated list, the last "
                         "(default: $RADIXSERVE_API_KEY)")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (default: 32)")
-    p.add_argument("--max-tokens", type=int, default=256, help="for lines without max_tokens (default: 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="for lines without temperature (default: 0)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"for lines without max_tokens (default: {DEFAULT_MAX_TOKENS}; for OpenAI-format lines, the "
+                   "service's)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"for lines without temperature (default: {DEFAULT_TEMPERATURE:g}; for OpenAI-format lines, "
+                   "the service's)")
     p.add_argument("--keep-order", action="store_true", help="send in file order, not prefix order")
     p.add_argument("--retries", type=int, default=len(RETRY_WAITS_S),
                    help="tries again after a 408/429/502/503/504, a timeout or a lost connection, waiting "
@@ -704,8 +714,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _flag_problems(args: argparse.Namespace) -> list[str]:
     """Each flag out of its range, by name; and a ``--url`` a client could not use as it is."""
     checks = [(args.concurrency >= 1, "--concurrency must be at least 1"),
-              (args.max_tokens >= 1, "--max-tokens must be at least 1"), (args.retries >= 0, "--retries must be at least 0"),
-              (0 <= args.temperature <= 2, "--temperature must be in [0, 2]"),
+              (args.max_tokens is None or args.max_tokens >= 1, "--max-tokens must be at least 1"),
+              (args.retries >= 0, "--retries must be at least 0"),
+              (args.temperature is None or 0 <= args.temperature <= 2, "--temperature must be in [0, 2]"),
               (args.request_timeout_s > 0, "--request-timeout-s must be positive"),
               (args.wait_s >= 0, "--wait-s must be at least 0")]
     problems = [what for ok, what in checks if not ok]

@@ -802,3 +802,21 @@ def test_a_line_the_input_cannot_give_again_is_a_failure_a_rerun_retries(tmp_pat
         assert "run the same command again" in capsys.readouterr().err
         assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url]) == 0
     assert json.loads(out.read_text())["output"] == "ok"
+
+
+def test_openai_format_lines_keep_the_services_defaults_unless_the_command_sets_them(tmp_path, capsys):
+    """A file made for OpenAI's Batch API (or vllm run-batch) leaves max_tokens and temperature to the
+    service: the command's own defaults (256 tokens, greedy) cut its long answers and overrode the
+    service's sampling defaults."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"custom_id": "oa", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "a"}},
+                {"id": "own", "prompt": "b"}])
+    for extra, expected in (([], {"oa": {}, "own": {"max_tokens": 256, "temperature": 0.0}}),
+                            (["--max-tokens", "7", "--temperature", "0.5"],
+                             {"oa": {"max_tokens": 7, "temperature": 0.5}, "own": {"max_tokens": 7, "temperature": 0.5}})):
+        sent: list[dict] = []
+        out.unlink(missing_ok=True)
+        with _DownService(200, on_post=sent.append) as url:
+            assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url, *extra]) == 0
+        by_prompt = {b["prompt"]: {k: b[k] for k in ("max_tokens", "temperature") if k in b} for b in sent}
+        assert by_prompt == {"a": expected["oa"], "b": expected["own"]}, (extra, sent)
