@@ -113,7 +113,26 @@ def preflight(settings: Settings, local_ray: bool) -> str | None:
     when it starts a local Ray, the model folder, the limits against its context and the HTTP port."""
     # (joining a cluster: the model folder need only exist where replicas run)
     problem = settings_problem(settings, folder=local_ray, device=True)
-    return problem or (_port_problem(settings) if local_ray else None)
+    return problem or (_ray_here_problem() or _port_problem(settings) if local_ray else None)
+
+
+def _ray_here_problem() -> str | None:
+    """Without --address, ``ray.init`` joins the cluster that RAY_ADDRESS names or that `ray start` began on
+    this machine (cluster.yaml's head node, a Ray job's driver), and then refuses the CPUs a local Ray is
+    given, with a traceback: say which, and how to serve there."""
+    if os.environ.get("RAY_ADDRESS"):
+        return (f"RAY_ADDRESS is set ({os.environ['RAY_ADDRESS']}): pass --address auto to serve on that cluster, "
+                "or unset it to start a local Ray")
+    try:
+        from ray._private.services import find_bootstrap_address
+
+        found = find_bootstrap_address(None)  # what `ray start` recorded (a cluster that ended clears it)
+    except Exception:  # noqa: BLE001 - another Ray: ray.init says what it finds
+        return None
+    if found:
+        return (f"a Ray cluster started with `ray start` runs on this machine ({found}): pass --address auto to "
+                "serve on it, or stop it (`ray stop`) to start a local Ray")
+    return None
 
 
 def settings_problem(settings: Settings, folder: bool = True, device: bool = False) -> str | None:

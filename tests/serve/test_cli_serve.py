@@ -166,8 +166,12 @@ def test_serve_refuses_bad_settings_in_seconds_before_starting_anything(model_di
         ({"RADIXSERVE_BLOKC_SIZE": "8"}, "RADIXSERVE_BLOKC_SIZE"),
         # both once failed in every replica after Ray had started (a password's / splits the URL)
         (["--model-id", tiny, "--redis-url", "redis://:pa/ss@127.0.0.1:6380/0"], "percent-encoded"),
+        # (parsed without an error: the host was "ss", the rest of the password a database it ignored)
+        (["--model-id", tiny, "--redis-url", "redis://:p@ss/word@127.0.0.1:6380/0"], "percent-encoded"),
         (["--model-id", tiny, "--deployment-name", "a#b"], "'a#b' is not a name"),
         ({"RADIXSERVE_AUTOSCALING": "{bad"}, "RADIXSERVE_AUTOSCALING is not JSON"),
+        # ray.init would join that cluster and refuse the local Ray's CPUs, with a traceback
+        ({"RAY_ADDRESS": "127.0.0.1:1"}, "RAY_ADDRESS is set (127.0.0.1:1): pass --address auto"),
     ]
     if not _flash_importable():
         cases.append((["--model-id", tiny, "--attention-backend", "flash"], "vllm-flash-attn"))
@@ -308,3 +312,15 @@ def test_version_is_the_projects():
     project = re.search(r'^version = "(.+)"$', (Path(__file__).parents[2] / "pyproject.toml").read_text(), re.M)
     r = _cli("--version", timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == f"radixserve {project[1]}", (r.stdout, r.stderr)
+
+
+def test_a_cluster_ray_start_began_here_is_named_before_a_local_ray_would_join_it(monkeypatch):
+    import ray._private.services as services
+
+    from app.cli import _ray_here_problem
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: "10.0.0.5:6379")
+    assert "`ray start` runs on this machine (10.0.0.5:6379): pass --address auto" in _ray_here_problem()
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    assert _ray_here_problem() is None
