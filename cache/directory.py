@@ -76,8 +76,12 @@ _FAILURES = (redis.RedisError, redis.exceptions.RedisClusterException, OSError, 
 _WRONG_TYPE = "WRONGTYPE"
 
 
+_NO_TIME = "refused"  # what _redis_time gives where Redis will never answer TIME
+
+
 def _refuses_scripts(e: redis.ResponseError) -> bool:
-    """Scripting is off for good (an ACL without @scripting, EVAL renamed away), not failing for now."""
+    """Scripting (or another command) is off for good (an ACL without @scripting, EVAL renamed away),
+    not failing for now."""
     if isinstance(e, redis.exceptions.NoPermissionError):  # NOPERM
         return True
     msg = str(e).lower()
@@ -195,12 +199,26 @@ class HotPrefixDirectory:
         two measures (NTP, a VM resumed) moves nothing; our own clock while Redis has not answered one."""
         if time.monotonic() >= self._clock_synced_until:
             sent = time.monotonic()
-            got = self._call(lambda r: r.time(), None)
-            if got is not None:
+            got = self._call(self._redis_time, None)
+            if got == _NO_TIME:  # refused for good: our own clock, and the write that asked goes on
+                self._clock_synced_until = float("inf")
+            elif got is not None:
                 back = time.monotonic()
                 self._clock_offset = float(got[0]) + float(got[1]) / 1e6 - (sent + back) / 2
                 self._clock_synced_until = back + CLOCK_SYNC_S
         return time.time() if self._clock_offset is None else time.monotonic() + self._clock_offset
+
+    @staticmethod
+    def _redis_time(r):
+        """``TIME``, or ``_NO_TIME`` where it is refused for good (an ACL user without it, a proxy that
+        does not pass it on: counted as an outage, it backed off the write after it, at every record)."""
+        try:
+            return r.time()
+        except redis.ResponseError as e:
+            if _refuses_scripts(e):  # (the same words: NOPERM, an unknown or renamed command)
+                log.warning("hot-prefix directory: Redis refuses TIME (%s); using this host's clock", e)
+                return _NO_TIME
+            raise
 
     def ping(self) -> bool:
         return bool(self._call(lambda r: r.ping(), False))

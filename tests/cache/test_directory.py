@@ -379,6 +379,20 @@ def test_a_redis_user_without_scripting_still_records(redis_server, d):
         d._r.execute_command("ACL", "DELUSER", "noscript")
 
 
+def test_a_redis_user_without_time_still_records_on_the_hosts_clock(redis_server, d):
+    """An ACL user without TIME (or a proxy that does not pass it on): the clock sync failed as an outage,
+    backed off the write after it, and did so at every record, so nothing was ever recorded."""
+    d._r.execute_command("ACL", "SETUSER", "notime", "on", ">pw", "~*", "+@all", "-time")
+    try:
+        limited = HotPrefixDirectory(f"redis://notime:pw@127.0.0.1:{redis_server.port}/0",
+                                     deployment=d.deployment, model="m", block_size=BS)
+        recorded = [limited.record("r1", toks(40 + i)) for i in range(3)]
+        assert None not in recorded and limited.errors == 0 and limited.available
+        assert {e.hash for e in limited.top_k(10)} >= set(recorded)
+    finally:
+        d._r.execute_command("ACL", "DELUSER", "notime")
+
+
 @pytest.mark.parametrize("scripting", [True, False])
 def test_a_garbage_epoch_is_replaced_and_recording_goes_on(d, scripting):
     """Another tool's value in the epoch key once failed every write for good, uncounted."""
