@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -265,6 +266,11 @@ class Settings(BaseModel):
             what = "its port is not a number in 0-65535" if "port" in str(e).lower() else "it is malformed"
             raise ValueError(f"redis_url cannot be parsed: {what} (a / or @ in a password must be "
                              "percent-encoded: %2F, %40)") from None
+        # an unencoded / in a password ends the host part there: parse_url takes what follows it for the
+        # database (and ignores it), so every replica would look for Redis on a "host" made of the password
+        if not v.startswith("unix://") and not re.fullmatch(r"(/\d*)?", urllib.parse.urlsplit(v).path):
+            raise ValueError("redis_url: what follows the host must be a database number (/0); a / or @ in a "
+                             "password must be percent-encoded: %2F, %40")
         # the directory reads and writes bytes: with answers decoded to text it failed once anything was
         # recorded, and every replica's start with it (Serve retried them for good)
         if refused := sorted({"decode_responses", "encoding", "encoding_errors"} & set(options)):

@@ -153,6 +153,7 @@ def test_a_redis_url_is_parsed_up_front_and_none_turns_the_directory_off():
     assert Settings(redis_url="redis://h:6380/0").directory_url() == "redis://h:6380/0"
     assert Settings.from_sources(env={"RADIXSERVE_REDIS_URL": "null"}).redis_url is None  # as for every setting
     for bad, said in (("redis://:s3cr/et@127.0.0.1:6380/0", "percent-encoded"), ("redis://h:99999", "not a number"),
+                      ("redis://:s3cr@et/more@127.0.0.1:6380/0", "percent-encoded"),  # (parsed: host "et")
                       ("http://h:6379", "must start with"),
                       ("redis://h:6380/0?decode_responses=True", "decode_responses is not supported")):
         with pytest.raises(ValueError, match=said) as e:
