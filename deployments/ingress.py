@@ -1962,6 +1962,14 @@ class Ingress:
         if any(not p for p in prefixes):
             raise ApiError(422, "prefixes must not be empty", param="prefixes")
         info = await self.info_cached()
+        if not info.get("prefix_caching", True):
+            raise ApiError(422, "the prefix cache is off on this service (--no-prefix-caching): there is nothing "
+                                "to warm", param="prefixes")
+        # each one is checked before any is sent: a refusal after the first were warmed changed the caches
+        i = max(range(len(prefixes)), key=lambda j: len(prefixes[j]))  # (one at least: the schema's)
+        if len(prefixes[i]) > info["max_input_tokens"]:
+            raise ApiError(422, f"prefixes[{i}] has {len(prefixes[i])} tokens, more than max_input_tokens "
+                                f"({info['max_input_tokens']})", param="prefixes")
         total = await self._off_loop(_distinct_tokens, prefixes, info["block_size"], info["vocab_size"])  # 2 MB of ids: not on the loop
         pool = info["max_batch_total_tokens"]
         if total > pool:  # the later ones would evict the earlier ones: work for nothing

@@ -1071,6 +1071,8 @@ def test_head_on_read_endpoints_and_allow_on_405(client):
 def test_a_refused_warmup_is_a_4xx(client):
     r = client.post("/warmup", json={"prefixes": [[5] * 1100]})  # over max_input_tokens (1024) on the replica
     assert r.status_code == 422 and "max_input_tokens" in r.json()["error"]
+    r = client.post("/warmup", json={"prefixes": [[6] * 40, [5] * 1100]})  # refused before the first is warmed
+    assert r.status_code == 422 and r.json()["error"].startswith("prefixes[1] has 1100 tokens"), r.text
 
 
 def test_a_cache_salt_is_an_id_not_a_document(client):

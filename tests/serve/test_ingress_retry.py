@@ -204,3 +204,43 @@ def test_the_later_choices_of_a_call_are_sent_as_siblings_of_the_first():
 
     runs = asyncio.run(Choices()._choices([([1, 2, 3], {})], 3, stream=False))
     assert len(runs) == 3 and sent == [([1, 2, 3], {}), ([1, 2, 3], {"sibling": True}), ([1, 2, 3], {"sibling": True})]
+
+
+class FakeWarmIngress:
+    """What ``warmup`` touches, with an LLM handle that records the warm-ups sent."""
+
+    def __init__(self, **info):
+        self.info = {"block_size": 16, "vocab_size": 100, "max_input_tokens": 64, "max_batch_total_tokens": 4096,
+                     "prefix_caching": True, **info}
+        self.sent: list = []
+        self.llm = self
+
+    @property
+    def warmup(self):
+        return self
+
+    async def remote(self, prefixes, salt):
+        self.sent.append(prefixes)
+        return {"prefixes": len(prefixes), "cached_tokens": 0}
+
+    async def info_cached(self):
+        return self.info
+
+    async def _off_loop(self, fn, *args):
+        return fn(*args)
+
+
+def test_a_warmup_is_refused_whole_before_any_prefix_is_warmed():
+    """The replica warms one prefix at a time: one too long for it was refused after the ones before it
+    were prefilled and recorded as hot (a 422 that had changed the caches)."""
+    from app.schemas import WarmupRequest
+
+    warmup = Ingress.func_or_class.warmup
+    fake = FakeWarmIngress()
+    with pytest.raises(ApiError, match=r"prefixes\[1\] has 65 tokens, more than max_input_tokens \(64\)"):
+        asyncio.run(warmup(fake, WarmupRequest(prefixes=[[5] * 20, [6] * 65])))
+    off = FakeWarmIngress(prefix_caching=False)
+    with pytest.raises(ApiError, match="prefix cache is off"):
+        asyncio.run(warmup(off, WarmupRequest(prefixes=[[5] * 20])))
+    assert fake.sent == off.sent == []
+    assert asyncio.run(warmup(fake, WarmupRequest(prefixes=[[5] * 20, [6] * 64])))["prefixes"] == 2
