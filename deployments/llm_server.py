@@ -67,6 +67,10 @@ def _cached_tokens(engine: LLMEngine, prefixes: list[list[int]], cache_salt: str
     return len(held) * bs
 
 
+# how long a replica the stopping service cut stays healthy: the CLI removes the application within seconds
+# of the cut; one still here after this was abandoned (its CLI killed), and answers every request
+# "unavailable" until Serve replaces it
+CUT_HEALTHY_S = 60.0
 FLUSH_BUDGET_S = 0.5  # of directory writes per background tick (once a second)
 WARMUP_POOL_SHARE = 0.75  # of the KV pool a start-up warm-up may fill (the rest: the first requests)
 
@@ -122,6 +126,7 @@ class LLMServer:
         self._stop = threading.Event()
         self._flush_warned_at = float("-inf")
         self._cut = False  # the service is stopping and told this replica to end what it runs
+        self._cut_at = float("inf")  # (monotonic) when
         self._background = threading.Thread(target=self._background_loop, name="replica-background", daemon=True)
         self._background.start()
 
@@ -371,7 +376,7 @@ class LLMServer:
                                      create=False)
                 if cut is True:  # `radixserve serve` is stopping past its drain: end what still runs
                     log.warning("the service is stopping: ending the requests still running")
-                    self._cut = True
+                    self._cut, self._cut_at = True, time.monotonic()
                     self.aengine.shutdown()
                     return
             except Exception as e:  # noqa: BLE001 - metrics must never take a replica down
@@ -437,7 +442,10 @@ class LLMServer:
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: its engine thread died, or hangs in a step."""
         if self._cut:
-            return  # stopped on purpose, the service with it: a replacement would only be cut too
+            if time.monotonic() - self._cut_at < CUT_HEALTHY_S:
+                return  # stopped on purpose, the service with it: a replacement would only be cut too
+            raise RuntimeError(f"ended by a stop of the service {CUT_HEALTHY_S:.0f} s ago, and still deployed "
+                               "(the stop was abandoned): to be replaced")
         if not self.aengine.alive:
             raise RuntimeError("engine thread is not running")
         stalled = self.aengine.stalled_s()

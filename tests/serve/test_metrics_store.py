@@ -3,6 +3,7 @@ replica="all" counters never go down."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.metrics import HOT_UNION_EVERY_S, RETIRED_MERGE_S, STALE_AFTER_S, SnapshotStore, render
@@ -389,3 +390,22 @@ def test_requests_refused_as_overloaded_are_summed_over_the_ingresses():
     m = values(render(*store.export()))
     assert m[("radixserve_requests_overloaded_total", "all")] == 5
     assert ("radixserve_requests_overloaded_total", "a") not in m  # refused before any replica: fleet only
+
+
+def test_a_cut_replica_stays_healthy_only_while_its_stop_can_still_remove_it(monkeypatch):
+    """A replica the stopping service cut passed every health check for good: if the stop was abandoned
+    (its CLI killed before it removed the application), Serve never replaced it, and it answered every
+    request "unavailable"."""
+    import types
+
+    import deployments.llm_server as llm_server
+    from deployments.llm_server import CUT_HEALTHY_S, LLMServer
+
+    now = [1000.0]
+    monkeypatch.setattr(llm_server.time, "monotonic", lambda: now[0])
+    check = LLMServer.check_health
+    replica = types.SimpleNamespace(_cut=True, _cut_at=now[0], aengine=types.SimpleNamespace(alive=False))
+    check(replica)  # its engine ended on purpose: healthy while the stop goes on
+    now[0] += CUT_HEALTHY_S + 1
+    with pytest.raises(RuntimeError, match="the stop was abandoned"):
+        check(replica)
