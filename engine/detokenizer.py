@@ -91,6 +91,11 @@ def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> int | None:
         lead = guard_ids(tokenizer)
         prefix_text = _decode(tokenizer, lead, skip)
         new_text = _decode(tokenizer, lead + seq.output_ids[seq.read_offset:upto], skip)
+    if not final and new_text == prefix_text:
+        # tokens that render nothing (skipped special tokens: an EOS under ignore_eos, a chat template's
+        # markers): passed over as if sent, or every later token decoded the whole run again (quadratic)
+        seq.prefix_offset, seq.read_offset = seq.read_offset, upto
+        return None
     if not (final or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"))):
         return None
     start = len(seq.text)
