@@ -120,7 +120,7 @@ def _ray_here_problem() -> str | None:
     """Without --address, ``ray.init`` joins the cluster that RAY_ADDRESS names or that `ray start` began on
     this machine (cluster.yaml's head node, a Ray job's driver), and then refuses the CPUs a local Ray is
     given, with a traceback: say which, and how to serve there."""
-    if os.environ.get("RAY_ADDRESS"):
+    if os.environ.get("RAY_ADDRESS", "local") != "local":  # ("local": start one, as Ray reads it)
         return (f"RAY_ADDRESS is set ({os.environ['RAY_ADDRESS']}): pass --address auto to serve on that cluster, "
                 "or unset it to start a local Ray")
     try:

@@ -79,7 +79,7 @@ _WRONG_TYPE = "WRONGTYPE"
 _NO_TIME = "refused"  # what _redis_time gives where Redis will never answer TIME
 
 
-def _refuses_scripts(e: redis.ResponseError) -> bool:
+def _refused_for_good(e: redis.ResponseError) -> bool:
     """Scripting (or another command) is off for good (an ACL without @scripting, EVAL renamed away),
     not failing for now."""
     if isinstance(e, redis.exceptions.NoPermissionError):  # NOPERM
@@ -215,7 +215,7 @@ class HotPrefixDirectory:
         try:
             return r.time()
         except redis.ResponseError as e:
-            if _refuses_scripts(e):  # (the same words: NOPERM, an unknown or renamed command)
+            if _refused_for_good(e):  # NOPERM, an unknown or renamed command
                 log.warning("hot-prefix directory: Redis refuses TIME (%s); using this host's clock", e)
                 return _NO_TIME
             raise
@@ -236,7 +236,7 @@ class HotPrefixDirectory:
             except redis.exceptions.AskError:  # a cluster redirection (MOVED too): not a refusal
                 raise
             except redis.ResponseError as e:
-                if not _refuses_scripts(e):  # OOM, CLUSTERDOWN, BUSY...: a failure like any other
+                if not _refused_for_good(e):  # OOM, CLUSTERDOWN, BUSY...: a failure like any other
                     raise
                 log.warning("hot-prefix directory: Lua scripts refused (%s); rescaling without them", e)
                 self._scripting = False

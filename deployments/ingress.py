@@ -165,7 +165,8 @@ class InFlight:
     """ASGI middleware: POST requests this process is still answering, from their last request body byte
     to their last response byte (a stream included), so a drain waits for what is tokenized or queued,
     not only for engine work, but not for a client still trickling its upload. While draining it refuses
-    new POSTs with 503 before anything reads them (a bad body included)."""
+    new POSTs with 503 before anything reads them (a bad body included), and past --max-concurrent-requests
+    new generation requests with 429."""
 
     count = 0
     draining = False  # set by Ingress.drain and by the hub's word (one ingress process per replica)
@@ -424,8 +425,8 @@ def _error_response(request: Request, err: ApiError) -> JSONResponse:
     message = _client_message(err)
     headers = {"retry-after": str(RETRY_AFTER_S)} if err.kind == OVERLOADED else None
     if _route_path(request.scope) in ANTHROPIC_PATHS:  # Anthropic's format, on its routes
-        status = {422: 400, 429: 529}.get(err.status, err.status) if err.kind == OVERLOADED or err.status == 422 \
-            else err.status  # (Anthropic's API says overloaded with its 529)
+        # (Anthropic's API says overloaded with its 529)
+        status = 529 if err.kind == OVERLOADED else 400 if err.status == 422 else err.status
         return JSONResponse(error_body(status, message), status_code=status, headers=headers)
     if _is_openai(request):
         etype = "invalid_request_error" if err.status < 500 and err.kind != OVERLOADED else "server_error"

@@ -324,3 +324,7 @@ def test_a_cluster_ray_start_began_here_is_named_before_a_local_ray_would_join_i
     assert "`ray start` runs on this machine (10.0.0.5:6379): pass --address auto" in _ray_here_problem()
     monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
     assert _ray_here_problem() is None
+    monkeypatch.setenv("RAY_ADDRESS", "local")  # Ray's word for starting one
+    assert _ray_here_problem() is None
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert "RAY_ADDRESS is set (10.0.0.5:6379)" in _ray_here_problem()
