@@ -192,6 +192,7 @@ class Replica:
     queue: list = field(default_factory=list)
     work_s: float = 0.0
     alive: bool = True
+    joined_s: float = 0.0  # when it joined the fleet (its load is its work over the time since)
 
     @classmethod
     def make(cls, rid: str, capacity_blocks: int, slots: int) -> Replica:
@@ -227,6 +228,7 @@ class Sim:
         self.prompt_tokens = 0
         self.hit_tokens = 0
         self.events: list = []
+        self.clock = 0.0  # simulated seconds: the latest arrival or completion
         self.next_report = report_s
         self.seq = 0
         self._live_cache: list[str] | None = None  # reset on fleet changes
@@ -238,6 +240,7 @@ class Sim:
         self._live_cache = None
         self.plan = None
         self.replicas[rid] = Replica.make(rid, self.capacity, self.slots)
+        self.replicas[rid].joined_s = self.clock
         self.policy.add_replica(rid, self.capacity)
         self.tree.add(rid)
         for v in range(64):
@@ -334,10 +337,11 @@ class Sim:
         self.seq += 1
         heapq.heappush(self.events, (now + service, self.seq, "done", (rep, node, work_token)))
 
-    def run(self, requests: Iterator[SimRequest], changes: dict[int, str]) -> None:
+    def run(self, requests: Iterator[SimRequest], changes: dict[int, list[str]]) -> None:
         for i, req in enumerate(requests):
-            if i in changes:
-                self._change(changes[i])
+            self.clock = max(self.clock, req.arrival)  # (a replica added here joins at this arrival)
+            for what in changes.get(i, ()):
+                self._change(what)
             self._advance(req.arrival)
             rid = self.route(req)
             work = self.policy.on_routed(rid, req.hashes, len(req.tokens), req.output)
@@ -360,6 +364,7 @@ class Sim:
     def _advance(self, until: float) -> None:
         while self.events and self.events[0][0] <= until:
             now, _, _, (rep, node, work) = heapq.heappop(self.events)
+            self.clock = max(self.clock, now)
             rep.busy -= 1
             rep.cache.unlock(node)
             self.policy.on_completed(rep.rid, work)
@@ -401,12 +406,14 @@ def oracle_hit_rate(w: Workload, n: int, capacity_blocks: int, seed: int) -> flo
 
 
 # ----------------------------------------------------------------------------- driver
-def simulate(policy: str, w: Workload, args, rate: float, changes: dict[int, str]) -> dict:
+def simulate(policy: str, w: Workload, args, rate: float, changes: dict[int, list[str]]) -> dict:
     t0 = time.perf_counter()
     sim = Sim(policy, args.replicas, args.capacity_blocks, args.concurrency, args.prefill_ms, args.decode_ms,
               args.report_s, args.seed, args.load_weight, group_shares(w), args.cache_prompts, args.plan_copy_share)
     sim.run(generate(w, args.requests, rate, args.seed), changes)
-    work = [r.work_s for r in sim.replicas.values() if r.alive]
+    # each replica's work per second of its time in the fleet: one added mid-run had less time to do its
+    # share, and its total alone read as an imbalance (round robin's even split as max/mean 1.05)
+    work = [r.work_s / max(sim.clock - r.joined_s, 1e-9) for r in sim.replicas.values() if r.alive]
     mean = statistics.fmean(work)
     ttft = sorted(sim.ttft)
     return {"policy": policy, "hit_rate": sim.hit_tokens / sim.prompt_tokens,
@@ -445,11 +452,11 @@ def main(argv=None) -> dict:
     args.capacity_blocks = args.cache_prompts * sys_blocks + args.concurrency * (q_blocks + 1)
     t_hit = args.prefill_ms / 1000 * w.question_len + args.decode_ms / 1000 * w.output_len
     rate = args.load * args.replicas * args.concurrency / t_hit
-    changes: dict[int, str] = {}
+    changes: dict[int, list[str]] = {}  # (an add and a remove at the same point: both)
     if args.add_replica_at is not None:
-        changes[int(args.add_replica_at * args.requests)] = "add"
+        changes.setdefault(int(args.add_replica_at * args.requests), []).append("add")
     if args.remove_replica_at is not None:
-        changes[int(args.remove_replica_at * args.requests)] = "remove"
+        changes.setdefault(int(args.remove_replica_at * args.requests), []).append("remove")
 
     oracle = oracle_hit_rate(w, args.requests, args.capacity_blocks * args.replicas, args.seed)
     rows = [simulate(p, w, args, rate, changes) for p in args.policies.split(",")]

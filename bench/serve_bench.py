@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
         for router in routers:
             name = f"sb-{router}"
             url = deploy(router, args.model_dir, port, args.total_tokens, name, args.prefill_chunk)
-            asyncio.run(run_load(url, [prompts[0][:64]], 2, 1))  # warm the path (64 tokens: no real prefix)
+            asyncio.run(run_load(url, [[5] * 64], 2, 1))  # warm the path (4 blocks that start no prompt of the workload)
             res = asyncio.run(run_load(url, prompts, reqs[0].max_new_tokens, args.concurrency))
             time.sleep(2.5)  # let the replicas push their metrics
             res["hit_rate"], res["engine_ttft_p50_s"] = fleet_metrics(url)
