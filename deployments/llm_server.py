@@ -125,8 +125,8 @@ class LLMServer:
         self._hub = HubClient(self.settings.deployment_name)
         self._stop = threading.Event()
         self._flush_warned_at = float("-inf")
-        self._cut = False  # the service is stopping and told this replica to end what it runs
-        self._cut_at = float("inf")  # (monotonic) when
+        # (monotonic) when the stopping service told this replica to end what it runs; None: not so
+        self._cut_at: float | None = None
         self._background = threading.Thread(target=self._background_loop, name="replica-background", daemon=True)
         self._background.start()
 
@@ -376,7 +376,7 @@ class LLMServer:
                                      create=False)
                 if cut is True:  # `radixserve serve` is stopping past its drain: end what still runs
                     log.warning("the service is stopping: ending the requests still running")
-                    self._cut, self._cut_at = True, time.monotonic()
+                    self._cut_at = time.monotonic()
                     self.aengine.shutdown()
                     return
             except Exception as e:  # noqa: BLE001 - metrics must never take a replica down
@@ -441,7 +441,7 @@ class LLMServer:
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: its engine thread died, or hangs in a step."""
-        if self._cut:
+        if self._cut_at is not None:
             if time.monotonic() - self._cut_at < CUT_HEALTHY_S:
                 return  # stopped on purpose, the service with it: a replacement would only be cut too
             raise RuntimeError(f"ended by a stop of the service {CUT_HEALTHY_S:.0f} s ago, and still deployed "

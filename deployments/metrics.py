@@ -54,13 +54,14 @@ COUNTERS = {
     "radixserve_router_affinity_hits_total": ("router_affinity_hits",
                                               "Requests the prefix router sent to a replica it believed held at "
                                               "least a block of their prompt (prompts of a block or more)."),
-    "radixserve_requests_overloaded_total": ("requests_overloaded",
-                                             "Requests the ingress replicas refused with 429 at their "
-                                             "--max-concurrent-requests."),
     "radixserve_router_cold_routes_total": ("router_cold_routes",
                                             "Requests the prefix router placed without such a match (a new "
                                             "prefix, a spill off a busy holder; prompts of a block or more; "
                                             "the pow2 and round_robin routers count none)."),
+    # the ingress replicas' own (replica="all" only): refused before any replica
+    "radixserve_requests_overloaded_total": ("requests_overloaded",
+                                             "Requests the ingress replicas refused with 429 at their "
+                                             "--max-concurrent-requests."),
 }
 GAUGES = {
     "radixserve_cache_blocks_used": ("blocks_used", "KV blocks in use or cached (not free)."),

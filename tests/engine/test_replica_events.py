@@ -22,7 +22,7 @@ def _replica(engine) -> LLMServer:
     r._route_events, r._records_lock = collections.OrderedDict(), threading.Lock()
     r._overflow, r._recorded, r._stats_seq = False, collections.OrderedDict(), 0
     r._pending_records, r._pending_tokens, r._last_event = collections.OrderedDict(), 0, collections.OrderedDict()
-    r._cut, r.directory, r.replica_id, r._stop = False, None, "A", threading.Event()
+    r._cut_at, r.directory, r.replica_id, r._stop = None, None, "A", threading.Event()
     r._hot_sketch, r._hot_sketch_pushed_at, r._fleet_hot = None, float("-inf"), 0.0
     return r
 

@@ -404,7 +404,7 @@ def test_a_cut_replica_stays_healthy_only_while_its_stop_can_still_remove_it(mon
     now = [1000.0]
     monkeypatch.setattr(llm_server.time, "monotonic", lambda: now[0])
     check = LLMServer.check_health
-    replica = types.SimpleNamespace(_cut=True, _cut_at=now[0], aengine=types.SimpleNamespace(alive=False))
+    replica = types.SimpleNamespace(_cut_at=now[0], aengine=types.SimpleNamespace(alive=False))
     check(replica)  # its engine ended on purpose: healthy while the stop goes on
     now[0] += CUT_HEALTHY_S + 1
     with pytest.raises(RuntimeError, match="the stop was abandoned"):
