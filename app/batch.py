@@ -20,7 +20,9 @@ Lines are sent in prefix order (grouped by their text), not file order: prompts 
 back to back, so the fleet computes the prefix once and keeps it while it is needed, even when its
 caches cannot hold every prefix in the file at once. Run it again with the same ``--output`` to go on
 after an interruption: answered lines are skipped, failed ones tried again (lines without an ``id`` are
-known by their line number: give ids if the file may change between runs).
+known by their line number: give ids if the file may change between runs). Each result records a hash of
+its input line (``request_hash``): a line whose request is not the one answered (another input written to
+the same output, a line edited since) is answered again.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class Line:
     size: int = 0
     n: int = 0
     crc: int = 0
+    digest: str = ""  # ``request_digest`` of the line: its result records it (see ``resume``)
 
     def __post_init__(self) -> None:
         if self.body is not None and not self.key:
@@ -178,6 +181,14 @@ def _text(content: Any) -> str:
     return ""
 
 
+def request_digest(obj: Any) -> str:
+    """A line's request as JSON (keys sorted, so not its spacing or key order), hashed: a rerun tells by it
+    whether a recorded answer is to this line or to another that had its id or number (raises ValueError for
+    what JSON cannot say)."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
 def ref_key(ref: dict) -> str:
     """Ids compare as JSON values (1 and "1" differ), apart from the line numbers of lines without one."""
     if "custom_id" in ref:  # an OpenAI-format line (its record's "id" is the record's own)
@@ -192,15 +203,19 @@ class Plan:
     todo: list[Line] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)  # lines refused before sending
     skipped: int = 0  # answered by an earlier run
+    replaced: list[str] = field(default_factory=list)  # id keys answered before, to another request
+    keys: set[str] = field(default_factory=set)  # id keys of the input's lines (refused ones too)
 
 
-def read_lines(src: Path | BinaryIO, done: set[str]) -> Plan:
+def read_lines(src: Path | BinaryIO, done: dict[str, str | None]) -> Plan:
     """Parse the input (JSONL, UTF-8; a path, or the file open for reading, which the run then reads its
-    lines from again); ``done``: id keys answered by an earlier run."""
+    lines from again); ``done``: id keys answered by an earlier run, with the digest of the request each
+    answered (None: a record of a version that wrote none)."""
     if isinstance(src, Path):
         with src.open("rb") as f:
             return read_lines(f, done)
-    plan, seen = Plan(), set()  # id keys of this file's lines so far
+    plan = Plan()
+    seen = plan.keys  # id keys of this file's lines so far
     src.seek(0)
     at = 0
     for n, raw_bytes in enumerate(src, 1):
@@ -212,7 +227,7 @@ def read_lines(src: Path | BinaryIO, done: set[str]) -> Plan:
     return plan
 
 
-def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: set[str]) -> Line | None:
+def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: dict[str, str | None]) -> Line | None:
     """Input line ``n``, to send; or None: refused (recorded in ``plan``), blank or answered before."""
     try:
         raw = raw_bytes.decode("utf-8-sig" if n == 1 else "utf-8")
@@ -224,7 +239,7 @@ def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: set[s
     try:
         obj = json.loads(raw, parse_constant=no_json_constant)
         # a lone surrogate (\ud800) is no Unicode text; 1e999 reads as inf, which no JSON can say
-        json.dumps(obj, ensure_ascii=False, allow_nan=False).encode()
+        digest = request_digest(obj)
     except json.JSONDecodeError as e:
         plan.errors.append({"line": n, "error": f"not JSON ({e.msg})"})
         return None
@@ -238,10 +253,11 @@ def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: set[s
         plan.errors.append({"line": n, "error": "holds a number too large for JSON (such as 1e999)"})
         return None
     if isinstance(obj, dict) and "custom_id" in obj:
-        return _openai_line(obj, n, plan, seen, done)
+        return _openai_line(obj, n, plan, seen, done, digest)
     # (a null prompt is no prompt: a null field means the default, as in OpenAI's API)
     if not isinstance(obj, dict) or (obj.get("prompt") is None) == (obj.get("messages") is None):
-        plan.errors.append({"line": n, "error": "needs an object with one of `prompt` and `messages`"})
+        named = {"id": obj["id"]} if isinstance(obj, dict) and obj.get("id") is not None else {}
+        plan.errors.append({"line": n, **named, "error": "needs an object with one of `prompt` and `messages`"})
         return None
     rid = obj.get("id")
     ref = {"line": n} if rid is None else {"id": rid}
@@ -250,13 +266,25 @@ def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: set[s
         plan.errors.append({"line": n, "error": f"{key} is used by an earlier line"})
         return None
     seen.add(key)
-    if key in done:
-        plan.skipped += 1
+    if _answered_before(key, digest, plan, done):
         return None
-    return Line(ref, _request(obj, openai=False), COMPLETIONS if obj.get("messages") is None else CHAT)
+    return Line(ref, _request(obj, openai=False), COMPLETIONS if obj.get("messages") is None else CHAT, digest=digest)
 
 
-def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: set[str]) -> Line | None:
+def _answered_before(key: str, digest: str, plan: Plan, done: dict[str, str | None]) -> bool:
+    """Whether an earlier run answered this line (skipped, and counted so); an answer recorded under its key
+    to another request is not (the line goes out again, and that answer is dropped from the output)."""
+    if key not in done:
+        return False
+    if done[key] in (None, digest):
+        plan.skipped += 1
+        return True
+    plan.replaced.append(key)
+    return False
+
+
+def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: dict[str, str | None], digest: str
+                 ) -> Line | None:
     """An OpenAI-format line (``custom_id``, ``method``, ``url``, ``body``) to send, or None: refused
     (recorded in ``plan``, in that format) or answered by an earlier run."""
     ref = {"custom_id": obj["custom_id"]}
@@ -279,11 +307,10 @@ def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: set[str]) 
     if problem:
         plan.errors.append(_openai_record(ref, None, None, {"code": "invalid_request", "message": f"line {n}: {problem}"}))
         return None
-    if key in done:
-        plan.skipped += 1
+    if _answered_before(key, digest, plan, done):
         return None
     url = next(u for u in OPENAI_BATCH_URLS if u == obj["url"])  # (the constant: not a string per line)
-    return Line(ref, _request(obj, openai=True), url, openai=True)
+    return Line(ref, _request(obj, openai=True), url, openai=True, digest=digest)
 
 
 def _openai_record(ref: dict, r: httpx.Response | None, body: Any, error: dict | None) -> dict:
@@ -318,20 +345,23 @@ class NotOurs(ValueError):
     """The output file holds something other than this command's records: it is not touched."""
 
 
-def resume(output: Path, rewrite: bool = True) -> set[str]:
-    """Id keys already answered in ``output``. With ``rewrite``, its failed records and a last line cut by
-    an interruption are dropped (those lines are tried again), line by line; without, it is only read
-    (before the service is found: a run that cannot start leaves the file as it was)."""
+def resume(output: Path, rewrite: bool = True, drop: frozenset[str] | set[str] = frozenset()
+           ) -> dict[str, str | None]:
+    """Id keys already answered in ``output``, each with the digest of the request it answered (None in a
+    record without one). With ``rewrite``, its failed records, those of the keys in ``drop`` (answers to
+    another request) and a last line cut by an interruption are dropped (those lines are tried again), line
+    by line; without, it is only read (before the service is found: a run that cannot start leaves the
+    file as it was)."""
     if not output.exists():
-        return set()
-    done: set[str] = set()
+        return {}
+    done: dict[str, str | None] = {}
     if rewrite and not os.access(output, os.W_OK):  # (the rewrite's file could be written, the answers not)
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(output))
     tmp = _private_twin(output) if rewrite else None
     try:
         with output.open(encoding="utf-8", errors="replace") as src, \
                 (tmp.open("w", encoding="utf-8") if tmp else open(os.devnull, "w")) as dst:
-            _keep_answered(output, src, dst, done)
+            _keep_answered(output, src, dst, done, drop)
         if tmp:
             os.chmod(tmp, stat.S_IMODE(os.stat(output).st_mode))  # (once written: a read-only mode is kept)
             os.replace(tmp, output)
@@ -351,9 +381,9 @@ def _private_twin(output: Path) -> Path:
     return Path(name)
 
 
-def _keep_answered(output: Path, src, dst, done: set[str]) -> None:
-    """Copy ``src``'s answered records to ``dst`` (each id once), their id keys into ``done``; ``NotOurs``
-    for a file that is not a result of this command."""
+def _keep_answered(output: Path, src, dst, done: dict[str, str | None], drop: frozenset[str] | set[str]) -> None:
+    """Copy ``src``'s answered records to ``dst`` (each id once, none of ``drop``'s), their id keys and digests
+    into ``done``; ``NotOurs`` for a file that is not a result of this command."""
     cut = None  # an unreadable line: fine only as the last one
     for n, raw in enumerate(src, 1):
         if cut is not None:
@@ -370,8 +400,9 @@ def _keep_answered(output: Path, src, dst, done: set[str]) -> None:
                 and ("id" in rec or "line" in rec or "custom_id" in rec)):
             raise NotOurs(f"{output} line {n} is not a result of `radixserve batch`; pass another --output")
         key = ref_key(rec)
-        if answered(rec) and key not in done:
-            done.add(key)
+        if answered(rec) and key not in done and key not in drop:
+            digest = rec.get("request_hash")
+            done[key] = digest if isinstance(digest, str) else None
             dst.write(raw if raw.endswith("\n") else raw + "\n")
 
 
@@ -541,6 +572,11 @@ def _leave_sigterm() -> None:
 
 
 async def _run(args: argparse.Namespace, totals: dict, output: Path) -> None:
+    # an output it could not rewrite (a read-only file, or a folder it may not make its new file in) is
+    # refused now: found mid-run, it was reported as an interruption, to be run again to no avail
+    for path, what in ((output, "write"), (output.parent, "make a file in")):
+        if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+            raise PermissionError(errno.EACCES, f"cannot {what} it ({os.strerror(errno.EACCES)})", str(path))
     done = resume(output, rewrite=False)
     # open once, for the whole run: its lines are read again from this file as they are sent (one moved or
     # replaced meanwhile, as an editor saves it, is still read as it was)
@@ -548,12 +584,14 @@ async def _run(args: argparse.Namespace, totals: dict, output: Path) -> None:
         await _run_input(args, totals, output, done, src)
 
 
-async def _run_input(args: argparse.Namespace, totals: dict, output: Path, done: set[str], src: BinaryIO) -> None:
+async def _run_input(args: argparse.Namespace, totals: dict, output: Path, done: dict[str, str | None],
+                     src: BinaryIO) -> None:
     plan = read_lines(src, done)
     todo = plan.todo if args.keep_order else prefix_order(plan.todo)
     totals.update({"to_send": len(todo), "ok": 0, "failed": 0, "retryable": 0, "changed": 0, "refused": len(plan.errors),
-                   "skipped": plan.skipped, "not_done": len(todo), "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
-                   "_t0": time.perf_counter()})
+                   "skipped": plan.skipped, "replaced": len(plan.replaced), "not_done": len(todo), "prompt_tokens": 0,
+                   "cached_tokens": 0, "completion_tokens": 0, "_t0": time.perf_counter()})
+    _say_other_answers(output, plan, done)
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     # a local service not via an HTTP_PROXY (httpx would send 127.0.0.1 there unless NO_PROXY says not to)
     local = (httpx.URL(args.url).host or "") in LOOPBACK
@@ -567,15 +605,28 @@ async def _run_input(args: argparse.Namespace, totals: dict, output: Path, done:
         # a finished job's rerun needs no service; any other finds it before the output is touched
         model = await _model(client, args.wait_s) if todo else ""
         workers = min(args.concurrency, await _service_limit(client) or args.concurrency) if todo else 0
-        if workers < args.concurrency:  # more would only be refused (429) and wait to try again
+        if todo and workers < args.concurrency:  # more would only be refused (429) and wait to try again
             print(f"radixserve batch: the service serves {workers} requests at once (its --max-concurrent-requests): "
                   f"sending {workers} at a time, not {args.concurrency}", file=sys.stderr)
-        resume(output)  # now the failed records go (their lines are sent again)
+        resume(output, drop=set(plan.replaced))  # now the failed records go (their lines are sent again)
         with output.open("a", encoding="utf-8") as out:
             for rec in plan.errors:
                 out.write(json.dumps(rec, ensure_ascii=False) + "\n")
             if todo:
                 await _send(client, model, args, workers, todo, src, out, totals)
+
+
+def _say_other_answers(output: Path, plan: Plan, done: dict[str, str | None]) -> None:
+    """Warn of answers in the output that are not to this input's lines: the same output given another
+    input (or lines edited since) would otherwise mix two jobs' answers without a word."""
+    if plan.replaced:
+        print(f"radixserve batch: {len(plan.replaced)} line(s) of the input are not the requests {output} answered under "
+              f"their id or line number (first: {plan.replaced[0]}): they are sent again, and those answers "
+              "dropped", file=sys.stderr)
+    others = sum(key not in plan.keys for key in done)
+    if others:
+        print(f"radixserve batch: {output} holds {others} answer(s) to lines this input does not have: kept; pass "
+              "another --output to start a new job's results", file=sys.stderr)
 
 
 def summary(totals: dict) -> dict:
@@ -620,19 +671,38 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
                 continue
             except Exception as e:  # noqa: BLE001 - one odd line must not end the job (nor would a rerun help it)
                 rec, transient = _failure_record(line, f"{type(e).__name__}: {e}", None), False
-            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            rec["request_hash"] = line.digest
+            try:
+                text = record_text(rec)
+            except ValueError:  # (another backend's answer: this service's escape both)
+                rec = {**_failure_record(line, "the service's answer holds NaN, Infinity or an escaped lone surrogate, "
+                                         "which a JSON line cannot", None, "invalid_response"), "request_hash": line.digest}
+                text, transient = record_text(rec), False
+            out.write(text)
             out.flush()
             bar.update(1)
             _count(totals, rec)
             totals["retryable"] += not answered(rec) and transient
             totals["not_done"] -= 1  # answered or recorded as failed: a rerun sends only the others
 
+    tasks = [asyncio.ensure_future(worker()) for _ in range(min(workers, len(todo)))]
     try:
-        await asyncio.gather(*(worker() for _ in range(min(workers, len(todo)))))
-    finally:
+        await asyncio.gather(*tasks)
+    finally:  # one worker's error (a full disk) ends the others too, before the output is closed under them
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         bar.close()
     if "_unauthorized" in totals:
         raise totals["_unauthorized"]
+
+
+def record_text(rec: dict) -> str:
+    """A result as its output line: strict JSON in UTF-8 (ValueError for NaN, or a lone surrogate, that an
+    answer from another backend may hold)."""
+    text = json.dumps(rec, ensure_ascii=False, allow_nan=False) + "\n"
+    text.encode()
+    return text
 
 
 def _count(totals: dict, rec: dict) -> None:

@@ -58,7 +58,7 @@ def test_input_lines_ids_and_encodings(tmp_path):
         json.dumps({"id": 4, "prompt": "the number 4: not line 4"}).encode(),
         b'{"prompt": "bad \xff byte"}',
         json.dumps({"id": "caf\u00e9", "prompt": "d\u00e9j\u00e0 vu"}, ensure_ascii=False).encode()]) + b"\n")
-    plan = read_lines(src, done={ref_key({"line": 4})})
+    plan = read_lines(src, done={ref_key({"line": 4}): None})
     assert [x.ref for x in plan.todo] == [{"line": 1}, {"id": 1}, {"id": "1"}, {"id": 4}, {"id": "café"}]
     assert all(x.body is None for x in plan.todo)  # the input keeps them: each is read again as it is sent
     with src.open("rb") as f:
@@ -69,19 +69,22 @@ def test_input_lines_ids_and_encodings(tmp_path):
     dup = tmp_path / "dup.jsonl"
     write(dup, [{"id": "x", "prompt": "a"}, {"id": "x", "prompt": "b"}, {"prompt": "a", "messages": []},
                 {"prompt": None}, {"prompt": "a", "messages": None}])  # null is no prompt: refused, not sent
-    plan = read_lines(dup, set())
+    plan = read_lines(dup, {})
     assert [e["error"] for e in plan.errors] == [
         'id "x" is used by an earlier line'] + ["needs an object with one of `prompt` and `messages`"] * 2
+    assert [e.get("id") for e in plan.errors] == [None, None, None]
+    write(dup, [{"id": "q7", "prompt": "a", "messages": []}])  # refused, yet named by its id too
+    assert read_lines(dup, {}).errors == [{"line": 1, "id": "q7", "error": "needs an object with one of `prompt` and `messages`"}]
     assert [(x.ref, x.chat) for x in plan.todo] == [({"id": "x"}, False), ({"line": 5}, False)]
     # null fields mean the default
     with src.open("rb") as f:
-        assert read_lines(src, set()).todo[3].request(f) == {"prompt": "no id: line 4"}
+        assert read_lines(src, {}).todo[3].request(f) == {"prompt": "no id: line 4"}
     # OpenAI-format lines: one result per custom_id, even when the line that repeats it is malformed too
     openai = tmp_path / "openai.jsonl"
     write(openai, [{"custom_id": "r1", "url": "/v1/embeddings", "body": {}},
                    {"custom_id": "r1", "url": "/v1/nope", "body": {}},
                    {"custom_id": "r2", "method": "POST", "url": "/v1/responses", "body": {"input": "x", "seed": None}}])
-    plan = read_lines(openai, set())
+    plan = read_lines(openai, {})
     assert [e["custom_id"] or e["line"] for e in plan.errors] == ["r1", 2]
     with openai.open("rb") as f:
         assert [(x.ref, x.path, x.request(f)) for x in plan.todo] == [({"custom_id": "r2"}, "/v1/responses", {"input": "x"})]
@@ -92,7 +95,7 @@ def test_resume_keeps_answers_drops_failures_and_a_cut_last_line(tmp_path):
     out.write_text("\n".join([json.dumps({"id": 1, "output": "a"}), json.dumps({"id": 2, "error": "HTTP 503"}),
                               json.dumps({"line": 7, "error": "not JSON"}), json.dumps({"id": "x", "output": "b"}),
                               json.dumps({"line": 1, "output": "c"}), '{"id": 3, "outp']))
-    assert resume(out) == {ref_key({"id": 1}), ref_key({"id": "x"}), ref_key({"line": 1})}
+    assert resume(out) == {ref_key({"id": 1}): None, ref_key({"id": "x"}): None, ref_key({"line": 1}): None}
     assert [json.loads(x).get("id") for x in out.read_text().splitlines()] == [1, "x", None]
     foreign = tmp_path / "notes.jsonl"
     foreign.write_text('{"id": 1, "output": "a"}\nsomething else\n{"id": 2, "output": "b"}\n')
@@ -123,6 +126,7 @@ def test_batch_refuses_its_input_as_output_and_a_finished_job_needs_no_service(t
     captured = capsys.readouterr()
     assert json.loads(captured.out)["skipped"] == 1
     assert "ignoring RADIXSERVE_ULR: no such setting" in captured.err and "MAX_BATCH" not in captured.err
+    assert "requests at once" not in captured.err  # (nothing to send: it said the service took 0 at once)
 
 
 def write(path, rows):
@@ -277,9 +281,11 @@ class _DownService:
     """A real HTTP server that names its model, then answers every request ``status`` (503: replicas
     gone; 504: a proxy that gave up on this one request; 200: an answer)."""
 
-    def __init__(self, status: int = 503, code: str | None = None, models: dict | None = None, on_post=None):
+    def __init__(self, status: int = 503, code: str | None = None, models: dict | None = None, on_post=None,
+                 answer=None):
         self.status, self.code, self.models = status, code, models or {"data": [{"id": "m"}]}
         self.posts, self.on_post = 0, on_post  # (called with each request's body)
+        self.answer = answer  # body -> a 200's text (default: "ok" as a completion)
         self.keys: set[str | None] = set()  # the Authorization headers the posts carried
 
     def __enter__(self):
@@ -307,8 +313,9 @@ class _DownService:
                 if service.on_post is not None:
                     service.on_post(json.loads(body))
                 if status == 200:  # a fast service: an answer at once
-                    self._send(200, json.dumps({"choices": [{"text": "ok", "finish_reason": "length"}],
-                                                "usage": {"prompt_tokens": 2, "completion_tokens": 1}}))
+                    self._send(200, service.answer(json.loads(body)) if service.answer else json.dumps(
+                        {"choices": [{"text": "ok", "finish_reason": "length"}],
+                         "usage": {"prompt_tokens": 2, "completion_tokens": 1}}))
                     return
                 self._send(status, json.dumps({"error": {"message": "no replica" if status == 503 else "timeout",
                                                          "code": code}}))
@@ -403,7 +410,7 @@ def test_batch_refuses_lines_it_could_not_send_and_says_what_it_cannot_open(tmp_
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": "\\ud800", "prompt": "a"}\n{"prompt": "\\udfff"}\n{"prompt": "a", "temperature": NaN}\n'
                    '{"prompt": "fine"}\n{"id": 1e999, "prompt": "a"}\n')
-    plan = read_lines(src, set())
+    plan = read_lines(src, {})
     assert [x.ref for x in plan.todo] == [{"line": 4}]
     assert [e["line"] for e in plan.errors] == [1, 2, 3, 5] and "NaN" in plan.errors[2]["error"]
     assert all("lone surrogate" in e["error"] for e in plan.errors[:2]), plan.errors[:2]
@@ -598,7 +605,8 @@ def test_lines_are_read_again_as_they_are_sent_and_one_rewritten_meanwhile_is_se
         assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--concurrency", "1"]) == 0
     records = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["id"] for r in records) == list(range(6)) and all("output" in r for r in records)
-    assert len(sent) == 6 and sum(p.endswith("edited") for p in sent) == 5  # what the file said when each went
+    # what the file said when each went; line 0, answered before its edit, is answered again as it is now
+    assert len(sent) == 7 and sum(p.endswith("edited") for p in sent) == 6, sent
 
 
 def test_a_line_that_times_out_twice_is_its_failure_not_retries_times_the_timeout(tmp_path, capsys):
@@ -729,7 +737,7 @@ def test_a_rerun_rewrites_its_output_through_a_file_of_its_own_with_the_outputs_
     victim.write_text("precious\n")
     (tmp_path / "o.jsonl.tmp").symlink_to(victim)
     (tmp_path / "o.jsonl.lock").symlink_to(victim)
-    assert resume(out) == {"id 0"}
+    assert resume(out) == {"id 0": None}
     assert victim.read_text() == "precious\n" and not out.is_symlink()
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [0]
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
@@ -746,7 +754,7 @@ def test_a_line_nested_past_the_recursion_limit_is_refused_for_itself_alone(tmp_
     src = tmp_path / "in.jsonl"
     deep = "[" * 100_000 + "]" * 100_000
     src.write_text('{"id": "a", "prompt": "x"}\n' + deep + '\n{"id": "b", "prompt": "y"}\n')
-    plan = read_lines(src, set())
+    plan = read_lines(src, {})
     assert plan.errors == [{"line": 2, "error": "nested too deeply to read"}]
 
 
@@ -820,3 +828,89 @@ def test_openai_format_lines_keep_the_services_defaults_unless_the_command_sets_
             assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url, *extra]) == 0
         by_prompt = {b["prompt"]: {k: b[k] for k in ("max_tokens", "temperature") if k in b} for b in sent}
         assert by_prompt == {"a": expected["oa"], "b": expected["own"]}, (extra, sent)
+
+
+def test_a_reused_output_answers_the_new_inputs_lines_not_the_old_ones(tmp_path, capsys):
+    """The same --output given another input (or lines edited since): a line was known by its id or line
+    number alone, so the new input's lines were skipped as answered, exit 0, the old input's answers kept."""
+    a, b, out = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "results.jsonl"
+    write(a, [{"prompt": "a1"}, {"prompt": "a2"}, {"id": "q", "prompt": "aq"}, {"prompt": "a4"}])
+    write(b, [{"prompt": "b1"}, {"prompt": "a2"}, {"id": "q", "prompt": "bq"}])
+    sent: list[str] = []
+    service = _DownService(200, on_post=lambda body: sent.append(body["prompt"]),
+                           answer=lambda body: json.dumps({"choices": [{"text": "to " + body["prompt"]}]}))
+    with service as url:
+        assert cli(["batch", "--input", str(a), "--output", str(out), "--url", url]) == 0
+        capsys.readouterr()
+        assert cli(["batch", "--input", str(b), "--output", str(out), "--url", url]) == 0
+        captured = capsys.readouterr()
+        assert sorted(sent[4:]) == ["b1", "bq"]  # line 2 is the same request: its answer stands
+        totals = json.loads(captured.out)
+        assert (totals["to_send"], totals["skipped"], totals["replaced"]) == (2, 1, 2), totals
+        assert "2 line(s) of the input are not the requests" in captured.err
+        assert "holds 1 answer(s) to lines this input does not have" in captured.err  # a's line 4
+        recs = [json.loads(x) for x in out.read_text().splitlines()]
+        by_key = {ref_key(r): r["output"] for r in recs}
+        assert len(recs) == len(by_key) == 4, recs  # one answer a key: the old ones went
+        assert by_key == {"line 1": "to b1", "line 2": "to a2", 'id "q"': "to bq", "line 4": "to a4"}
+        # its rerun has nothing to send; formatting and key order are no other request
+        write(b, ['{"prompt":"b1"}', {"prompt": "a2"}, {"prompt": "bq", "id": "q"}])
+        assert cli(["batch", "--input", str(b), "--output", str(out), "--url", url]) == 0
+        assert json.loads(capsys.readouterr().out)["to_send"] == 0 and len(sent) == 6
+    # an OpenAI-format line is known by its custom_id and its request alike
+    line = {"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
+    write(a, [line])
+    write(b, [{**line, "body": {"prompt": "y"}}])
+    sent.clear()
+    with _DownService(200, on_post=lambda body: sent.append(body["prompt"])) as url:
+        for src in (a, a, b):
+            assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url]) == 0
+    assert sent == ["x", "y"]
+    (rec,) = [json.loads(x) for x in out.read_text().splitlines() if '"custom_id"' in x]
+    assert rec["request_hash"] and set(rec) == {"id", "custom_id", "response", "error", "request_hash"}
+
+
+def test_an_answer_no_json_line_can_hold_is_that_lines_failure_and_the_job_goes_on(tmp_path, capsys):
+    """Another backend's answer with NaN or an escaped lone surrogate: the surrogate ended the job with a
+    traceback at the write (every rerun at the same line), NaN went into the output as invalid JSON."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": i, "prompt": p} for i, p in enumerate(["fine", "nan", "surrogate", "after"])])
+    answers = {"fine": '"ok"', "after": '"ok"', "nan": "NaN", "surrogate": '"x\\ud83d"'}
+
+    def answer(body):
+        return '{"choices": [{"text": ' + answers[body["prompt"]] + ', "finish_reason": "stop"}]}'
+
+    with _DownService(200, answer=answer) as url:
+        code = cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--keep-order",
+                    "--concurrency", "1"])
+    captured = capsys.readouterr()
+    assert code == 1, captured.err
+    totals = json.loads(captured.out)
+    assert (totals["ok"], totals["failed"], totals["retryable"], totals["not_done"]) == (2, 2, 0, 0), totals
+    def strict(constant):
+        raise AssertionError(f"{constant} in the output: no JSON")
+
+    recs = {r["id"]: r for r in (json.loads(x, parse_constant=strict) for x in out.read_text().splitlines())}
+    assert recs[0]["output"] == recs[3]["output"] == "ok"
+    assert all("NaN, Infinity or an escaped lone surrogate" in recs[i]["error"] for i in (1, 2)), recs
+
+
+def test_an_output_it_may_not_write_is_refused_before_anything_is_sent(tmp_path, capsys, monkeypatch):
+    # found by the rewrite after the service was asked: reported as an interruption, "run the same command
+    # again", which failed the same way (checked here by os.access, as root may write a read-only file)
+    import os
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": 0, "prompt": "a"}])
+    write(out, [{"id": 9, "output": "x"}])
+    service = _DownService(200)
+    for denied in (out, tmp_path):
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, real=real, denied=denied: False if str(p) == str(denied)
+                            else real(p, mode))
+        with service as url:
+            assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and f"Permission denied): {denied}" in captured.err, captured
+        assert "run the same command again" not in captured.err and service.posts == 0
+        monkeypatch.setattr(os, "access", real)
