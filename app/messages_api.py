@@ -372,8 +372,8 @@ class MessageEvents(ChunkEvents):
 
     def fail(self, message: str, status: int = 500, code: str | None = None) -> list[str]:
         """The event that ends a stream whose request failed or was refused (``status``: the HTTP status
-        it would have had before the stream started, which names its type)."""
-        return [self._event("error", error=error_body(status, message)["error"])]
+        it would have had before the stream started, which names its type; an overload is Anthropic's 529)."""
+        return [self._event("error", error=error_body(529 if code == "overloaded" else status, message)["error"])]
 
 
 class MessagesCountRequest(MessagesRequest):

@@ -15,6 +15,7 @@ from pydantic import Field
 from app.chat_view import ChatView, ChunkEvents, sse_event
 from app.reasoning import END
 from app.schemas import _OFF, MAX_TOOLS, content_text
+from app.tool_calls import is_json_object
 from engine.sequence import MAX_TOP_LOGPROBS
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -360,12 +361,16 @@ class ResponseEvents(ChunkEvents):
                                    delta=args))
         return out
 
-    def _close(self, status: str = "completed") -> list[str]:
+    def _close(self, status: str | None = None) -> list[str]:
         if self.open_at is None:
             return []
         self._flush()
         at, self.open_at = self.open_at, None
         item = self.output[at]
+        if status is None:  # the next item began: this one is done, a call whole only if its arguments are JSON
+            # (a client may run a call as soon as it is done: not one whose arguments broke)
+            whole = item["type"] != "function_call" or is_json_object(item["arguments"])
+            status = "completed" if whole else "incomplete"
         item["status"] = status
         if item["type"] == "function_call":
             return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
@@ -386,19 +391,23 @@ class ResponseEvents(ChunkEvents):
 
     def end(self) -> list[str]:
         status = "incomplete" if self.finish == "length" else "completed"
+        out = []
+        if status == "incomplete" and self.open_at is not None and self.output[self.open_at]["type"] == "reasoning":
+            out += self._close(status)  # thinking cut by max_output_tokens
         # an answer with no text (only thinking, or nothing) still has its message
-        out = [] if any(item["type"] != "reasoning" for item in self.output) else self._open(_message_item("", [], "in_progress"))
+        if not any(item["type"] != "reasoning" for item in self.output):
+            out += self._open(_message_item("", [], "in_progress"))
+        self._flush()
         last = self.output[self.open_at] if self.open_at is not None else None
-        # a call the answer ends in is whole when the chat route ends for it, or ends a named tool's answer
-        # (a stop string in its arguments cut it: an agent loop must not run it)
-        whole = self.finish == "tool_calls" or (isinstance(self.req.tool_choice, dict) and self.finish == "stop"
-                                                and not self.stop_string)
+        # a call the answer ends in is whole when the chat route ends for it, or the answer ends on its own
+        # after it (not cut by a stop string in its arguments: an agent loop must not run that) with a named
+        # tool's arguments or arguments that are JSON (the chat route ends for no call when another one broke);
+        # an earlier call was done, and said so, when the next item began (see _close)
+        whole = self.finish == "tool_calls" or (
+            self.finish == "stop" and not self.stop_string and last is not None
+            and (isinstance(self.req.tool_choice, dict) or is_json_object(last.get("arguments", ""))))
         cut = last is not None and last["type"] == "function_call" and not whole
         out += self._close("incomplete" if cut else status)
-        if not whole:  # an earlier call may be the broken one (its item was done before the answer ended)
-            for item in self.output:
-                if item["type"] == "function_call":
-                    item["status"] = "incomplete"
         self.response = self._response(status)
         out.append(self._event(f"response.{status}", response=self.response))
         return out
@@ -410,10 +419,11 @@ class ResponseEvents(ChunkEvents):
     def fail(self, message: str, status: int = 500, code: str | None = None) -> list[str]:
         """The events that end a stream whose request failed or was refused (``status``: the HTTP status it
         would have had before the stream started; ``code``: the error's own, if it has one)."""
-        code = code or ("server_error" if status >= 500 else "rate_limit_exceeded" if status == 429
-                        else "invalid_request_error")
-        return [self._event("error", code=code, message=message, param=None),
-                self._event("response.failed", response=self._response("failed", {"code": code, "message": message}))]
+        # the response's error takes a code of OpenAI's list (its SDK's type), by status; the error event
+        # may say more (``overloaded``, ``engine_failure``)
+        listed = "server_error" if status >= 500 else "rate_limit_exceeded" if status == 429 else "invalid_prompt"
+        return [self._event("error", code=code or listed, message=message, param=None),
+                self._event("response.failed", response=self._response("failed", {"code": listed, "message": message}))]
 
 
 def _copy(obj: dict[str, Any]) -> dict[str, Any]:

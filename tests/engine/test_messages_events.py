@@ -176,3 +176,12 @@ def test_a_tool_use_whose_numbers_json_cannot_carry_reads_them_as_null(finish):
     m = _whole([{"tool_calls": [call]}], finish)
     assert m["content"][0]["input"] == {"a": None, "b": None, "c": [None, 2.5], "d": 7}
     json.dumps(m, allow_nan=False)  # (as the answer renders)
+
+
+def test_a_stream_refused_late_for_overload_says_overloaded_as_before_the_stream():
+    # before the stream an overload is Anthropic's 529 overloaded_error; refused after its start (a ping
+    # went out first) it was a rate_limit_error, which the SDK retries as another kind of failure
+    ev = MessageEvents("msg_1", "m", 9)
+    kinds = [json.loads(ev.fail("busy", 429, code)[0].split("data: ", 1)[1])["error"]["type"]
+             for code in ("overloaded", None)]
+    assert kinds == ["overloaded_error", "rate_limit_error"]

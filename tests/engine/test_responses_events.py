@@ -226,20 +226,44 @@ def test_an_answer_without_text_keeps_its_eos_log_prob_streamed_as_whole():
     assert streamed == eos
 
 
-def test_every_call_of_an_answer_with_a_broken_one_is_incomplete():
-    # only the last call was looked at: a broken first call ({"a": NaN}) said completed and the whole
-    # second one incomplete; the chat route's finish does not say which broke, so neither is run
+@pytest.mark.parametrize("first, second", [('{"a": NaN}', '{"a": 1}'), ('{"a": 1}', '{"a": NaN}')])
+def test_a_call_whose_arguments_broke_is_incomplete_when_done_and_the_others_are_not(first, second):
+    # only the last call was looked at: a broken first call ({"a": NaN}) was done as completed, and a client
+    # that runs each call as it is done ran it (the final response then said incomplete); and then every call
+    # of such an answer was incomplete, a whole one too
     from app.tool_stream import ToolCallStream
 
     req = ResponsesRequest.model_validate({"input": "x", "tools": [{"type": "function", "name": "add"}]})
     stream = ToolCallStream("hermes", {"add"})
-    deltas = stream.feed('<tool_call>{"name": "add", "arguments": {"a": NaN}}</tool_call>\n'
-                         '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>') + stream.finish()
+    deltas = stream.feed(f'<tool_call>{{"name": "add", "arguments": {first}}}</tool_call>\n'
+                         f'<tool_call>{{"name": "add", "arguments": {second}}}</tool_call>') + stream.finish()
+    ev = ResponseEvents(req, "resp_1", 0, "m")
+    lines = ev.start()
+    for d in deltas:
+        lines += ev.chunk(_chunk(d))
+    finish = stream.finish_reason("stop")
+    assert finish == "stop"  # (the chat route ends for no call when one broke)
+    lines += ev.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": finish, "stop_reason": None}]})
+    lines += ev.end()
+    expected = [(args, "completed" if args == '{"a": 1}' else "incomplete") for args in (first, second)]
+    assert [(item["arguments"], item["status"]) for item in ev.final()["output"]] == expected
+    done = [e["item"] for e in _events(lines) if e["type"] == "response.output_item.done"]
+    assert [(item["arguments"], item["status"]) for item in done] == expected  # as the final response says
+
+
+def test_thinking_cut_by_max_output_tokens_is_incomplete_and_a_failures_code_is_one_of_openais():
+    req = ResponsesRequest.model_validate({"input": "x", "max_output_tokens": 3})
     ev = ResponseEvents(req, "resp_1", 0, "m")
     ev.start()
-    for d in deltas:
-        ev.chunk(_chunk(d))
-    ev.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": stream.finish_reason("stop"), "stop_reason": None}]})
+    ev.chunk(_chunk({"reasoning_content": "Let me"}))
+    ev.chunk(_chunk({}, "length"))
     ev.end()
-    assert [(item["arguments"], item["status"]) for item in ev.final()["output"]] == [
-        ('{"a": NaN}', "incomplete"), ('{"a": 1}', "incomplete")]
+    assert [(item["type"], item["status"]) for item in ev.final()["output"]] == [
+        ("reasoning", "incomplete"), ("message", "incomplete")]
+    # the response's error code is of the SDK's list (an internal one, or invalid_request_error, is not);
+    # the error event may say more
+    for status, code, listed in ((429, "overloaded", "rate_limit_exceeded"), (422, None, "invalid_prompt"),
+                                 (503, "engine_failure", "server_error")):
+        ev = ResponseEvents(req, "resp_2", 0, "m")
+        error, failed = _events(ev.start() + ev.fail("no", status, code))[-2:]
+        assert error["code"] == (code or listed) and failed["response"]["error"]["code"] == listed
