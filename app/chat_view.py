@@ -81,6 +81,25 @@ class ChunkEvents:
     PING = ": ping\n\n"  # (an SSE comment: clients skip it)
     _usage: Callable[[dict[str, Any]], dict[str, Any]]
 
+    # a chat request's field -> this API's name for it, where the two differ (its refusals name this API's
+    # fields: a client never sent the chat route's ``tools[0].function.parameters``)
+    CHAT_FIELDS: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def own_location(cls, loc: tuple) -> tuple:
+        """A chat request field's location (a validation error's ``loc``) in this API's request: a tool's
+        ``function`` level goes (these APIs' tools are flat), then the first renamed prefix of the rest."""
+        if len(loc) > 2 and loc[0] == "tools" and loc[2] == "function":
+            loc = loc[:2] + loc[3:]
+        elif len(loc) > 1 and loc[:2] == ("tool_choice", "function"):
+            loc = loc[:1] + loc[2:]
+        for k in range(len(loc), 0, -1):
+            renamed = cls.CHAT_FIELDS.get(".".join("*" if isinstance(x, int) else str(x) for x in loc[:k]))
+            if renamed is not None:  # (its "*"s are the location's indexes, in order)
+                indexes = iter(x for x in loc[:k] if isinstance(x, int))
+                return tuple(next(indexes) if part == "*" else part for part in renamed.split(".")) + loc[k:]
+        return loc
+
     def prompt_tokens(self, prompt: int, cached: int) -> None:
         """The prompt's tokens, and the prefix cache's share of them, known before the first chunk (an API
         whose first event says them keeps them)."""

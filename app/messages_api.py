@@ -273,6 +273,8 @@ class MessageEvents(ChunkEvents):
     each, ``end`` after the last (or ``fail``). Content blocks come one after another, each stopped before
     the next starts."""
 
+    CHAT_FIELDS: ClassVar[dict[str, str]] = {"tools.*.parameters": "tools.*.input_schema", "stop": "stop_sequences"}
+
     PING = 'event: ping\ndata: {"type":"ping"}\n\n'  # (Anthropic's own keep-alive)
 
     def __init__(self, rid: str, model: str, asked: int, named_tool: bool = False):

@@ -38,8 +38,8 @@ TEXT_FIELDS = {"input_text": "text", "output_text": "text", "text": "text", "ref
 
 
 def _part_text(content: Any, where: str) -> str:
-    """A message's or a tool output's content as text: a string, or a list of text parts."""
-    return content_text(content, f"{where}.content", TEXT_FIELDS, "\n")  # (as the chat route joins them)
+    """A message's or a tool output's content (``where``: its location) as text: a string, or a list of text parts."""
+    return content_text(content, where, TEXT_FIELDS, "\n")  # (as the chat route joins them)
 
 
 def _messages(items: list[Any]) -> list[dict[str, Any]]:
@@ -58,7 +58,7 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ValueError(f"{where}.role must be user, assistant, system or developer, got {role!r}")
-            out.append({"role": role, "content": _part_text(item.get("content"), where)})
+            out.append({"role": role, "content": _part_text(item.get("content"), f"{where}.content")})
             if role == "assistant" and thought:
                 out[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call":
@@ -80,7 +80,7 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
             if item["call_id"] not in called:
                 raise ValueError(f"{where}: no function_call before it has call_id {item['call_id']!r}")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _part_text(item.get("output"), where)})
+                        "content": _part_text(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text", ""), str)
@@ -247,6 +247,8 @@ class ResponseEvents(ChunkEvents):
     numbered): ``start`` before the first chunk, ``chunk`` for each, ``end`` after the last (or ``fail``).
     Items come one after another: each is done before the next is added (text that a model writes after a
     tool call is a message of its own)."""
+
+    CHAT_FIELDS: ClassVar[dict[str, str]] = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
 
     def __init__(self, req: ResponsesRequest, rid: str, created: int, model: str):
         self.req, self.rid, self.created, self.model = req, rid, created, model
@@ -422,7 +424,8 @@ class ResponseEvents(ChunkEvents):
         # the response's error takes a code of OpenAI's list (its SDK's type), by status; the error event
         # may say more (``overloaded``, ``engine_failure``)
         listed = "server_error" if status >= 500 else "rate_limit_exceeded" if status == 429 else "invalid_prompt"
-        return [self._event("error", code=code or listed, message=message, param=None),
+        code = code or ("invalid_request_error" if listed == "invalid_prompt" else listed)
+        return [self._event("error", code=code, message=message, param=None),
                 self._event("response.failed", response=self._response("failed", {"code": listed, "message": message}))]
 
 

@@ -674,12 +674,20 @@ class _StreamedChoice:
     latest: dict = field(default_factory=dict)  # its last event: the usage so far (continuous_usage_stats)
 
 
-def _validated_chat(body: dict[str, Any]) -> ChatRequest:
-    """A chat request made from another API's (its refusals are 400s in that API's format)."""
+def _validated_chat(body: dict[str, Any], api: type[ChunkEvents]) -> ChatRequest:
+    """A chat request made from another API's (its refusals are 400s in that API's format, naming its fields)."""
     try:
         return ChatRequest.model_validate(body)
     except ValidationError as e:
-        raise RequestValidationError(e.errors()) from None
+        raise RequestValidationError([{**err, "loc": api.own_location(tuple(err.get("loc", ())))}
+                                      for err in e.errors()]) from None
+
+
+def _in_own_terms(e: ApiError, api: type[ChunkEvents]) -> ApiError:
+    """A refusal of the chat request made from another API's, its ``param`` named as that API names it."""
+    if e.param is not None:
+        e.param = ".".join(str(x) for x in api.own_location((e.param,)))
+    return e
 
 
 def _think_tokens(tokenizer) -> dict[str, int | None]:
@@ -1512,7 +1520,7 @@ class Ingress:
         self._check_model(req.model)
         body = {**req.chat(), "stream": False}  # (a count streams nothing: a stream field is ignored)
         body.pop("stream_options", None)
-        chat = _validated_chat(body)
+        chat = _validated_chat(body, MessageEvents)
         return {"input_tokens": len(await self._chat_ids(chat, overlong=False))}
 
     async def _chat_view(self, body: dict[str, Any], default: int, events: ChunkEvents, stream: bool):
@@ -1524,12 +1532,14 @@ class Ingress:
         then comes as the stream's error event (before, it is the HTTP error it always is)."""
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         counted = [0]
-        pending = asyncio.ensure_future(self._chat(_validated_chat(body), default, counted))
+        pending = asyncio.ensure_future(self._chat(_validated_chat(body, type(events)), default, counted))
         try:
             if stream and not (await asyncio.wait({pending}, timeout=self.first_token_ping_s))[0]:
                 return StreamingResponse(self._late_view(pending, events, counted), media_type="text/event-stream",
                                          headers=UNBUFFERED)
             answer = await pending  # (refusals raise here, before any byte)
+        except ApiError as e:
+            raise _in_own_terms(e, type(events)) from None
         except BaseException:
             pending.cancel()  # (the client left while it waited: its requests end)
             raise

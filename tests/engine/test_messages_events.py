@@ -185,3 +185,17 @@ def test_a_stream_refused_late_for_overload_says_overloaded_as_before_the_stream
     kinds = [json.loads(ev.fail("busy", 429, code)[0].split("data: ", 1)[1])["error"]["type"]
              for code in ("overloaded", None)]
     assert kinds == ["overloaded_error", "rate_limit_error"]
+
+
+def test_a_chat_fields_location_is_named_as_each_api_names_it():
+    from app.responses_api import ResponseEvents
+
+    assert MessageEvents.own_location(("tools", 2, "function", "parameters", "type")) == ("tools", 2, "input_schema", "type")
+    assert MessageEvents.own_location(("tools", 0, "function", "name")) == ("tools", 0, "name")
+    assert MessageEvents.own_location(("stop", 3)) == ("stop_sequences", 3)
+    assert MessageEvents.own_location(("max_tokens",)) == ("max_tokens",)
+    assert ResponseEvents.own_location(("max_tokens",)) == ("max_output_tokens",)
+    assert ResponseEvents.own_location(("tools", 1, "function", "parameters")) == ("tools", 1, "parameters")
+    assert ResponseEvents.own_location(("response_format", "json_schema")) == ("text", "format", "json_schema")
+    assert ResponseEvents.own_location(("tool_choice", "function", "name")) == ("tool_choice", "name")
+    assert ResponseEvents.own_location(("messages", 0, "content")) == ("messages", 0, "content")

@@ -262,8 +262,9 @@ def test_thinking_cut_by_max_output_tokens_is_incomplete_and_a_failures_code_is_
         ("reasoning", "incomplete"), ("message", "incomplete")]
     # the response's error code is of the SDK's list (an internal one, or invalid_request_error, is not);
     # the error event may say more
-    for status, code, listed in ((429, "overloaded", "rate_limit_exceeded"), (422, None, "invalid_prompt"),
-                                 (503, "engine_failure", "server_error")):
+    for status, code, said, listed in ((429, "overloaded", "overloaded", "rate_limit_exceeded"),
+                                       (422, None, "invalid_request_error", "invalid_prompt"),
+                                       (503, "engine_failure", "engine_failure", "server_error")):
         ev = ResponseEvents(req, "resp_2", 0, "m")
         error, failed = _events(ev.start() + ev.fail("no", status, code))[-2:]
-        assert error["code"] == (code or listed) and failed["response"]["error"]["code"] == listed
+        assert error["code"] == said and failed["response"]["error"]["code"] == listed

@@ -122,6 +122,8 @@ def test_anthropic_tools_whole_and_streamed_and_their_results(ac, client):
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": [
         {"name": "f", "input_schema": {"type": "object"}}, {"name": "f", "input_schema": {"type": "object"}}]}, 400,
      "invalid_request_error", "tool names must be unique"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", "input_schema": "x"}]},
+     400, "invalid_request_error", "tools[0].input_schema: Input should be a valid dictionary"),
 ])
 def test_anthropic_errors_come_in_anthropics_format(client, body, status, kind, needle):
     r = client.post("/v1/messages", json=body)

@@ -158,6 +158,11 @@ def test_responses_structured_output_logprobs_and_extensions(client):
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    # refusals of the chat request made from it name this API's fields (its tools are flat)
+    ({"input": "hi", "tools": [{"type": "function", "parameters": {"type": "object"}}]}, "tools[0].name: Field required"),
+    ({"input": [{"type": "function_call", "call_id": "a", "name": "w", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "a", "output": [{"type": "input_image"}]}]},
+     "input[1].output[0]: only text parts"),
 ])
 def test_responses_refusals_are_400s_in_openais_format(client, body, needle):
     r = client.post("/v1/responses", json=body)
