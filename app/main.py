@@ -104,7 +104,9 @@ def app_builder(args: dict[str, Any]):
     if ignored:  # a variable left from `radixserve serve`: not an error, but it must not look obeyed
         logging.getLogger("radixserve").warning(
             "%s ignored: under a Serve config, where Serve listens is its http_options", ", ".join(ignored))
-    settings = Settings.from_sources(file=dict(args or {}))
+    # (not read either: a leftover RADIXSERVE_PORT=abc failed the deploy it has no say in)
+    env = {k: v for k, v in os.environ.items() if k not in {ENV_PREFIX + name.upper() for name in HTTP_OPTIONS}}
+    settings = Settings.from_sources(env=env, file=dict(args or {}))
     from app.cli import settings_problem
 
     # the engine's own checks (`radixserve serve` makes them before it starts), else each replica fails; the

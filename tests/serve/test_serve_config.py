@@ -271,6 +271,18 @@ def test_a_serve_config_the_engine_would_refuse_is_refused_when_it_is_built(mode
     app_builder({"model_id": str(tmp_path / "on-the-workers")})  # (a folder that may exist where replicas run)
 
 
+
+def test_a_leftover_port_variable_is_ignored_under_a_serve_config_not_checked(model_dir, monkeypatch, caplog):
+    # ignored with a warning, yet still parsed: RADIXSERVE_PORT=abc failed a deploy where Serve's http_options
+    # say where it listens
+    from app.main import app_builder
+
+    monkeypatch.setenv("RADIXSERVE_PORT", "abc")
+    monkeypatch.setenv("RADIXSERVE_REQUEST_TIMEOUT_S", "-1")
+    app_builder({"model_id": model_dir("tiny")})
+    assert "RADIXSERVE_PORT, RADIXSERVE_REQUEST_TIMEOUT_S ignored" in caplog.text
+
+
 def test_a_failed_deploy_is_said_in_a_line_with_the_replicas_error():
     # serve.run's RuntimeError (replicas that kept failing to start) ended `radixserve serve` in a traceback
     from app.cli import _deploy_failure
