@@ -459,7 +459,7 @@ class LLMServer:
         # is running so every block goes back (a join of up to 10 s)
         # (the background thread is joined first: a push or record of its own after them would undo them)
         for step in (lambda: self._stop.set(), lambda: self._background.join(1.5),
-                     lambda: self._hub.handle.forget.remote(self.replica_id),
+                     lambda: self._hub.handle.stopped.remote(self.replica_id),
                      lambda: self.directory is not None and self.directory.forget_replica(self.replica_id),
                      lambda: self.aengine.shutdown()):
             try:

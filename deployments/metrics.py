@@ -7,6 +7,7 @@ Snapshots are plain dicts, so this module is testable without Ray (the hub is a 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.experimental import internal_kv
 
 from cache.hot_sketch import union_estimate
 from engine.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
@@ -25,7 +27,9 @@ RETIRED_MERGE_S = 600.0
 # STALE_AFTER_S: the entries a view gave have not folded away yet)
 RESTORE_WINDOW_S = 20.0
 HOT_UNION_EVERY_S = 2.0  # replicas send their working-set sketches every 5 s (see hot_union)
-HUB_VERSION = 9  # in the hub's name: a detached hub of older code (without ``requests_overloaded``) is not reused
+HUB_VERSION = 10  # in the hub's name: a detached hub of older code (without ``stopped``) is not reused
+INGRESS_FRESH_S = 3.0  # an ingress heartbeats twice a second: one not heard from in this long is gone
+SAVED_NAMESPACE = "radixserve-metrics"  # Ray's internal KV (in the GCS), where a hub keeps its last export
 HUNG_AFTER_TIMEOUTS = 2  # calls in a row that time out before a client restarts the hub
 log = logging.getLogger(__name__)
 
@@ -223,6 +227,7 @@ class SnapshotStore:
         self._routing_retired: dict[str, tuple[float, dict[str, int]]] = {}
         self._routing_gone: dict[str, Any] = {}
         self._cut: set[str] = set()  # replicas told to end what still runs (see cut)
+        self._stopped: dict[str, float] = {}  # replicas that said they stopped -> when (see stopped)
         self._hot_sketches: dict[str, list[int]] = {}  # replica -> its working set's sketch (see hot_union)
         self._hot_union = (float("-inf"), 0.0)  # (when, the count then): merged at most every HOT_UNION_EVERY_S
         self._block_size = 0  # the last one a replica reported, rendered while none is live
@@ -230,6 +235,12 @@ class SnapshotStore:
 
     def push(self, replica: str, snapshot: dict) -> bool:
         """A replica's snapshot in; True when it must stop its engine now (``cut``)."""
+        if replica in self._stopped:  # a push that raced its stop: its counts, not a live series again
+            if replica in self._retired:
+                totals: dict[str, Any] = {}
+                _add(totals, snapshot, COUNTER_KEYS)
+                self._retired[replica] = (self._retired[replica][0], totals)
+            return False
         self._retired.pop(replica, None)
         if self._view is not None:
             self._view.replicas.discard(replica)  # its own word now, newer than any view's
@@ -258,6 +269,16 @@ class SnapshotStore:
             self._hot_union = (now, union_estimate(s for r, s in self._hot_sketches.items() if r in live or r == replica))
         return self._hot_union[1]
 
+    def stopped(self, replica: str) -> None:
+        """A replica's graceful stop: its series ends now, and a push of its own still on its way (its
+        background thread outlived the stop's short wait for it) counts, but does not bring it back as live
+        for ``STALE_AFTER_S`` (in /health, a drain's wait, the gauges)."""
+        now = self._clock()
+        self._stopped[replica] = now
+        for r in [r for r, at in self._stopped.items() if now - at >= RETIRED_MERGE_S]:
+            del self._stopped[r]  # bounded: ids are never reused, and a late push comes within seconds
+        self.forget(replica)
+
     def forget(self, replica: str) -> None:
         self._hot_sketches.pop(replica, None)
         gone = self._snaps.pop(replica, None)
@@ -283,7 +304,9 @@ class SnapshotStore:
         _add(retired, self._routing_gone)
         for counts in (*self._routing.values(), *(c for _, c in self._routing_retired.values())):
             _add(retired, counts)
-        retired["ingress_in_flight"] = sum(n for _, n, _ in self._ingress.values())
+        # (an ingress gone without a word stops counting at once, not when it retires)
+        now = self._clock()
+        retired["ingress_in_flight"] = sum(n for at, n, _ in self._ingress.values() if now - at < INGRESS_FRESH_S)
         for _, totals in self._retired.values():
             _add(retired, totals)
         if self._block_size:
@@ -300,11 +323,11 @@ class SnapshotStore:
         _add(merged, self._merged)  # a copy, histograms included
         _add(merged, self._view_merged)
         _add(merged, self._routing_gone)
-        for _, counts in self._routing_retired.values():  # (a restarted store keeps them summed)
-            _add(merged, counts)
         if self._block_size:
             merged["block_size"] = self._block_size
-        merged["ingress_routing"] = {r: dict(c) for r, c in self._routing.items()}
+        # the quiet ones by id too: summed in, they were counted again when one spoke up after a restart
+        merged["ingress_routing"] = {**{r: dict(c) for r, (_, c) in self._routing_retired.items()},
+                                     **{r: dict(c) for r, c in self._routing.items()}}
         return live, retired, self.incarnation, {r: t for r, (_, t) in self._retired.items()}, merged
 
     def restore(self, live: dict[str, dict], retired: dict[str, dict], merged: dict[str, Any]) -> bool:
@@ -406,7 +429,37 @@ class SnapshotStore:
 @ray.remote(num_cpus=0, max_restarts=-1)
 class MetricsHub(SnapshotStore):
     """The store as one small detached actor per deployment (restarted by Ray if its process dies; the
-    replicas fill it again within a second)."""
+    replicas fill it again within a second). Each export (each scrape) is saved in Ray's internal KV, and
+    a restarted hub takes it back before it answers anything: the "all" counters go on from at least what
+    the last scrape showed, even when the ingress that served it was lost with the hub (the ingresses'
+    own views, offered after a restart, are the fallback). A new hub (not a restart) starts empty."""
+
+    def __init__(self):
+        super().__init__()
+        self._saved_as: str | None = None
+        try:
+            context = ray.get_runtime_context()
+            self._saved_as = context.get_actor_name()
+            if context.was_current_actor_reconstructed:
+                saved = internal_kv._internal_kv_get(self._saved_as, namespace=SAVED_NAMESPACE)
+                if saved:
+                    live, by_replica, merged = json.loads(saved)
+                    self.restore(live, by_replica, merged)
+            else:  # (a former deployment's, of the same name)
+                internal_kv._internal_kv_del(self._saved_as, namespace=SAVED_NAMESPACE)
+        except Exception:  # noqa: BLE001 - the ingresses' views still restore it
+            log.warning("metrics hub: its saved counters could not be read", exc_info=True)
+
+    def export_state(self):
+        state = super().export_state()
+        if self._saved_as:
+            live, _, _, by_replica, merged = state
+            try:
+                internal_kv._internal_kv_put(self._saved_as, json.dumps([live, by_replica, merged]),
+                                             namespace=SAVED_NAMESPACE)
+            except Exception:  # noqa: BLE001 - a scrape must not fail over it
+                log.debug("metrics hub: saving its counters failed", exc_info=True)
+        return state
 
     def pid(self) -> int:
         return os.getpid()

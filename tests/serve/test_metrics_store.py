@@ -1,7 +1,9 @@
 """The metrics hub's store and the Prometheus text, without Ray: per-replica series come and go, the
-replica="all" counters never go down."""
+replica="all" counters never go down (and the hub actor's restart, on the session's Ray)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -409,3 +411,64 @@ def test_a_cut_replica_stays_healthy_only_while_its_stop_can_still_remove_it(mon
     now[0] += CUT_HEALTHY_S + 1
     with pytest.raises(RuntimeError, match="the stop was abandoned"):
         check(replica)
+
+
+def test_a_push_that_raced_a_graceful_stop_counts_but_does_not_bring_the_replica_back():
+    # the stop's wait for its background thread is short: a push still on its way after `stopped` made the
+    # replica live again for 30 s (in /health, a drain's wait and the gauges)
+    now = [0.0]
+    store = SnapshotStore(clock=lambda: now[0])
+    store.push("a", snap(100, running=3))
+    store.stopped("a")
+    assert store.push("a", snap(101, running=3)) is False
+    assert store.fresh(10.0) == 0 and store.busy(10.0) == 0
+    m = values(render(*store.export()))
+    assert ("radixserve_requests_total", "a") not in m and m[("radixserve_requests_total", "all")] == 101
+    assert m[("radixserve_running_requests", "all")] == 0
+
+
+def test_a_quiet_ingress_is_counted_once_after_a_hub_restart_and_a_gone_ones_in_flight_at_once():
+    # its counts, retired after STALE_AFTER_S, were exported summed: when it spoke up after a restart, its
+    # full total came on top of that sum (100 then 101 rendered 201)
+    now = [0.0]
+    old = SnapshotStore(clock=lambda: now[0])
+    old.ingress_poll("a", 2, {"router_affinity_hits": 100})
+    assert values(render(*old.export()))[("radixserve_ingress_requests_in_flight", "all")] == 2
+    now[0] = 3.5  # a crashed ingress's requests are no longer in flight (were, until it retired at 30 s)
+    assert values(render(*old.export()))[("radixserve_ingress_requests_in_flight", "all")] == 0
+    now[0] = STALE_AFTER_S + 1
+    old.ingress_poll("b", 0, {"router_affinity_hits": 1})  # "a" retires
+    live, _, _, by_replica, merged = old.export_state()
+    new = SnapshotStore(clock=lambda: now[0])
+    assert new.restore(live, by_replica, merged)
+    new.ingress_poll("a", 0, {"router_affinity_hits": 101})
+    assert values(render(*new.export()))[("radixserve_router_affinity_hits_total", "all")] == 102
+
+
+def test_a_restarted_hub_goes_on_from_its_last_export_and_a_new_one_starts_empty(ray_cluster):
+    """The ingresses' views are taken at their own scrapes: lost with the hub, the ingress that served the
+    newest one left only older views, and the "all" counters went down (a reset to Prometheus)."""
+    import ray
+
+    from deployments.metrics import hub_handle
+
+    hub = hub_handle("restart-test")
+    ray.get(hub.push.remote("r1", snap(300)))
+    assert "requests_finished" not in ray.get(hub.export_state.remote())[1]  # (r1 is live, not retired)
+    pid = ray.get(hub.pid.remote())
+    ray.kill(hub, no_restart=False)  # a crash: Ray starts it again
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if ray.get(hub.pid.remote(), timeout=10) != pid:
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.monotonic() < deadline, "the hub did not restart"
+        time.sleep(0.5)
+    live, retired = ray.get(hub.export.remote())
+    assert values(render(live, retired))[("radixserve_requests_total", "all")] == 300  # before any replica pushed
+    ray.kill(hub)  # the CLI's end of a deployment: the next hub of that name is a new one
+    hub = hub_handle("restart-test")
+    assert values(render(*ray.get(hub.export.remote()))).get(("radixserve_requests_total", "all"), 0) == 0
+    ray.kill(hub)
