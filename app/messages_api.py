@@ -158,6 +158,8 @@ def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
     if tool.get("description") is not None:
         fn["description"] = tool["description"]
+    if tool.get("strict") is not None:  # (Anthropic's structured outputs: its input held to the schema)
+        fn["strict"] = tool["strict"]
     return {"type": "function", "function": fn}
 
 

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.guided import walk_schema
+from engine.guided import MAX_GUIDE_CHARS, tagged_calls_grammar, walk_schema
 
 HERMES_OPEN, HERMES_CLOSE, MISTRAL_TAG, PYTHON_TAG = "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>"
 ANY_OBJECT = {"type": "object"}
@@ -100,25 +100,46 @@ def _rebased(schema: Any, base: str) -> Any:
     return walk_schema(schema, rebase)
 
 
-def required_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bool) -> str:
-    """The guide of ``tool_choice: required``: a list of calls (one at least; one at most unless
-    ``parallel``), each a tool's name with arguments per its parameters' schema. Each schema sits whole in
-    the root's ``$defs``, its own definitions with it, and its ``$ref``s rebased there: tools that name
-    their definitions alike do not clash, and each is written once."""
+def _call_schemas(tools: list[tuple[str, dict[str, Any] | None]], key: str) -> tuple[list[dict], dict[str, Any]]:
+    """One schema per tool of a call to it (its name, and under ``key`` its arguments per its parameters'
+    schema), and their definitions. Each parameters' schema sits whole in the root's ``$defs``, its own
+    definitions with it, and its ``$ref``s rebased there: tools that name their definitions alike do not
+    clash, and each is written once."""
     defs: dict[str, Any] = {}
     calls = []
     for i, (name, params) in enumerate(tools):
         params = _arguments_schema(params)
-        for key in ("$defs", "definitions"):
-            if not isinstance(params.get(key, {}), dict):
-                raise ValueError(f"tool {name!r}: parameters.{key} must be an object")
+        for k in ("$defs", "definitions"):
+            if not isinstance(params.get(k, {}), dict):
+                raise ValueError(f"tool {name!r}: parameters.{k} must be an object")
         defs[f"radixserve-tool-{i}"] = _rebased(params, f"#/$defs/radixserve-tool-{i}")
-        calls.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                      "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/radixserve-tool-{i}"}}})
+        calls.append({"type": "object", "additionalProperties": False, "required": ["name", key],
+                      "properties": {"name": {"const": name}, key: {"$ref": f"#/$defs/radixserve-tool-{i}"}}})
+    return calls, defs
+
+
+def required_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bool) -> str:
+    """The guide of ``tool_choice: required``: a list of calls (one at least; one at most unless
+    ``parallel``), each a tool's name with arguments per its parameters' schema."""
+    calls, defs = _call_schemas(tools, "parameters")
     root = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
     if defs:
         root["$defs"] = defs
     return json.dumps(root)
+
+
+def strict_auto_guide(tools: list[tuple[str, dict[str, Any] | None, bool]], parser: str) -> tuple[str, str] | None:
+    """The guide of ``tool_choice: auto`` where a tool is ``strict`` (name, parameters, strict): the answer is
+    free text, but a call it begins is held to the tools' schemas (a strict tool's arguments to its
+    parameters, another's to any object), as OpenAI holds strict tools; so a client that parses a strict
+    call's arguments (the OpenAI SDK's ``parse``, pydantic tools) gets what they promise. For the Hermes
+    format only (the others' calls are not tagged in running text); None where no tool is strict, or the
+    grammar is past ``MAX_GUIDE_CHARS`` (the calls then go unguided, as before)."""
+    if parser != "hermes" or not any(strict for _, _, strict in tools):
+        return None
+    calls, defs = _call_schemas([(name, params if strict else None) for name, params, strict in tools], "arguments")
+    grammar = tagged_calls_grammar(HERMES_OPEN, HERMES_CLOSE, {"anyOf": calls, **({"$defs": defs} if defs else {})})
+    return ("grammar", grammar) if len(grammar) <= MAX_GUIDE_CHARS else None
 
 
 def json_text(value: Any) -> str | None:

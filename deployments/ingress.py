@@ -61,7 +61,7 @@ from app.schemas import (
     TokenizeRequest,
     WarmupRequest,
 )
-from app.tool_calls import ToolCall, new_call_id, template_call_ids
+from app.tool_calls import ToolCall, new_call_id, strict_auto_guide, template_call_ids
 from app.tool_stream import ToolCallStream, read_answer
 from cache.hashing import block_hashes
 from deployments.cors import Cors
@@ -1475,6 +1475,9 @@ class Ingress:
         params["bad_words_ids"] = await self._bad_words_ids(req.bad_words)
         if req.tool_mode() == "auto" and self.settings.tool_call_parser != "none":
             params["skip_special_tokens"] = False  # (a call's tag may be a special token: [TOOL_CALLS])
+            if params.get("guide") is None:  # (a structured output of its own asked for: that one guides)
+                params["guide"] = strict_auto_guide([(t.function.name, t.function.parameters, bool(t.function.strict))
+                                                     for t in req.tools], self.settings.tool_call_parser)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         tools = req.tool_mode() != "none"
         prefill = req.messages[-1].text() if req.continue_final_message else None

@@ -16,6 +16,9 @@ import torch
 # Lark or GBNF grammar (llguidance's syntax)
 GUIDE_KINDS = ("json", "regex", "choice", "grammar")
 MAX_GUIDE_CHARS = 1 << 16  # a schema or grammar larger than this is refused before it is compiled
+# separators as Python's json.dumps writes them and no other whitespace between tokens: flexible whitespace
+# lets a model pad its answer with newlines up to its token limit, a known failure of JSON modes
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CHECKED_GUIDES = 256  # guides whose check is remembered
 
 
@@ -54,11 +57,7 @@ def grammar_text(kind: str, text: str) -> str:
         if kind == "json":
             value = _loosened(value)
             if "x-guidance" not in value:
-                # separators as Python's json.dumps writes them and no other whitespace between tokens:
-                # flexible whitespace lets a model pad its answer with newlines up to its token limit, a
-                # known failure of JSON modes
-                value = {**value, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
-                                                 "key_separator": ": "}}
+                value = {**value, "x-guidance": JSON_STYLE}
             text = json.dumps(value)
     llg = _llguidance()
     try:
@@ -116,6 +115,22 @@ def _loosened(schema):
     tools declare them) left out, as no answer comes near it, and a count written as a float (5.0) as the
     integer it is. llguidance refused both: a valid tool was a 400."""
     return walk_schema(schema, _loosened_one)
+
+
+def tagged_calls_grammar(open_tag: str, close_tag: str, call_schema: dict) -> str:
+    """A grammar (llguidance's Lark) of an answer that may call tools as it goes: free text, in which each
+    ``open_tag`` begins a call held to ``call_schema`` (a JSON schema) up to its ``close_tag``. The text
+    itself cannot hold ``open_tag`` otherwise: a call begun is a call, whole (strict tools under
+    ``tool_choice: auto``). A call's JSON may sit on lines of its own, as Hermes templates show it."""
+    schema = {**_loosened(call_schema), "x-guidance": JSON_STYLE}
+    opener = "".join(f"\\{c}" if c in r".^$*+?()[]{}|\/" else c for c in open_tag)
+    return "\n".join([
+        "%llguidance {}",
+        "start: call* TEXT",
+        f"call: call_open /[ \\n]{{0,2}}/ call_body /[ \\n]{{0,2}}/ {json.dumps(close_tag)}",
+        f"call_open[lazy]: TEXT {json.dumps(open_tag)}",  # (the text ends where the tag begins)
+        f"call_body: %json {json.dumps(schema)}",
+        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{opener}(.|\\n)*/"])
 
 
 def _first_line(e: object) -> str:

@@ -13,6 +13,7 @@ import time
 import types
 
 import pytest
+import torch
 
 from engine import guided
 from engine.guided import GuideError, grammar_text
@@ -342,3 +343,37 @@ def test_a_guide_checked_before_it_is_queued_is_not_compiled_again_on_the_engine
     finally:
         ae.shutdown()
     assert len(compiled_on) == 1 and compiled_on[0] != "radixserve-engine", compiled_on  # (a worker's)
+
+
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+
+
+def test_strict_tools_under_auto_leave_the_text_free_and_hold_each_call_it_begins(make_engine):
+    """A strict tool under tool_choice auto: a call's arguments were the model's own, and a broken one
+    crashed the OpenAI SDK's parse of a strict tool's call (json.loads) in the client."""
+    from app.tool_calls import strict_auto_guide
+
+    assert strict_auto_guide([("add", ADD, False)], "hermes") is None  # no strict tool: unguided, as before
+    assert strict_auto_guide([("add", ADD, True)], "mistral") is None  # (its calls are not tagged in text)
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+    assert strict_auto_guide([("add", huge, True)], "hermes") is None  # past MAX_GUIDE_CHARS: unguided
+    guide = strict_auto_guide([("add", ADD, True), ("note", {"type": "object"}, False)], "hermes")
+    eng = make_engine("tiny")
+    ok = {"Just text, <b>no</b> call.": True,
+          'Hi <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>': True,
+          'a <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> b <tool_call>{"name": "note", '
+          '"arguments": {"x": [1]}}</tool_call>': True,  # (a strict tool's schema; the other's any object)
+          '<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>': False,
+          '<tool_call>{"name": "add", "arguments": {"b": 1}}</tool_call>': False,
+          '<tool_call>{"name": "sub", "arguments": {}}</tool_call>': False}
+    for text, allowed in ok.items():
+        m = eng.guides.matcher(*guide)
+        assert eng.guides.consume_text(m, text) is allowed, text
+    # what the engine's sampler sees: where the model would break a call, its token is masked
+    comma, brace = (eng.tokenizer.encode(c, add_special_tokens=False)[0] for c in (",", "}"))
+    m = eng.guides.matcher(*guide)
+    row = guided.mask_disallowed(torch.zeros(eng.vocab_size), m)
+    assert row[comma] == 0 and row[brace] == 0  # free text: anything
+    assert eng.guides.consume_text(m, 'Hi <tool_call>{"name": "add", "arguments": {"a": 1')
+    row = guided.mask_disallowed(torch.zeros(eng.vocab_size), m)
+    assert row[comma] == float("-inf") and row[brace] == 0

@@ -430,6 +430,25 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["a"], "properties": {"a": {"type": "boolean"}}}}}
 
 
+def test_a_strict_tool_under_auto_guides_the_calls_the_answer_begins(client):
+    # its arguments were the model's own: a broken call crashed the OpenAI SDK's parse of a strict tool's call
+    chat = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 8, "temperature": 0}
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    r = client.post("/v1/chat/completions", json={**chat, "tools": [strict, ADD]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text  # (this model writes text)
+    # the guide is there: a strict schema no guide can hold is refused, as a named tool's is; not strict, unread
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "nonsense"}}}}}
+    assert client.post("/v1/chat/completions", json={**chat, "tools": [bad]}).status_code == 200
+    bad["function"]["strict"] = True
+    r = client.post("/v1/chat/completions", json={**chat, "tools": [bad]})
+    assert r.status_code in (400, 422) and "nonsense" in r.json()["error"]["message"], r.text
+    # the Responses API's flat strict tools alike
+    r = client.post("/v1/responses", json={"input": "Weather?", "max_output_tokens": 8, "tools": [
+        {"type": "function", "name": "f", "parameters": bad["function"]["parameters"], "strict": True}]})
+    assert r.status_code == 400 and "nonsense" in r.json()["error"]["message"], r.text
+
+
 def test_tool_calling_named_required_and_auto(client):
     chat = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 60, "temperature": 0}
 
