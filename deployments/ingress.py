@@ -1475,7 +1475,9 @@ class Ingress:
         params["bad_words_ids"] = await self._bad_words_ids(req.bad_words)
         if req.tool_mode() == "auto" and self.settings.tool_call_parser != "none":
             params["skip_special_tokens"] = False  # (a call's tag may be a special token: [TOOL_CALLS])
-            if params.get("guide") is None:  # (a structured output of its own asked for: that one guides)
+            # (a structured output of its own asked for: that one guides; under ignore_eos, unguided: an EOS
+            # where a guide is complete ends the answer, and this one is complete wherever no call is open)
+            if params.get("guide") is None and not params.get("ignore_eos"):
                 params["guide"] = strict_auto_guide([(t.function.name, t.function.parameters, bool(t.function.strict))
                                                      for t in req.tools], self.settings.tool_call_parser)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

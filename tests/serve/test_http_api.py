@@ -443,6 +443,8 @@ def test_a_strict_tool_under_auto_guides_the_calls_the_answer_begins(client):
     bad["function"]["strict"] = True
     r = client.post("/v1/chat/completions", json={**chat, "tools": [bad]})
     assert r.status_code in (400, 422) and "nonsense" in r.json()["error"]["message"], r.text
+    # (not under ignore_eos: an EOS ends a complete guide's answer, and this one is complete outside a call)
+    assert client.post("/v1/chat/completions", json={**chat, "tools": [bad], "ignore_eos": True}).status_code == 200
     # the Responses API's flat strict tools alike
     r = client.post("/v1/responses", json={"input": "Weather?", "max_output_tokens": 8, "tools": [
         {"type": "function", "name": "f", "parameters": bad["function"]["parameters"], "strict": True}]})
