@@ -1479,7 +1479,8 @@ class Ingress:
             # where a guide is complete ends the answer, and this one is complete wherever no call is open)
             if params.get("guide") is None and not params.get("ignore_eos"):
                 params["guide"] = strict_auto_guide([(t.function.name, t.function.parameters, bool(t.function.strict))
-                                                     for t in req.tools], self.settings.tool_call_parser)
+                                                     for t in req.tools], self.settings.tool_call_parser,
+                                                    req.parallel_tool_calls is not False)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         tools = req.tool_mode() != "none"
         prefill = req.messages[-1].text() if req.continue_final_message else None

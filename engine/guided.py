@@ -117,16 +117,17 @@ def _loosened(schema):
     return walk_schema(schema, _loosened_one)
 
 
-def tagged_calls_grammar(open_tag: str, close_tag: str, call_schema: dict) -> str:
+def tagged_calls_grammar(open_tag: str, close_tag: str, call_schema: dict, parallel: bool = True) -> str:
     """A grammar (llguidance's Lark) of an answer that may call tools as it goes: free text, in which each
     ``open_tag`` begins a call held to ``call_schema`` (a JSON schema) up to its ``close_tag``. The text
     itself cannot hold ``open_tag`` otherwise: a call begun is a call, whole (strict tools under
-    ``tool_choice: auto``). A call's JSON may sit on lines of its own, as Hermes templates show it."""
+    ``tool_choice: auto``). A call's JSON may sit on lines of its own, as Hermes templates show it. Not
+    ``parallel``: one call at most."""
     schema = {**_loosened(call_schema), "x-guidance": JSON_STYLE}
     opener = "".join(f"\\{c}" if c in r".^$*+?()[]{}|\/" else c for c in open_tag)
     return "\n".join([
         "%llguidance {}",
-        "start: call* TEXT",
+        f"start: call{'*' if parallel else '?'} TEXT",
         f"call: call_open /[ \\n]{{0,2}}/ call_body /[ \\n]{{0,2}}/ {json.dumps(close_tag)}",
         f"call_open[lazy]: TEXT {json.dumps(open_tag)}",  # (the text ends where the tag begins)
         f"call_body: %json {json.dumps(schema)}",

@@ -369,6 +369,11 @@ def test_strict_tools_under_auto_leave_the_text_free_and_hold_each_call_it_begin
     for text, allowed in ok.items():
         m = eng.guides.matcher(*guide)
         assert eng.guides.consume_text(m, text) is allowed, text
+    # parallel_tool_calls false: one call at most (the text after it is free, a second tag is not)
+    one = strict_auto_guide([("add", ADD, True)], "hermes", parallel=False)
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    assert eng.guides.consume_text(eng.guides.matcher(*one), f"x {call} then text")
+    assert not eng.guides.consume_text(eng.guides.matcher(*one), f"x {call} {call}")
     # what the engine's sampler sees: where the model would break a call, its token is masked
     comma, brace = (eng.tokenizer.encode(c, add_special_tokens=False)[0] for c in (",", "}"))
     m = eng.guides.matcher(*guide)
