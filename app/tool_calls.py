@@ -128,20 +128,21 @@ def required_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bo
     return json.dumps(root)
 
 
-def strict_auto_guide(tools: list[tuple[str, dict[str, Any] | None, bool]], parser: str, parallel: bool = True
-                      ) -> tuple[str, str] | None:
+def strict_auto_guide(tools: list[tuple[str, dict[str, Any] | None, bool]], parser: str, parallel: bool = True,
+                      tag_ids: tuple[int | None, int | None] = (None, None)) -> tuple[str, str] | None:
     """The guide of ``tool_choice: auto`` where a tool is ``strict`` (name, parameters, strict): the answer is
     free text, but a call it begins is held to the tools' schemas (a strict tool's arguments to its
     parameters, another's to any object), as OpenAI holds strict tools; so a client that parses a strict
     call's arguments (the OpenAI SDK's ``parse``, pydantic tools) gets what they promise. For the Hermes
     format only (the others' calls are not tagged in running text); None where no tool is strict, or the
     grammar is past ``MAX_GUIDE_CHARS`` (the calls then go unguided, as before). Not ``parallel``
-    (``parallel_tool_calls: false``): one call at most."""
+    (``parallel_tool_calls: false``): one call at most. ``tag_ids``: ``<tool_call>`` and ``</tool_call>`` as
+    the model's own tokens, where each is one (``tagged_calls_grammar``)."""
     if parser != "hermes" or not any(strict for _, _, strict in tools):
         return None
     calls, defs = _call_schemas([(name, params if strict else None) for name, params, strict in tools], "arguments")
     grammar = tagged_calls_grammar(HERMES_OPEN, HERMES_CLOSE, {"anyOf": calls, **({"$defs": defs} if defs else {})},
-                                   parallel)
+                                   parallel, tag_ids)
     return ("grammar", grammar) if len(grammar) <= MAX_GUIDE_CHARS else None
 
 

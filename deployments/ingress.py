@@ -61,7 +61,14 @@ from app.schemas import (
     TokenizeRequest,
     WarmupRequest,
 )
-from app.tool_calls import ToolCall, new_call_id, strict_auto_guide, template_call_ids
+from app.tool_calls import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    ToolCall,
+    new_call_id,
+    strict_auto_guide,
+    template_call_ids,
+)
 from app.tool_stream import ToolCallStream, read_answer
 from cache.hashing import block_hashes
 from deployments.cors import Cors
@@ -690,11 +697,12 @@ def _in_own_terms(e: ApiError, api: type[ChunkEvents]) -> ApiError:
     return e
 
 
-def _think_tokens(tokenizer) -> dict[str, int | None]:
-    """The thinking tags that are text in an answer (ordinary tokens, or text the model spells out), each
-    with its token id where it is one token: a guide can wait only for what it can read."""
+def _tag_tokens(tokenizer, tags: tuple[str, ...]) -> dict[str, int | None]:
+    """The tags (thinking's, Hermes calls') that are text in an answer (ordinary tokens, or text the model
+    spells out), each with its token id where it is one token: a guide can wait only for what it can read,
+    and names a tag that is one added token by its id."""
     out: dict[str, int | None] = {}
-    for tag in (START, END):
+    for tag in tags:
         ids = tokenizer.encode(tag, add_special_tokens=False)
         if tokenizer.decode(ids, skip_special_tokens=True) == tag:
             out[tag] = ids[0] if len(ids) == 1 else None
@@ -782,7 +790,9 @@ class Ingress:
         self.llm = llm_handle
         self.model_name = self.settings.model_name()
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.resolved_model_id(), local_files_only=True)
-        self._think_tokens = _think_tokens(self.tokenizer)
+        self._think_tokens = _tag_tokens(self.tokenizer, (START, END))
+        calls = _tag_tokens(self.tokenizer, (HERMES_OPEN, HERMES_CLOSE))
+        self._hermes_ids = (calls.get(HERMES_OPEN), calls.get(HERMES_CLOSE))
         # the OpenAI routes' defaults for what a request leaves unset (app.sampling_defaults)
         self.sampling_defaults = (read_sampling_defaults(self.settings.resolved_model_id())
                                   if self.settings.sampling_defaults == "model" else {})
@@ -1480,7 +1490,7 @@ class Ingress:
             if params.get("guide") is None and not params.get("ignore_eos"):
                 params["guide"] = strict_auto_guide([(t.function.name, t.function.parameters, bool(t.function.strict))
                                                      for t in req.tools], self.settings.tool_call_parser,
-                                                    req.parallel_tool_calls is not False)
+                                                    req.parallel_tool_calls is not False, self._hermes_ids)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         tools = req.tool_mode() != "none"
         prefill = req.messages[-1].text() if req.continue_final_message else None

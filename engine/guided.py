@@ -117,19 +117,25 @@ def _loosened(schema):
     return walk_schema(schema, _loosened_one)
 
 
-def tagged_calls_grammar(open_tag: str, close_tag: str, call_schema: dict, parallel: bool = True) -> str:
+def tagged_calls_grammar(open_tag: str, close_tag: str, call_schema: dict, parallel: bool = True,
+                         tag_ids: tuple[int | None, int | None] = (None, None)) -> str:
     """A grammar (llguidance's Lark) of an answer that may call tools as it goes: free text, in which each
     ``open_tag`` begins a call held to ``call_schema`` (a JSON schema) up to its ``close_tag``. The text
     itself cannot hold ``open_tag`` otherwise: a call begun is a call, whole (strict tools under
     ``tool_choice: auto``). A call's JSON may sit on lines of its own, as Hermes templates show it. Not
-    ``parallel``: one call at most."""
+    ``parallel``: one call at most. ``tag_ids``: the tags' token ids where each is one added token of the
+    model's (Qwen's): llguidance reads such a token as special, which free text never allows, so the grammar
+    names it by its id (the spelled-out tag is no call then, and no text either)."""
     schema = {**_loosened(call_schema), "x-guidance": JSON_STYLE}
     opener = "".join(f"\\{c}" if c in r".^$*+?()[]{}|\/" else c for c in open_tag)
+    open_id, close_id = tag_ids
+    close = json.dumps(close_tag) if close_id is None else f"<[{close_id}]>"
+    rest = f"/[ \\n]{{0,2}}/ call_body /[ \\n]{{0,2}}/ {close}"
     return "\n".join([
         "%llguidance {}",
         f"start: call{'*' if parallel else '?'} TEXT",
-        f"call: call_open /[ \\n]{{0,2}}/ call_body /[ \\n]{{0,2}}/ {json.dumps(close_tag)}",
-        f"call_open[lazy]: TEXT {json.dumps(open_tag)}",  # (the text ends where the tag begins)
+        *([f"call: call_open {rest}", f"call_open[lazy]: TEXT {json.dumps(open_tag)}"]  # (the text ends where the tag begins)
+          if open_id is None else [f"call: TEXT <[{open_id}]> {rest}"]),
         f"call_body: %json {json.dumps(schema)}",
         f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{opener}(.|\\n)*/"])
 

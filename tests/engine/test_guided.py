@@ -382,3 +382,36 @@ def test_strict_tools_under_auto_leave_the_text_free_and_hold_each_call_it_begin
     assert eng.guides.consume_text(m, 'Hi <tool_call>{"name": "add", "arguments": {"a": 1')
     row = guided.mask_disallowed(torch.zeros(eng.vocab_size), m)
     assert row[comma] == float("-inf") and row[brace] == 0
+
+
+def test_a_strict_call_opens_with_the_models_own_tag_token_where_it_has_one(model_dir):
+    """Qwen's <tool_call> and </tool_call> are added tokens, which llguidance reads as special: free text
+    never allows them, so under a grammar that spelled the tags out a Qwen model could call no tool."""
+    from transformers import AutoTokenizer
+
+    from app.tool_calls import strict_auto_guide
+    from deployments.ingress import _tag_tokens
+
+    tok = AutoTokenizer.from_pretrained(model_dir("tiny"))
+    tok.add_tokens(["<tool_call>", "</tool_call>"])  # (as Qwen's: added, not special)
+    tags = _tag_tokens(tok, ("<tool_call>", "</tool_call>"))
+    open_id, close_id = tags["<tool_call>"], tags["</tool_call>"]
+    assert None not in (open_id, close_id)
+    eos = tok.convert_tokens_to_ids("<|eos|>")
+    guides = guided.Guides(tok, len(tok), {eos})
+    guide = strict_auto_guide([("add", ADD, True)], "hermes", tag_ids=(open_id, close_id))
+
+    def allowed(m, token: int) -> bool:
+        return bool(torch.isfinite(guided.mask_disallowed(torch.zeros(len(tok)), m)[token]))
+
+    m = guides.matcher(*guide)
+    assert allowed(m, open_id) and allowed(m, eos)
+    assert guides.consume_text(m, "Sure. ") and allowed(m, open_id)
+    assert not guides.step(m, open_id) and not m.is_error()
+    assert guides.consume_text(m, '\n{"name": "add", "arguments": {"a": 1}}\n')
+    assert allowed(m, close_id) and not allowed(m, eos)  # (a call begun ends whole)
+    guides.step(m, close_id)
+    assert not m.is_error() and allowed(m, eos) and allowed(m, open_id)
+    # the tag spelled out is no call then, and no text either (the parser would read it as one)
+    m = guides.matcher(*guide)
+    assert not guides.consume_text(m, 'x <tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>')
