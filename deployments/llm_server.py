@@ -28,7 +28,7 @@ from cache.hashing import pack_hashes
 from deployments.logs import show_our_info_logs
 from deployments.metrics import HubClient
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.llm_engine import LLMEngine, RequestError
+from engine.llm_engine import BooksBroken, LLMEngine, RequestError
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("radixserve.replica")
@@ -165,6 +165,8 @@ class LLMServer:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"not done within {self.settings.warmup_timeout_s:g} s (--warmup-timeout-s)")
                 self.engine.step()
+        except BooksBroken:  # the pool's or scheduler's records failed: serving on them could give one block
+            raise  # to two requests (the engine loop ends over it too); the replica fails, Serve starts another
         except Exception as e:  # noqa: BLE001 - serve cold rather than not at all
             log.warning("warm-up stopped, starting with what is cached: %s", e)
             report["error"] = str(e)
@@ -203,7 +205,7 @@ class LLMServer:
                 async for ev in stream:
                     d = dict(ev.__dict__)  # (asdict's deep copy: 48 µs an event, 40x this, at every token)
                     d["replica"] = self.replica_id
-                    if ev.finished and not sibling:
+                    if ev.finished and not sibling and not ev.error:  # (a failed one proved nothing cached)
                         self._note_finished(prompt_ids, ev.num_cached_tokens, sp.cache_salt, prefill_only)
                     yield d
         except RequestError as e:

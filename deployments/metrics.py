@@ -236,10 +236,9 @@ class SnapshotStore:
     def push(self, replica: str, snapshot: dict) -> bool:
         """A replica's snapshot in; True when it must stop its engine now (``cut``)."""
         if replica in self._stopped:  # a push that raced its stop: its counts, not a live series again
-            if replica in self._retired:
-                totals: dict[str, Any] = {}
-                _add(totals, snapshot, COUNTER_KEYS)
-                self._retired[replica] = (self._retired[replica][0], totals)
+            totals: dict[str, Any] = {}
+            _add(totals, snapshot, COUNTER_KEYS)  # (cumulative: they include what it had retired with)
+            self._retired[replica] = (self._retired.get(replica, (self._clock(), None))[0], totals)
             return False
         self._retired.pop(replica, None)
         if self._view is not None:
@@ -272,7 +271,8 @@ class SnapshotStore:
     def stopped(self, replica: str) -> None:
         """A replica's graceful stop: its series ends now, and a push of its own still on its way (its
         background thread outlived the stop's short wait for it) counts, but does not bring it back as live
-        for ``STALE_AFTER_S`` (in /health, a drain's wait, the gauges)."""
+        (it did, for ``STALE_AFTER_S``: in /health, a drain's wait, the gauges). Remembered for
+        ``RETIRED_MERGE_S``, until a later stop."""
         now = self._clock()
         self._stopped[replica] = now
         for r in [r for r, at in self._stopped.items() if now - at >= RETIRED_MERGE_S]:

@@ -185,7 +185,9 @@ class AsyncEngine:
                     self.engine.add_request(ids, params, rid, prefill_only, arrival, sibling=sibling,
                                             guide_start=start)
                 except Exception as e:  # noqa: BLE001 - report to the one request, keep serving
-                    self._emit(TokenEvent(rid, None, "", None, True, "error", error=str(e), error_kind="engine"))
+                    # (a refusal here, a guide its check let through, is the request's own: a 4xx, not a 503)
+                    kind = "validation" if isinstance(e, RequestError) else "engine"
+                    self._emit(TokenEvent(rid, None, "", None, True, "error", error=str(e), error_kind=kind))
             elif kind == "abort":
                 self.engine.abort(msg[1])
                 self._owners.pop(msg[1], None)  # (an aborted request sends no last event)

@@ -187,6 +187,33 @@ def test_a_later_choice_of_one_call_is_no_record_of_a_shared_prefix(make_engine)
         r.aengine.shutdown()
 
 
+def test_a_request_refused_on_the_engine_thread_is_the_requests_error_and_records_nothing(make_engine, monkeypatch):
+    """A refusal there (a guide the replica's check let through) was an "engine" error, a 503 that the
+    ingress retries elsewhere; and its failed last event recorded its prompt as held (a warm-up's, a hit)."""
+    import asyncio
+
+    from engine.llm_engine import RequestError
+
+    eng, r = _recording(make_engine, directory=True)
+    r.first_request_cached_tokens, r.block_size = None, eng.config.block_size
+
+    def refuse(*_, **__):
+        raise RequestError("the guide cannot be used")
+
+    monkeypatch.setattr(eng, "add_request", refuse)
+
+    async def run(prefill_only: bool) -> dict:
+        return [ev async for ev in r.generate(PROMPT, {"max_new_tokens": 1}, prefill_only=prefill_only)][-1]
+
+    try:
+        for prefill_only in (True, False):
+            last = asyncio.run(run(prefill_only))
+            assert last["error_kind"] == "validation" and "guide" in last["error"], last
+        assert not r._pending_records and r.first_request_cached_tokens is None
+    finally:
+        r.aengine.shutdown()
+
+
 def test_events_drained_after_the_wait_ran_out_still_reach_the_next_report(make_engine, monkeypatch):
     """A stats poll that gives up on a busy engine thread must not lose the events the engine drains
     later (they were returned to a caller that had already left): the next report carries them."""
@@ -389,6 +416,20 @@ def test_a_warm_up_past_its_deadline_or_failing_starts_the_replica_cold(make_eng
         assert report["error"] == "device lost" and not eng2.has_work() and not eng2.requests
     finally:
         r.aengine.shutdown()
+    # but records that failed their check are no cold start: the replica would serve on them (one block
+    # given to two requests); it fails, as its engine loop does over them, and Serve starts another
+    import pytest
+
+    from engine.llm_engine import BooksBroken
+
+    eng3 = make_engine("tiny", max_batch_total_tokens=512)
+    r = _warming(eng3, prefixes)
+    monkeypatch.setattr(eng3, "step", lambda: (_ for _ in ()).throw(BooksBroken("a block held twice")))
+    try:
+        with pytest.raises(BooksBroken):
+            r._warm_up()
+    finally:
+        r.aengine.shutdown()
 
 
 def test_a_slow_redis_does_not_hold_the_background_thread(make_engine):
@@ -469,11 +510,11 @@ def test_shutdown_tells_the_hub_and_the_directory_before_the_slow_engine_join():
     r._stop = threading.Event()
     r.replica_id = "A"
 
-    def forget(rid):
+    def stopped(rid):
         calls.append("hub")
         raise RuntimeError("the hub is gone")  # one failing does not skip the others
 
-    r._hub = types.SimpleNamespace(handle=types.SimpleNamespace(forget=types.SimpleNamespace(remote=forget)))
+    r._hub = types.SimpleNamespace(handle=types.SimpleNamespace(stopped=types.SimpleNamespace(remote=stopped)))
     r.directory = types.SimpleNamespace(forget_replica=lambda rid: calls.append("directory"))
     r.aengine = types.SimpleNamespace(shutdown=lambda: calls.append("engine"))
     r._background = types.SimpleNamespace(join=lambda timeout: calls.append("background"))

@@ -425,6 +425,9 @@ def test_a_push_that_raced_a_graceful_stop_counts_but_does_not_bring_the_replica
     m = values(render(*store.export()))
     assert ("radixserve_requests_total", "a") not in m and m[("radixserve_requests_total", "all")] == 101
     assert m[("radixserve_running_requests", "all")] == 0
+    store.stopped("b")  # stopped within its first second, before its first push: its late one still counts
+    store.push("b", snap(2))
+    assert values(render(*store.export()))[("radixserve_requests_total", "all")] == 103 and store.fresh(10.0) == 0
 
 
 def test_a_quiet_ingress_is_counted_once_after_a_hub_restart_and_a_gone_ones_in_flight_at_once():
