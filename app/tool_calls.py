@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.guided import MAX_GUIDE_CHARS, tagged_calls_grammar, walk_schema
+from engine.guided import MAX_GUIDE_CHARS, lenient_schema_problem, tagged_calls_grammar, walk_schema
 
 HERMES_OPEN, HERMES_CLOSE, MISTRAL_TAG, PYTHON_TAG = "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>"
 ANY_OBJECT = {"type": "object"}
@@ -129,7 +129,8 @@ def required_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bo
 
 
 def strict_auto_guide(tools: list[tuple[str, dict[str, Any] | None, bool]], parser: str, parallel: bool = True,
-                      tag_ids: tuple[int | None, int | None] = (None, None)) -> tuple[str, str] | None:
+                      tag_ids: tuple[int | None, int | None] = (None, None), text_excludes: tuple[str, ...] = ()
+                      ) -> tuple[str, str] | None:
     """The guide of ``tool_choice: auto`` where a tool is ``strict`` (name, parameters, strict): the answer is
     free text, but a call it begins is held to the tools' schemas (a strict tool's arguments to its
     parameters, another's to any object), as OpenAI holds strict tools; so a client that parses a strict
@@ -137,12 +138,18 @@ def strict_auto_guide(tools: list[tuple[str, dict[str, Any] | None, bool]], pars
     format only (the others' calls are not tagged in running text); None where no tool is strict, or the
     grammar is past ``MAX_GUIDE_CHARS`` (the calls then go unguided, as before). Not ``parallel``
     (``parallel_tool_calls: false``): one call at most. ``tag_ids``: ``<tool_call>`` and ``</tool_call>`` as
-    the model's own tokens, where each is one (``tagged_calls_grammar``)."""
+    the model's own tokens, where each is one; ``text_excludes``: the thinking tags, with a reasoning parser
+    (``tagged_calls_grammar``). ValueError for a strict tool whose schema no guide can hold (keywords
+    llguidance does not implement are let be), naming it."""
     if parser != "hermes" or not any(strict for _, _, strict in tools):
         return None
+    for i, (name, params, strict) in enumerate(tools):
+        if strict and (problem := lenient_schema_problem(_arguments_schema(params))):
+            raise ValueError(f"tools[{i}] ({name}): its strict parameters cannot be held to under tool_choice auto "
+                             f"({problem}): fix the schema, or leave strict off")
     calls, defs = _call_schemas([(name, params if strict else None) for name, params, strict in tools], "arguments")
     grammar = tagged_calls_grammar(HERMES_OPEN, HERMES_CLOSE, {"anyOf": calls, **({"$defs": defs} if defs else {})},
-                                   parallel, tag_ids)
+                                   parallel, tag_ids, text_excludes)
     return ("grammar", grammar) if len(grammar) <= MAX_GUIDE_CHARS else None
 
 

@@ -697,14 +697,15 @@ def _in_own_terms(e: ApiError, api: type[ChunkEvents]) -> ApiError:
     return e
 
 
-def _tag_tokens(tokenizer, tags: tuple[str, ...]) -> dict[str, int | None]:
+def _tag_tokens(tokenizer, tags: tuple[str, ...], keep_special: bool = False) -> dict[str, int | None]:
     """The tags (thinking's, Hermes calls') that are text in an answer (ordinary tokens, or text the model
     spells out), each with its token id where it is one token: a guide can wait only for what it can read,
-    and names a tag that is one added token by its id."""
+    and names a tag that is one added token by its id. ``keep_special``: special tokens are text too (an
+    auto-tool answer keeps them: some Hermes fine-tunes make their call tags special)."""
     out: dict[str, int | None] = {}
     for tag in tags:
         ids = tokenizer.encode(tag, add_special_tokens=False)
-        if tokenizer.decode(ids, skip_special_tokens=True) == tag:
+        if tokenizer.decode(ids, skip_special_tokens=not keep_special) == tag:
             out[tag] = ids[0] if len(ids) == 1 else None
     return out
 
@@ -791,7 +792,7 @@ class Ingress:
         self.model_name = self.settings.model_name()
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.resolved_model_id(), local_files_only=True)
         self._think_tokens = _tag_tokens(self.tokenizer, (START, END))
-        calls = _tag_tokens(self.tokenizer, (HERMES_OPEN, HERMES_CLOSE))
+        calls = _tag_tokens(self.tokenizer, (HERMES_OPEN, HERMES_CLOSE), keep_special=True)
         self._hermes_ids = (calls.get(HERMES_OPEN), calls.get(HERMES_CLOSE))
         # the OpenAI routes' defaults for what a request leaves unset (app.sampling_defaults)
         self.sampling_defaults = (read_sampling_defaults(self.settings.resolved_model_id())
@@ -1485,12 +1486,7 @@ class Ingress:
         params["bad_words_ids"] = await self._bad_words_ids(req.bad_words)
         if req.tool_mode() == "auto" and self.settings.tool_call_parser != "none":
             params["skip_special_tokens"] = False  # (a call's tag may be a special token: [TOOL_CALLS])
-            # (a structured output of its own asked for: that one guides; under ignore_eos, unguided: an EOS
-            # where a guide is complete ends the answer, and this one is complete wherever no call is open)
-            if params.get("guide") is None and not params.get("ignore_eos"):
-                params["guide"] = strict_auto_guide([(t.function.name, t.function.parameters, bool(t.function.strict))
-                                                     for t in req.tools], self.settings.tool_call_parser,
-                                                    req.parallel_tool_calls is not False, self._hermes_ids)
+            params["guide"] = self._strict_tools_guide(req, params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         tools = req.tool_mode() != "none"
         prefill = req.messages[-1].text() if req.continue_final_message else None
@@ -1511,6 +1507,23 @@ class Ingress:
         return self._openai_answer(runs, req.n, rid, created, "chat.completion", choice,
                                    {"prompt_logprobs": self._vllm_prompt_logprobs(ids, runs[0], req.prompt_logprobs)},
                                    reasoning)
+
+    def _strict_tools_guide(self, req: ChatRequest, params: dict[str, Any]) -> tuple[str, str] | None:
+        """The guide of an auto-tool answer: the request's own structured output, or where a tool is strict
+        (``strict_auto_guide``) one that holds each call the answer begins. Not beside what a guide would
+        change: under ignore_eos an EOS where a guide is complete ends the answer (this one is, wherever no
+        call is open); a stop token that is a special token would be masked (llguidance allows only the
+        end tokens it is given); min_tokens and allowed_token_ids the engine refuses beside a guide."""
+        if params.get("guide") is not None or any(params.get(k) for k in ("ignore_eos", "min_tokens",
+                                                                           "allowed_token_ids", "stop_token_ids")):
+            return params.get("guide")
+        thinking = (START, END) if self.settings.reasoning_parser != "none" else ()
+        try:
+            return strict_auto_guide([(t.function.name, t.function.parameters, bool(t.function.strict))
+                                      for t in req.tools], self.settings.tool_call_parser,
+                                     req.parallel_tool_calls is not False, self._hermes_ids, thinking)
+        except ValueError as e:
+            raise ApiError(422, str(e), param="tools") from None
 
     @app.post("/v1/responses")
     async def responses(self, req: ResponsesRequest):

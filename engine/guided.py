@@ -5,7 +5,9 @@ its grammar is complete."""
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import threading
 from typing import Any
 
@@ -19,6 +21,7 @@ MAX_GUIDE_CHARS = 1 << 16  # a schema or grammar larger than this is refused bef
 # separators as Python's json.dumps writes them and no other whitespace between tokens: flexible whitespace
 # lets a model pad its answer with newlines up to its token limit, a known failure of JSON modes
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+LENIENT_JSON_STYLE = {**JSON_STYLE, "lenient": True}  # keywords llguidance does not implement are let be
 CHECKED_GUIDES = 256  # guides whose check is remembered
 
 
@@ -118,16 +121,21 @@ def _loosened(schema):
 
 
 def tagged_calls_grammar(open_tag: str, close_tag: str, call_schema: dict, parallel: bool = True,
-                         tag_ids: tuple[int | None, int | None] = (None, None)) -> str:
+                         tag_ids: tuple[int | None, int | None] = (None, None), text_excludes: tuple[str, ...] = ()
+                         ) -> str:
     """A grammar (llguidance's Lark) of an answer that may call tools as it goes: free text, in which each
     ``open_tag`` begins a call held to ``call_schema`` (a JSON schema) up to its ``close_tag``. The text
     itself cannot hold ``open_tag`` otherwise: a call begun is a call, whole (strict tools under
     ``tool_choice: auto``). A call's JSON may sit on lines of its own, as Hermes templates show it. Not
     ``parallel``: one call at most. ``tag_ids``: the tags' token ids where each is one added token of the
     model's (Qwen's): llguidance reads such a token as special, which free text never allows, so the grammar
-    names it by its id (the spelled-out tag is no call then, and no text either)."""
-    schema = {**_loosened(call_schema), "x-guidance": JSON_STYLE}
-    opener = "".join(f"\\{c}" if c in r".^$*+?()[]{}|\/" else c for c in open_tag)
+    names it by its id (the spelled-out tag is no call then, and no text either). ``text_excludes``: other
+    tags the text may not hold (thinking's, so a guide that waits for the end of the thinking does: one
+    whose text could write the tag itself would hold the thinking too, from the first token). Keywords of
+    the schema llguidance does not implement are let be (``lenient``)."""
+    schema = {**_loosened(call_schema), "x-guidance": LENIENT_JSON_STYLE}
+    excluded = "|".join("".join(f"\\{c}" if c in r".^$*+?()[]{}|\/" else c for c in tag)
+                        for tag in (open_tag, *text_excludes))
     open_id, close_id = tag_ids
     close = json.dumps(close_tag) if close_id is None else f"<[{close_id}]>"
     rest = f"/[ \\n]{{0,2}}/ call_body /[ \\n]{{0,2}}/ {close}"
@@ -137,7 +145,26 @@ def tagged_calls_grammar(open_tag: str, close_tag: str, call_schema: dict, paral
         *([f"call: call_open {rest}", f"call_open[lazy]: TEXT {json.dumps(open_tag)}"]  # (the text ends where the tag begins)
           if open_id is None else [f"call: TEXT <[{open_id}]> {rest}"]),
         f"call_body: %json {json.dumps(schema)}",
-        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{opener}(.|\\n)*/"])
+        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*({excluded})(.|\\n)*/"])
+
+
+def lenient_schema_problem(schema: dict) -> str | None:
+    """Why llguidance cannot hold a JSON to ``schema`` even leniently (an invalid type, a ``$ref`` to
+    nothing, a regex it cannot run), in a line; None where it can."""
+    return _schema_problem(json.dumps({**_loosened(schema), "x-guidance": LENIENT_JSON_STYLE}, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)  # (a client sends its tools with every request)
+def _schema_problem(text: str) -> str | None:
+    llg = _llguidance()
+    try:
+        problem = llg.LLMatcher.validate_grammar(llg.grammar_from("json_schema", text))
+    except Exception as e:  # noqa: BLE001 - its parse errors come as several exception types
+        problem = str(e)
+    if not problem:
+        return None
+    first = _first_line(problem).split(" | ")[0]  # (not the grammar's lines it quotes)
+    return re.sub(r"^at \d+\(\d+\): (failed to compile JSON schema: )?", "", first).strip()
 
 
 def _first_line(e: object) -> str:

@@ -415,3 +415,25 @@ def test_a_strict_call_opens_with_the_models_own_tag_token_where_it_has_one(mode
     # the tag spelled out is no call then, and no text either (the parser would read it as one)
     m = guides.matcher(*guide)
     assert not guides.consume_text(m, 'x <tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>')
+
+
+def test_a_strict_guide_waits_for_the_end_of_the_thinking_and_names_special_call_tags(make_engine, model_dir):
+    """Its free text could write </think> itself, so the engine took it for a guide that holds the thinking
+    too: it guided from the first token, and a model whose </think> is one added token (masked in free
+    text) could never end its thinking. And a Hermes fine-tune whose call tags are special tokens could
+    call no tool: its tags were spelled out."""
+    from transformers import AutoTokenizer
+
+    from app.tool_calls import strict_auto_guide
+    from deployments.ingress import _tag_tokens
+
+    eng = make_engine("tiny")
+    for excludes, wait in (((), None), (("<think>", "</think>"), "marker")):
+        guide = strict_auto_guide([("add", ADD, True)], "hermes", text_excludes=excludes)
+        rid = eng.add_request(PROMPT, SamplingParams(max_new_tokens=4, guide=guide, guide_after="</think>"))
+        assert eng.requests[rid].guide_wait == wait, excludes
+        eng.abort(rid)
+    tok = AutoTokenizer.from_pretrained(model_dir("tiny"))
+    tok.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
+    assert _tag_tokens(tok, ("<tool_call>",)) == {}  # (as text with special tokens skipped, it is none)
+    assert _tag_tokens(tok, ("<tool_call>",), keep_special=True) == {"<tool_call>": tok.convert_tokens_to_ids("<tool_call>")}
