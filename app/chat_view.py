@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
@@ -99,6 +100,16 @@ class ChunkEvents:
                 indexes = iter(x for x in loc[:k] if isinstance(x, int))
                 return tuple(next(indexes) if part == "*" else part for part in renamed.split(".")) + loc[k:]
         return loc
+
+    # the chat fields a refusal's own text names (a model validator's: its error has no location), as this
+    # API names them
+    CHAT_TEXT: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def own_text(cls, message: str) -> str:
+        for chat, own in sorted(cls.CHAT_TEXT.items(), key=lambda kv: -len(kv[0])):  # (longest first)
+            message = re.sub(rf"(?<![\w.]){re.escape(chat)}(?!\w)", own, message)
+        return message
 
     def prompt_tokens(self, prompt: int, cached: int) -> None:
         """The prompt's tokens, and the prefix cache's share of them, known before the first chunk (an API

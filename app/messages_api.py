@@ -276,6 +276,8 @@ class MessageEvents(ChunkEvents):
     the next starts."""
 
     CHAT_FIELDS: ClassVar[dict[str, str]] = {"tools.*.parameters": "tools.*.input_schema", "stop": "stop_sequences"}
+    CHAT_TEXT: ClassVar[dict[str, str]] = {"response_format.json_schema.schema": "output_config.format.schema",
+                                           "response_format": "output_config.format"}
 
     PING = 'event: ping\ndata: {"type":"ping"}\n\n'  # (Anthropic's own keep-alive)
 

@@ -249,6 +249,8 @@ class ResponseEvents(ChunkEvents):
     tool call is a message of its own)."""
 
     CHAT_FIELDS: ClassVar[dict[str, str]] = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
+    CHAT_TEXT: ClassVar[dict[str, str]] = {"response_format.json_schema.schema": "text.format.schema",
+                                           "response_format": "text.format", "max_tokens": "max_output_tokens"}
 
     def __init__(self, req: ResponsesRequest, rid: str, created: int, model: str):
         self.req, self.rid, self.created, self.model = req, rid, created, model

@@ -686,8 +686,8 @@ def _validated_chat(body: dict[str, Any], api: type[ChunkEvents]) -> ChatRequest
     try:
         return ChatRequest.model_validate(body)
     except ValidationError as e:
-        raise RequestValidationError([{**err, "loc": api.own_location(tuple(err.get("loc", ())))}
-                                      for err in e.errors()]) from None
+        raise RequestValidationError([{**err, "loc": api.own_location(tuple(err.get("loc", ()))),
+                                       "msg": api.own_text(str(err.get("msg", "")))} for err in e.errors()]) from None
 
 
 def _in_own_terms(e: ApiError, api: type[ChunkEvents]) -> ApiError:

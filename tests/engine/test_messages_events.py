@@ -199,3 +199,8 @@ def test_a_chat_fields_location_is_named_as_each_api_names_it():
     assert ResponseEvents.own_location(("response_format", "json_schema")) == ("text", "format", "json_schema")
     assert ResponseEvents.own_location(("tool_choice", "function", "name")) == ("tool_choice", "name")
     assert ResponseEvents.own_location(("messages", 0, "content")) == ("messages", 0, "content")
+    # and a refusal's own text (a model validator's error has no location)
+    assert ResponseEvents.own_text("response_format.json_schema.schema must be a JSON schema; max_tokens (0)") == \
+        "text.format.schema must be a JSON schema; max_output_tokens (0)"
+    assert ResponseEvents.own_text("min_tokens (3) is more than max_tokens (2)") == \
+        "min_tokens (3) is more than max_output_tokens (2)"  # (not a field that ends in it)

@@ -163,6 +163,8 @@ def test_responses_structured_output_logprobs_and_extensions(client):
     ({"input": [{"type": "function_call", "call_id": "a", "name": "w", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "a", "output": [{"type": "input_image"}]}]},
      "input[1].output[0]: only text parts"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}},
+     "text.format.schema must be a JSON schema"),
 ])
 def test_responses_refusals_are_400s_in_openais_format(client, body, needle):
     r = client.post("/v1/responses", json=body)
