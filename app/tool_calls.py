@@ -18,7 +18,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.guided import MAX_GUIDE_CHARS, lenient_schema_problem, tagged_calls_grammar, walk_schema
+from engine.guided import (
+    LENIENT_JSON_STYLE,
+    MAX_GUIDE_CHARS,
+    lenient_schema_problem,
+    tagged_calls_grammar,
+    walk_schema,
+)
 
 HERMES_OPEN, HERMES_CLOSE, MISTRAL_TAG, PYTHON_TAG = "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>"
 ANY_OBJECT = {"type": "object"}
@@ -82,8 +88,10 @@ def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def named_schema(parameters: dict[str, Any] | None) -> str:
-    """The guide of a call to one named function: its arguments, per its parameters' schema."""
-    return json.dumps(_arguments_schema(parameters))
+    """The guide of a call to one named function: its arguments, per its parameters' schema (keywords
+    llguidance does not implement let be, as under ``strict_auto_guide``: pydantic's ``set[...]`` writes
+    ``uniqueItems``, and such a tool was a 400)."""
+    return json.dumps({"x-guidance": LENIENT_JSON_STYLE, **_arguments_schema(parameters)})
 
 
 def _rebased(schema: Any, base: str) -> Any:
@@ -122,7 +130,8 @@ def required_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bo
     """The guide of ``tool_choice: required``: a list of calls (one at least; one at most unless
     ``parallel``), each a tool's name with arguments per its parameters' schema."""
     calls, defs = _call_schemas(tools, "parameters")
-    root = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
+    root = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls},
+            "x-guidance": LENIENT_JSON_STYLE}  # (as ``named_schema``)
     if defs:
         root["$defs"] = defs
     return json.dumps(root)

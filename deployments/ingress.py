@@ -1484,13 +1484,22 @@ class Ingress:
         params = req.sampling(await self._max_tokens(req, ids, default), logprobs=req.logprobs,
                               top_logprobs=top, defaults=self.sampling_defaults)
         params["bad_words_ids"] = await self._bad_words_ids(req.bad_words)
+        strict = False  # whether the guide is strict tools' (its own structured output guides otherwise)
         if req.tool_mode() == "auto" and self.settings.tool_call_parser != "none":
             params["skip_special_tokens"] = False  # (a call's tag may be a special token: [TOOL_CALLS])
-            params["guide"] = self._strict_tools_guide(req, params)
+            if params.get("guide") is None:
+                params["guide"] = self._strict_tools_guide(req, params)
+                strict = params["guide"] is not None
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         tools = req.tool_mode() != "none"
         prefill = req.messages[-1].text() if req.continue_final_message else None
         mode = self._thinking_mode(ids, params, prefill)
+        if strict and params.get("guide_after"):
+            # it waits for the end of the thinking: its free text may not write the tags (a guide that can
+            # write one holds the thinking too, from the first token, and a tag that is one added token is
+            # masked in free text: the thinking never ended); one that does not wait keeps them (spelled-out
+            # tags: thinking is the guide's to write then)
+            params["guide"] = self._strict_tools_guide(req, params, thinking=True)
         if req.stream and tools:  # the calls are known once the answer is whole
             return await self._tool_stream(req, [(ids, params)], rid, created, top, mode)
         if req.stream:
@@ -1508,20 +1517,21 @@ class Ingress:
                                    {"prompt_logprobs": self._vllm_prompt_logprobs(ids, runs[0], req.prompt_logprobs)},
                                    reasoning)
 
-    def _strict_tools_guide(self, req: ChatRequest, params: dict[str, Any]) -> tuple[str, str] | None:
-        """The guide of an auto-tool answer: the request's own structured output, or where a tool is strict
-        (``strict_auto_guide``) one that holds each call the answer begins. Not beside what a guide would
-        change: under ignore_eos an EOS where a guide is complete ends the answer (this one is, wherever no
-        call is open); a stop token that is a special token would be masked (llguidance allows only the
-        end tokens it is given); min_tokens and allowed_token_ids the engine refuses beside a guide."""
-        if params.get("guide") is not None or any(params.get(k) for k in ("ignore_eos", "min_tokens",
-                                                                           "allowed_token_ids", "stop_token_ids")):
-            return params.get("guide")
-        thinking = (START, END) if self.settings.reasoning_parser != "none" else ()
+    def _strict_tools_guide(self, req: ChatRequest, params: dict[str, Any], thinking: bool = False
+                            ) -> tuple[str, str] | None:
+        """Where a tool of an auto-tool answer is strict, the guide that holds each call the answer begins
+        (``strict_auto_guide``; ``thinking``: one that waits for the end of the thinking, whose text holds no
+        thinking tag). None beside what a guide would change: under ignore_eos an EOS where a guide is
+        complete ends the answer (this one is, wherever no call is open); a stop token that is a special
+        token would be masked (llguidance allows only the end tokens it is given); min_tokens and
+        allowed_token_ids the engine refuses beside a guide."""
+        if any(params.get(k) for k in ("ignore_eos", "min_tokens", "allowed_token_ids", "stop_token_ids")):
+            return None
         try:
             return strict_auto_guide([(t.function.name, t.function.parameters, bool(t.function.strict))
                                       for t in req.tools], self.settings.tool_call_parser,
-                                     req.parallel_tool_calls is not False, self._hermes_ids, thinking)
+                                     req.parallel_tool_calls is not False, self._hermes_ids,
+                                     (START, END) if thinking else ())
         except ValueError as e:
             raise ApiError(422, str(e), param="tools") from None
 

@@ -45,6 +45,13 @@ def test_a_required_choices_answer_is_a_list_of_calls():
     loc = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}
     with_defs = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}}, "$defs": {"Loc": loc}}
     grammar_text("json", required_schema([("get_weather", with_defs), ("add", with_defs)], parallel=True))
+    # a keyword llguidance does not implement (pydantic's set[...]) is let be, as under auto with strict tools
+    # (a named or required tool with one was a 400)
+    from app.tool_calls import named_schema
+
+    tags = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+    grammar_text("json", required_schema([("tag", tags)], parallel=True))
+    grammar_text("json", named_schema(tags))
 
 
 def test_history_calls_reach_the_template_with_object_arguments():
