@@ -143,7 +143,9 @@ def _first_line(e: Exception) -> str:
 def weight_files(path: Path) -> list[Path]:
     """The safetensors files transformers loads, in its order: ``model.safetensors`` when there is one (an
     index beside it, left by a sharded save before, is not read), else the shards the index names (a
-    file beside them, from an older revision, is not read), else every one in the folder."""
+    file beside them, from an older revision, is not read). Other files alone (Mistral's native
+    ``consolidated.safetensors``, shards whose index is gone) transformers does not load: refused here, not
+    in each replica."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no .safetensors weights")
@@ -159,6 +161,12 @@ def weight_files(path: Path) -> list[Path]:
         if missing:
             raise ModelLoadError(f"{path} lacks {len(missing)} weight file(s) its index names: {', '.join(missing[:3])}")
         files = [path / name for name in sorted(shards)]
+    else:
+        found = ", ".join(f.name for f in files[:3]) + (", ..." if len(files) > 3 else "")
+        native = " (consolidated.safetensors is Mistral's own layout: take the repository's Hugging Face files)" \
+            if any(f.name.startswith("consolidated") for f in files) else ""
+        raise ModelLoadError(f"{path} has neither model.safetensors nor model.safetensors.index.json, which "
+                             f"transformers loads; found {found}{native}")
     return files
 
 

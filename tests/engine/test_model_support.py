@@ -114,6 +114,12 @@ def test_a_single_weights_file_wins_over_a_stale_shard_index_as_in_transformers(
     (tiny_folder / "model.safetensors.index.json").write_text(json.dumps(index))
     assert weight_files(tiny_folder) == [tiny_folder / "model.safetensors"]
     check_model_folder(str(tiny_folder))
+    # weights transformers does not load (Mistral's native file, shards without their index): refused up
+    # front (they passed, and every replica failed in from_pretrained)
+    (tiny_folder / "model.safetensors.index.json").unlink()
+    (tiny_folder / "model.safetensors").rename(tiny_folder / "consolidated.safetensors")
+    with pytest.raises(ModelLoadError, match="neither model.safetensors nor .*found consolidated.safetensors .*Mistral"):
+        check_model_folder(str(tiny_folder))
 
 
 def test_a_model_folder_given_as_dot_is_served_under_its_own_name(tiny_folder, monkeypatch):
