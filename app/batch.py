@@ -182,9 +182,13 @@ def _text(content: Any) -> str:
 
 
 def request_digest(obj: Any) -> str:
-    """A line's request as JSON (keys sorted, so not its spacing or key order), hashed: a rerun tells by it
-    whether a recorded answer is to this line or to another that had its id or number (raises ValueError for
-    what JSON cannot say)."""
+    """A line's request as JSON (keys sorted, so not its spacing or key order; its null fields, and its
+    body's, left out, as they are sent: null means the default), hashed: a rerun tells by it whether a
+    recorded answer is to this line or to another that had its id or number (raises ValueError for what
+    JSON cannot say)."""
+    if isinstance(obj, dict):
+        obj = {k: ({j: w for j, w in v.items() if w is not None} if k == "body" and isinstance(v, dict) else v)
+               for k, v in obj.items() if v is not None}
     text = json.dumps(obj, ensure_ascii=False, allow_nan=False, sort_keys=True)
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
@@ -258,6 +262,8 @@ def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: dict[
     if not isinstance(obj, dict) or (obj.get("prompt") is None) == (obj.get("messages") is None):
         named = {"id": obj["id"]} if isinstance(obj, dict) and obj.get("id") is not None else {}
         plan.errors.append({"line": n, **named, "error": "needs an object with one of `prompt` and `messages`"})
+        if named and (key := ref_key(named)) not in seen:
+            _refused_now(key, plan, done)
         return None
     rid = obj.get("id")
     ref = {"line": n} if rid is None else {"id": rid}
@@ -269,6 +275,14 @@ def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: dict[
     if _answered_before(key, digest, plan, done):
         return None
     return Line(ref, _request(obj, openai=False), COMPLETIONS if obj.get("messages") is None else CHAT, digest=digest)
+
+
+def _refused_now(key: str, plan: Plan, done: dict[str, str | None]) -> None:
+    """A line refused before sending that has an id: its id is the input's (a later line with it would be a
+    second result for it), and an answer an earlier run recorded under it goes (one result a line)."""
+    plan.keys.add(key)
+    if key in done:
+        plan.replaced.append(key)
 
 
 def _answered_before(key: str, digest: str, plan: Plan, done: dict[str, str | None]) -> bool:
@@ -302,11 +316,12 @@ def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: dict[str, 
         problem = f"url must be one of {', '.join(OPENAI_BATCH_URLS)}, got {obj.get('url')!r}"
     elif not isinstance(obj.get("body"), dict):
         problem = "body must be the request, a JSON object"
-    if isinstance(obj["custom_id"], str):
-        seen.add(key)  # (a refused line's id too: a later line with it would be a second result for it)
     if problem:
         plan.errors.append(_openai_record(ref, None, None, {"code": "invalid_request", "message": f"line {n}: {problem}"}))
+        if isinstance(obj["custom_id"], str):
+            _refused_now(key, plan, done)
         return None
+    seen.add(key)
     if _answered_before(key, digest, plan, done):
         return None
     url = next(u for u in OPENAI_BATCH_URLS if u == obj["url"])  # (the constant: not a string per line)
@@ -591,7 +606,6 @@ async def _run_input(args: argparse.Namespace, totals: dict, output: Path, done:
     totals.update({"to_send": len(todo), "ok": 0, "failed": 0, "retryable": 0, "changed": 0, "refused": len(plan.errors),
                    "skipped": plan.skipped, "replaced": len(plan.replaced), "not_done": len(todo), "prompt_tokens": 0,
                    "cached_tokens": 0, "completion_tokens": 0, "_t0": time.perf_counter()})
-    _say_other_answers(output, plan, done)
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     # a local service not via an HTTP_PROXY (httpx would send 127.0.0.1 there unless NO_PROXY says not to)
     local = (httpx.URL(args.url).host or "") in LOOPBACK
@@ -608,6 +622,7 @@ async def _run_input(args: argparse.Namespace, totals: dict, output: Path, done:
         if todo and workers < args.concurrency:  # more would only be refused (429) and wait to try again
             print(f"radixserve batch: the service serves {workers} requests at once (its --max-concurrent-requests): "
                   f"sending {workers} at a time, not {args.concurrency}", file=sys.stderr)
+        _say_other_answers(output, plan, done)  # (once the run goes on: one that cannot start changes nothing)
         resume(output, drop=set(plan.replaced))  # now the failed records go (their lines are sent again)
         with output.open("a", encoding="utf-8") as out:
             for rec in plan.errors:
@@ -623,6 +638,10 @@ def _say_other_answers(output: Path, plan: Plan, done: dict[str, str | None]) ->
         print(f"radixserve batch: {len(plan.replaced)} line(s) of the input are not the requests {output} answered under "
               f"their id or line number (first: {plan.replaced[0]}): they are sent again, and those answers "
               "dropped", file=sys.stderr)
+    unchecked = sum(digest is None for digest in done.values())
+    if unchecked:  # (kept as answered: their requests cannot be told from this input's)
+        print(f"radixserve batch: {output} holds {unchecked} answer(s) recorded without request_hash (by an older "
+              "version): taken as answers to the lines of their id or number, unchecked", file=sys.stderr)
     others = sum(key not in plan.keys for key in done)
     if others:
         print(f"radixserve batch: {output} holds {others} answer(s) to lines this input does not have: kept; pass "
@@ -674,10 +693,10 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
             rec["request_hash"] = line.digest
             try:
                 text = record_text(rec)
-            except ValueError:  # (another backend's answer: this service's escape both)
+            except ValueError:  # (another backend's answer: this service's escape both; a rerun may get another)
                 rec = {**_failure_record(line, "the service's answer holds NaN, Infinity or an escaped lone surrogate, "
                                          "which a JSON line cannot", None, "invalid_response"), "request_hash": line.digest}
-                text, transient = record_text(rec), False
+                text, transient = record_text(rec), True
             out.write(text)
             out.flush()
             bar.update(1)

@@ -86,6 +86,8 @@ def test_input_lines_ids_and_encodings(tmp_path):
                    {"custom_id": "r2", "method": "POST", "url": "/v1/responses", "body": {"input": "x", "seed": None}}])
     plan = read_lines(openai, {})
     assert [e["custom_id"] or e["line"] for e in plan.errors] == ["r1", 2]
+    # answered before, refused now: that answer goes (one result a custom_id)
+    assert read_lines(openai, {ref_key({"custom_id": "r1"}): "0" * 16}).replaced == [ref_key({"custom_id": "r1"})]
     with openai.open("rb") as f:
         assert [(x.ref, x.path, x.request(f)) for x in plan.todo] == [({"custom_id": "r2"}, "/v1/responses", {"input": "x"})]
 
@@ -853,10 +855,30 @@ def test_a_reused_output_answers_the_new_inputs_lines_not_the_old_ones(tmp_path,
         by_key = {ref_key(r): r["output"] for r in recs}
         assert len(recs) == len(by_key) == 4, recs  # one answer a key: the old ones went
         assert by_key == {"line 1": "to b1", "line 2": "to a2", 'id "q"': "to bq", "line 4": "to a4"}
-        # its rerun has nothing to send; formatting and key order are no other request
-        write(b, ['{"prompt":"b1"}', {"prompt": "a2"}, {"prompt": "bq", "id": "q"}])
+        # its rerun has nothing to send; formatting, key order and null fields are no other request
+        write(b, ['{"prompt":"b1"}', {"prompt": "a2", "temperature": None}, {"prompt": "bq", "id": "q"}])
         assert cli(["batch", "--input", str(b), "--output", str(out), "--url", url]) == 0
         assert json.loads(capsys.readouterr().out)["to_send"] == 0 and len(sent) == 6
+        # a line answered, then edited into one refused before sending: one result for it, the refusal
+        write(b, ['{"prompt":"b1"}', {"prompt": "a2"}, {"promt": "bq", "id": "q"}])
+        assert cli(["batch", "--input", str(b), "--output", str(out), "--url", url]) == 1
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)["replaced"] == 1 and "lines this input does not have" not in captured.err.split(
+            "holds 1 answer(s) to lines")[0], captured.err
+        recs = [json.loads(x) for x in out.read_text().splitlines()]
+        assert [r for r in recs if r.get("id") == "q"] == [{"line": 3, "id": "q", "error": "needs an object with one of "
+                                                            "`prompt` and `messages`"}], recs
+        # an answer written by an older version (no request_hash) is kept as answered, and said to be unchecked
+        write(out, [{"line": 1, "output": "old"}])
+        assert cli(["batch", "--input", str(b), "--output", str(out), "--url", url, "--wait-s", "0"]) == 1
+        assert "1 answer(s) recorded without request_hash" in capsys.readouterr().err and len(sent) == 7
+    # a run that cannot start (no service) changes nothing, and says it replaces nothing
+    write(out, [{"line": 1, "output": "x", "request_hash": "0" * 16}])
+    before = out.read_text()
+    write(b, [{"prompt": "changed"}])
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert cli(["batch", "--input", str(b), "--output", str(out), "--url", dead, "--wait-s", "0"]) == 2
+    assert "sent again" not in capsys.readouterr().err and out.read_text() == before
     # an OpenAI-format line is known by its custom_id and its request alike
     line = {"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
     write(a, [line])
@@ -886,7 +908,8 @@ def test_an_answer_no_json_line_can_hold_is_that_lines_failure_and_the_job_goes_
     captured = capsys.readouterr()
     assert code == 1, captured.err
     totals = json.loads(captured.out)
-    assert (totals["ok"], totals["failed"], totals["retryable"], totals["not_done"]) == (2, 2, 0, 0), totals
+    assert (totals["ok"], totals["failed"], totals["retryable"], totals["not_done"]) == (2, 2, 2, 0), totals
+    assert "run the same command again to retry them" in captured.err  # (the input is not at fault)
     def strict(constant):
         raise AssertionError(f"{constant} in the output: no JSON")
 
