@@ -171,6 +171,7 @@ class TGIParameters(_Strict):
         _unsupported("watermark", self.watermark, (False,))
         _tgi_guide(self.grammar)  # (raises for a malformed one)
         _unsupported("adapter_id (LoRA adapters)", self.adapter_id)
+        self.details = self.details or self.decoder_input_details  # as TGI's router: the prompt's come in details
         return self
 
 
@@ -184,19 +185,19 @@ def _schema_text(schema: Any, what: str) -> str:
 
 
 def _tgi_guide(grammar: Any, where: str = "grammar") -> tuple[str, str] | None:
-    """TGI's ``grammar`` (``where``: its field): ``{"type": "json", "value": schema}``, ``{"type":
+    """TGI's ``grammar`` (``where``: its field): ``{"type": "json" | "json_object", "value": schema}``, ``{"type":
     "json_schema", "value": {"name": ..., "schema": schema}}`` or ``{"type": "regex", "value": "..."}``."""
     if grammar is None:
         return None
     kind = grammar.get("type") if isinstance(grammar, dict) else None
     value = grammar.get("value") if isinstance(grammar, dict) else None
-    if kind == "json":
+    if kind in ("json", "json_object"):  # (TGI takes json_object as another name of json)
         return "json", _schema_text(value, f"{where}.value")
     if kind == "json_schema":
         return "json", _schema_text(value.get("schema") if isinstance(value, dict) else None, f"{where}.value.schema")
     if kind == "regex" and isinstance(value, str):
         return "regex", value
-    raise ValueError(f'{where} must be {{"type": "json" | "json_schema" | "regex", "value": ...}}')
+    raise ValueError(f'{where} must be {{"type": "json" | "json_object" | "json_schema" | "regex", "value": ...}}')
 
 
 class TGIRequest(_Strict):
@@ -205,10 +206,12 @@ class TGIRequest(_Strict):
     stream: bool = False
     add_special_tokens: bool = True  # (TGI's: false for a text that already holds them, a rendered chat's BOS)
 
-    def sampling(self, default_max_new_tokens: int) -> dict[str, Any]:
+    def sampling(self, max_new_tokens: int) -> dict[str, Any]:
+        """The engine's sampling parameters (``max_new_tokens``: what the request asked for, cut to the room
+        its context leaves)."""
         p = self.parameters
         sample = p.samples()
-        return dict(max_new_tokens=p.max_new_tokens or default_max_new_tokens,
+        return dict(max_new_tokens=max_new_tokens,
                     temperature=(p.temperature or 1.0) if sample else 0.0,
                     top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
                     repetition_penalty=p.repetition_penalty or 1.0,
@@ -219,7 +222,7 @@ class TGIRequest(_Strict):
                     seed=p.seed if sample else None, stop=p.stop, include_stop_str_in_output=True, logprobs=True,
                     processed_logprobs=True,  # TGI reports the warped distribution's (temperature, top-k, ...)
                     # details.prefill: the prompt tokens' own log-probabilities
-                    prompt_logprobs=0 if p.details and p.decoder_input_details else None, cache_salt=p.cache_salt,
+                    prompt_logprobs=0 if p.decoder_input_details else None, cache_salt=p.cache_salt,
                     guide=_tgi_guide(p.grammar))
 
 
@@ -348,7 +351,7 @@ class _OpenAICommon(_Strict):
             if kind in ("json", "regex") or (kind == "json_object" and rf.get("value") is not None):
                 # TGI's form, as huggingface_hub's chat_completion sends it: {"type": "json", "value": schema}
                 # (json_object an alias of json there), {"type": "regex", "value": ...}
-                found.append(_tgi_guide({**rf, "type": "json" if kind == "json_object" else kind}, "response_format"))
+                found.append(_tgi_guide(rf, "response_format"))
             elif kind == "json_object":
                 found.append(("json", '{"type": "object"}'))
             elif kind == "json_schema" and "json_schema" not in rf and "value" in rf:

@@ -81,8 +81,9 @@ from routing.prefix_router import avoid_replica, request_ended
 
 log = logging.getLogger("radixserve.ingress")
 
-# TGI's max_new_tokens when a request leaves it out (its router's default; sent as null: the room left)
-TGI_DEFAULT_MAX_NEW_TOKENS = 100
+# TGI v3 generates in chunks of this many tokens: a max_new_tokens past the context's room is taken when the
+# first chunk fits, and the answer ends with the context (finish 'length')
+TGI_GENERATION_CHUNK = 1024
 HEALTH_TIMEOUT_S = 3.0
 # replicas report every second, between engine steps (deployments.llm_server): room for long CPU steps
 HEALTHY_WITHIN_S = 10.0
@@ -625,13 +626,6 @@ def _continuous_usage(req) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage and req.stream_options.continuous_usage_stats)
 
 
-def _tgi_default_max_new_tokens(req: TGIRequest) -> int:
-    """As TGI's router: 100 where the request leaves max_new_tokens out, the room the context leaves where
-    it sends null (TGI's chat route, whose max_tokens is null unless set, runs to that room too)."""
-    p = req.parameters
-    return sys.maxsize if "max_new_tokens" in p.model_fields_set else TGI_DEFAULT_MAX_NEW_TOKENS
-
-
 def _failed(ev: dict, running: bool) -> ApiError:
     """The error of a request whose event ``ev`` says it failed: the request's own (refused, or its guide
     broke off) is a 422; any other a 503, said to be an engine failure where the engine had taken it
@@ -1157,7 +1151,7 @@ class Ingress:
         ``best_of``, the likeliest of that many sampled sequences is the answer and, with ``details``, the
         others come in ``details.best_of_sequences``, as TGI gives them."""
         ids = await self._tgi_ids(req)
-        params = _seeded(req.sampling(await self._within_room(ids, _tgi_default_max_new_tokens(req))))
+        params = _seeded(req.sampling(await self._tgi_max_new_tokens(req, ids)))
         best_of = req.parameters.best_of or 1
         if best_of == 1:
             events = await self._collect(ids, params)
@@ -1217,7 +1211,7 @@ class Ingress:
         if (req.parameters.best_of or 1) > 1:
             raise ApiError(422, "`best_of` != 1 is not supported when streaming tokens", param="best_of")
         ids = await self._tgi_ids(req)
-        params = _seeded(req.sampling(await self._within_room(ids, _tgi_default_max_new_tokens(req))))
+        params = _seeded(req.sampling(await self._tgi_max_new_tokens(req, ids)))
         first, rest = await self._stream(ids, params)
 
         async def body():
@@ -1346,6 +1340,18 @@ class Ingress:
         if asked:
             return asked
         return await self._within_room(ids, max(default, req.min_tokens))  # (a min_tokens past it: the engine says so)
+
+    async def _tgi_max_new_tokens(self, req: TGIRequest, ids: list[int]) -> int:
+        """As TGI v3's router: without max_new_tokens (or null), all the room the context leaves after the
+        prompt ``ids``; one past that room is cut to it if its first chunk fits (TGI goes on chunk by chunk
+        until the context is full), else refused in TGI's words."""
+        asked = req.parameters.max_new_tokens
+        if asked is not None:
+            limit = (await self.info_cached())["max_total_tokens"]
+            if len(ids) + min(asked, TGI_GENERATION_CHUNK) > limit:
+                raise ApiError(422, f"`inputs` tokens + `max_new_tokens` must be <= {limit}. Given: {len(ids)} "
+                                    f"`inputs` tokens and {asked} `max_new_tokens`", param="max_new_tokens")
+        return await self._within_room(ids, asked or sys.maxsize)
 
     async def _within_room(self, ids: list[int], tokens: int) -> int:
         """``tokens`` new tokens, cut to the room the context leaves after the prompt ``ids`` (at least one:

@@ -57,7 +57,7 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_si
             deadline, refused = time.monotonic() + 20, None
             while refused is None and time.monotonic() < deadline:
                 try:
-                    r = httpx.post(url + "/generate", json={"inputs": "hi"}, timeout=10)
+                    r = httpx.post(url + "/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 1}}, timeout=10)
                 except httpx.TransportError as e:  # seen once under a full suite: say what the service said
                     pytest.fail(f"{type(e).__name__} during the drain: {e}\n{open(tmp_path / 'serve.log').read()[-3000:]}")
                 refused = r if r.status_code == 503 else None
@@ -69,7 +69,7 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_si
             assert bad.status_code == 503 and "shutting down" in bad.json()["error"]["message"]
             assert httpx.get(url + "/health", timeout=10).status_code == 503
             if ingresses > 1:
-                codes = [httpx.post(url + "/generate", json={"inputs": "hi"}, timeout=10).status_code for _ in range(8)]
+                codes = [httpx.post(url + "/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 1}}, timeout=10).status_code for _ in range(8)]
                 assert codes == [503] * 8, codes
             rest = [line for line in lines if line.startswith("data:")]
             assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2], rest[-3:]
@@ -88,7 +88,7 @@ def test_serve_subprocess_answers_and_stops_cleanly(model_dir, tmp_path, stop_si
         seen, deadline = set(), time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                seen.add(httpx.post(url + "/generate", json={"inputs": "hi"}, timeout=5).status_code)
+                seen.add(httpx.post(url + "/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 1}}, timeout=5).status_code)
             except httpx.HTTPError:
                 break
             time.sleep(0.1)

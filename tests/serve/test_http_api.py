@@ -119,7 +119,8 @@ def test_cached_tokens_reported_and_metrics_show_hits(client):
     ("/generate", {"inputs": "hi", "parameters": {"temperature": -1}}, 422, "temperature"),
     ("/generate", {"inputs": "hi", "parameters": {"top_p": 2}}, 422, "top_p"),
     ("/generate", {"inputs": "x" * 1500}, 422, "max_input_tokens"),
-    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 5000}}, 422, "max_total_tokens"),
+    # (one past the context's room is cut to it, as TGI v3: tests/serve/test_tgi_view.py)
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 0}}, 422, "max_new_tokens"),
     ("/generate_stream", {"inputs": "x" * 1500}, 422, "max_input_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "nope"),

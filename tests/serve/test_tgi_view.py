@@ -9,7 +9,7 @@ import json
 import pytest
 
 from app.schemas import TGIRequest
-from deployments.ingress import Ingress
+from deployments.ingress import ApiError, Ingress
 from tests.serve.helpers import response_events
 
 Cls = Ingress.func_or_class
@@ -29,7 +29,7 @@ class FakeTGI:
 
     _live_replicas = Cls._live_replicas
 
-    _within_room = Cls._within_room
+    _within_room, _tgi_max_new_tokens = Cls._within_room, Cls._tgi_max_new_tokens
     _tgi_finish = Cls._tgi_finish
     _tgi_token = Cls._tgi_token
     _tgi_sequence = Cls._tgi_sequence
@@ -81,21 +81,44 @@ def test_the_finish_reason_is_tgis(finish, stop_reason, expected):
     assert last["details"]["finish_reason"] == expected and last["generated_text"] == "{}"
 
 
-def test_without_max_new_tokens_a_long_prompt_gets_the_room_it_leaves():
-    # TGI's router's default, 100 (it was 64), cut to the room the context leaves: a prompt within 100
-    # tokens of the limit was refused for a max_new_tokens never sent; sent as null, the room itself
-    fake = FakeTGI([_token(0, "a", "length")], max_total_tokens=200)
-    for prompt, params, expected in (("x" * 190, {}, 10), ("x" * 10, {}, 100), ("x" * 10, {"max_new_tokens": None}, 190),
-                                     ("x" * 10, {"max_new_tokens": 150}, 150)):
+def test_max_new_tokens_is_tgi_v3s_the_room_left_when_unset_and_cut_to_it_when_past():
+    # TGI v3 (its "auto max_new_tokens"): unset or null, all the room the context leaves (v2's 100 cut
+    # huggingface_hub's text_generation(prompt) short with 'length'); an explicit value past that room is
+    # taken while its first chunk of 1,024 tokens fits, and the answer ends with the context
+    fake = FakeTGI([_token(0, "a", "length")], max_total_tokens=2000)
+    for prompt, params, expected in (("x" * 190, {}, 1810), ("x" * 10, {}, 1990), ("x" * 10, {"max_new_tokens": None}, 1990),
+                                     ("x" * 10, {"max_new_tokens": 150}, 150), ("x" * 900, {"max_new_tokens": 1500}, 1100),
+                                     ("x" * 976, {"max_new_tokens": 5000}, 1024)):
         asyncio.run(Cls._tgi_answer(fake, TGIRequest.model_validate({"inputs": prompt, "parameters": params})))
         assert fake.asked[-1]["max_new_tokens"] == expected, params
         list(response_events(asyncio.run(Cls.generate_stream(fake, TGIRequest.model_validate(
             {"inputs": prompt, "parameters": params})))))
         assert fake.asked[-1]["max_new_tokens"] == expected, params
+    # where even the first chunk does not fit, TGI's own refusal
+    for route in (Cls._tgi_answer, Cls.generate_stream):
+        with pytest.raises(ApiError) as e:
+            asyncio.run(route(fake, TGIRequest.model_validate({"inputs": "x" * 977, "parameters": {"max_new_tokens": 1500}})))
+        assert e.value.status == 422 and e.value.param == "max_new_tokens"
+        assert "must be <= 2000. Given: 977 `inputs` tokens and 1500 `max_new_tokens`" in str(e.value.message)
     # (return_full_text is nullable in TGI: null is false)
     assert not TGIRequest.model_validate({"inputs": "x", "parameters": {"return_full_text": None}}).parameters.return_full_text
-    asyncio.run(Cls._tgi_answer(fake, TGIRequest.model_validate({"inputs": "x" * 90, "parameters": {"max_new_tokens": 30}})))
-    assert fake.asked[-1]["max_new_tokens"] == 30  # (asked for: the engine refuses what does not fit)
+
+
+def test_decoder_input_details_alone_brings_details_with_the_prompt():
+    # as TGI's router (details || decoder_input_details): a client reading details.prefill got a KeyError
+    fake = FakeTGI([{**_token(0, "a"), "prompt_logprobs": [None, (-1.5, {})]}, _token(1, "b", "length")])
+    req = TGIRequest.model_validate({"inputs": "hi", "parameters": {"decoder_input_details": True, "max_new_tokens": 2}})
+    out, _ = asyncio.run(Cls._tgi_answer(fake, req))
+    assert fake.asked[-1]["prompt_logprobs"] == 0
+    assert out["details"]["generated_tokens"] == 2
+    assert out["details"]["prefill"] == [{"id": 1, "text": "<1>", "logprob": None}, {"id": 1, "text": "<1>", "logprob": -1.5}]
+
+
+def test_a_json_object_grammar_is_a_json_one_as_in_tgi():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for kind in ("json", "json_object"):
+        req = TGIRequest.model_validate({"inputs": "hi", "parameters": {"grammar": {"type": kind, "value": schema}}})
+        assert req.sampling(5)["guide"] == ("json", json.dumps(schema))
 
 
 def test_an_error_mid_stream_says_whose_it_is():
