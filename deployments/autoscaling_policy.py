@@ -15,10 +15,15 @@ Serve's default policy counts requests in flight, and a prefix cache changes wha
   ``recompute_share`` is being recomputed. A block several replicas hold (a prefix hot enough for the
   router to copy) is in each one's count, but the replicas that stay need it at most once each: the
   copies kept count at most ``replicas left x distinct hot blocks`` (the hub merges every replica's
-  sketch of its working set into the count of distinct ones, ``fleet_hot_blocks``).
+  sketch of its working set into the count of distinct ones, ``fleet_hot_blocks``). A fleet that grew
+  because prefixes were computed again keeps that size for ``recompute_hold_s`` while traffic lasts: the
+  minute of hits misses prefixes that come back every few minutes, and such a fleet went down and up
+  again every few minutes, each time loading a model and throwing a cache away.
 - After the fleet changes, Serve's averages still cover the old fleet for a look-back window (and a
   metrics interval): until then, and while a replica it asked for is still starting, only requests in
-  flight may add replicas, and none are removed.
+  flight may add replicas, and none are removed. A replica still not running after ``starting_grace_s``
+  (no node or GPU free for it, a start that fails each time) no longer holds the fleet: the policy
+  decides on the running ones, and a decision under Serve's target cancels it, as Serve's policy would.
 
 The requests-in-flight target still holds (``target_ongoing_requests``). Pure Python: Serve applies
 ``min_replicas``/``max_replicas``, the scaling factors and the up/down delays around it.
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -54,18 +60,21 @@ class Knobs:
     recompute_share: float = 0.1
     working_set_fill: float = 0.8
     min_prompt_tps: float = 16.0  # fewer prompt tokens per second than this: too few to judge the share
+    recompute_hold_s: float = 1800.0  # after growing for recomputed prefixes, no smaller fleet this long
+    starting_grace_s: float = 600.0  # a replica asked for and not running after this long holds nothing
 
 
 def desired_replicas(current: int, total_requests: float, signals: list[ReplicaSignals], k: Knobs,
-                     settled: bool = True, latest_share: float | None = None, target: int = 0
-                     ) -> tuple[float, str]:
+                     settled: bool = True, latest_share: float | None = None, target: int = 0,
+                     hold: int = 0) -> tuple[float, str]:
     """How many replicas the fleet wants (before Serve's bounds and delays), and why. ``settled``: the
     averages cover only the current fleet (not so after a replica came or went: then requests may
     scale up, and nothing scales down). ``latest_share``: the recomputed share in the replicas' latest
     reports; a replica is added for recomputation only while it goes on (after a scale-up the router
     takes a while to split the prefixes between the caches, and the averages remember that). ``target``:
     the replicas Serve runs or is bringing up; until the averages can be trusted, none of them is taken
-    away (replicas still starting included: an unsettled fleet is one that just grew)."""
+    away (replicas still starting included: an unsettled fleet is one that just grew). ``hold``: the
+    fleet grew to this many for recomputed prefixes lately; while traffic lasts, it keeps them."""
     by_requests = total_requests / k.target_ongoing_requests
     if current == 0 or not signals or not settled:
         return max(by_requests, float(current), float(target)), "requests"
@@ -88,6 +97,8 @@ def desired_replicas(current: int, total_requests: float, signals: list[ReplicaS
     running = sum(s.kv_usage * s.total_blocks for s in signals) * scale  # moves to the replicas that stay
     if share > k.recompute_share / 2:
         return float(current), "recomputed prefixes"
+    if current <= hold and prompt >= k.min_prompt_tps:
+        return float(current), "recomputed prefixes lately"
     if working_set + running > k.working_set_fill * pool * (current - 1):
         return float(current), "working set"
     return max(desired, current - 1.0), reason  # one cache at a time
@@ -101,6 +112,8 @@ class CacheAwarePolicy:
         self.knobs = Knobs(**knobs)  # a wrong name fails when Serve deploys the policy, not at every decision
         self._last_reason = ""
         self._fleet: tuple[int, float] | None = None  # (running replicas, since when)
+        self._starting_since: float | None = None  # since when Serve's target is over the running count
+        self._grew: tuple[int, float] = (0, float("-inf"))  # (replicas, when) of the last growth for recomputation
 
     def __call__(self, ctx) -> tuple[float, dict]:
         metrics = ctx.aggregated_metrics or {}
@@ -115,10 +128,17 @@ class CacheAwarePolicy:
         # (replicas push their reports every metrics interval: the newest may be that old); and no
         # replica may still be starting: Serve reads an answer under its target as a scale-down, and
         # "keep the fleet" (the running count) would cancel a replica still loading its model
+        starting = ctx.target_num_replicas > current
+        self._starting_since = (self._starting_since if self._starting_since is not None else now) if starting else None
+        stuck = starting and now - self._starting_since >= k.starting_grace_s
         settled = (now - self._fleet[1] >= ctx.config.look_back_period_s + ctx.config.metrics_interval_s
-                   and ctx.target_num_replicas <= current)
+                   and (not starting or stuck))
+        hold = self._grew[0] if now - self._grew[1] < k.recompute_hold_s else 0
         desired, reason = desired_replicas(current, ctx.total_num_requests, signals, k, settled,
-                                           latest_share(ctx.raw_metrics, k.min_prompt_tps), ctx.target_num_replicas)
+                                           latest_share(ctx.raw_metrics, k.min_prompt_tps), ctx.target_num_replicas,
+                                           hold)
+        if reason == "recomputed prefixes" and desired > current:
+            self._grew = (math.ceil(desired), now)
         if reason != self._last_reason and reason != "requests":
             log.info("cache-aware autoscaling of %s: %.2f replicas for now (%s)", ctx.deployment_name, desired, reason)
         self._last_reason = reason

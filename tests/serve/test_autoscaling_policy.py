@@ -158,6 +158,8 @@ def test_behind_serves_own_wrapper_with_its_context_and_config():
     assert n == 4
     quiet = {k: {r: (0.0 if k == "recompute_tps" else v) for r, v in m.items()} for k, m in thrash.items()}
     n, state = decide(3, quiet, 40.0, state)
+    assert n == 3  # it asked for a fourth for recomputed prefixes: no fewer while the traffic lasts
+    n, state = decide(3, quiet, 1830.0, state)
     assert n == 2
 
 
@@ -179,3 +181,42 @@ def test_a_replica_still_starting_is_not_cancelled_when_recomputation_eases():
         assert policy(Ctx(2, fleet_of(2, 80.0), now=now, target=3))[0] == 3.0
     assert policy(Ctx(3, fleet_of(3, 80.0), now=210.0))[0] == 3.0  # it runs: a window, then the band holds it
     assert policy(Ctx(3, fleet_of(3, 80.0), now=260.0)) == (3.0, {})
+
+
+def _idle_fleet(n: int, prompt_tps: float = 0.0) -> dict:
+    names = [f"r{i}" for i in range(n)]
+    return {"prompt_tps": dict.fromkeys(names, prompt_tps), "recompute_tps": dict.fromkeys(names, 0.0),
+            "hot_blocks": dict.fromkeys(names, 0.0), "total_blocks": dict.fromkeys(names, 1000.0)}
+
+
+def test_a_replica_that_never_starts_stops_holding_the_fleet():
+    """A replica asked for that never runs (no node or GPU free for it): Serve's target stayed over the
+    running count for good, the fleet counted as never settled, and it kept every replica (and the
+    pending one) at zero traffic forever. Past the grace it decides on the running ones, as Serve's does."""
+    policy = CacheAwarePolicy()
+    for now in (0.0, 100.0, 590.0):
+        assert policy(Ctx(4, _idle_fleet(4), now=now, target=5))[0] == 5.0
+    assert policy(Ctx(4, _idle_fleet(4), now=600.0, target=5))[0] == 3.0  # one at a time, as ever
+    # one that starts within the grace is waited for, and a later one gets its own grace
+    policy = CacheAwarePolicy()
+    assert policy(Ctx(4, _idle_fleet(4), now=0.0, target=5))[0] == 5.0
+    assert policy(Ctx(5, _idle_fleet(5), now=300.0))[0] == 5.0  # (a new fleet: a window first)
+    assert policy(Ctx(5, _idle_fleet(5), now=400.0, target=6))[0] == 6.0
+    assert policy(Ctx(5, _idle_fleet(5), now=900.0, target=6))[0] == 6.0
+    assert policy(Ctx(5, _idle_fleet(5), now=1000.0, target=6))[0] == 4.0
+
+
+def test_a_fleet_grown_for_recomputed_prefixes_keeps_its_size_while_traffic_lasts():
+    """Prefixes that come back every few minutes: the minute of hits that scaling down weighs misses
+    half of them, so the grown fleet went down, recomputed them, and grew again, every few minutes."""
+    policy = CacheAwarePolicy(recompute_share=0.1)
+    thrash = {**_idle_fleet(2, 1000.0), "recompute_tps": {"r0": 300.0, "r1": 300.0}}
+    assert policy(Ctx(2, thrash, now=0.0))[0] == 2.0
+    assert policy(Ctx(2, thrash, now=50.0))[0] == 3.0
+    calm = _idle_fleet(3, 1000.0)  # nothing recomputed, the minute's hits fit in two
+    for now in (100.0, 1000.0, 1840.0):
+        assert policy(Ctx(3, calm, now=now)) == (3.0, {})
+    assert policy(Ctx(3, calm, now=1850.0))[0] == 2.0  # the hold is over
+    # the traffic stopped: nothing to keep the caches for
+    policy._grew = (3, 1900.0)
+    assert policy(Ctx(3, _idle_fleet(3), now=1950.0))[0] == 2.0
