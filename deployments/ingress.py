@@ -174,12 +174,13 @@ class InFlight:
     to their last response byte (a stream included), so a drain waits for what is tokenized or queued,
     not only for engine work, but not for a client still trickling its upload. While draining it refuses
     new POSTs with 503 before anything reads them (a bad body included), and past --max-concurrent-requests
-    new generation requests with 429."""
+    new generation requests with 429 once their body is in."""
 
     count = 0
     draining = False  # set by Ingress.drain and by the hub's word (one ingress process per replica)
     # --max-concurrent-requests (set by Ingress.__init__): the generation requests this process answers
-    # at once, counted from their first byte; one more is refused at once (429) instead of waiting in line
+    # at once, counted from their last body byte (uploads that stall hold no place: TGI too reads the body
+    # before its semaphore); one more is refused then (429) instead of waiting in line
     limit: int | None = None
     admitted = 0
 
@@ -191,19 +192,10 @@ class InFlight:
             return await self.app(scope, receive, send)
         if InFlight.draining:
             return await _error_response(Request(scope), _shutting_down())(scope, receive, send)
-        if InFlight.limit is None or _route_path(scope) in UNLIMITED_PATHS:
-            return await self._counted(scope, receive, send)
-        if InFlight.admitted >= InFlight.limit:
-            in_process.ROUTED["requests_overloaded"] += 1
-            return await _error_response(Request(scope), _overloaded())(scope, receive, send)
-        InFlight.admitted += 1
-        try:
-            await self._counted(scope, receive, send)
-        finally:
-            InFlight.admitted -= 1
+        await self._counted(scope, receive, send, limited=_route_path(scope) not in UNLIMITED_PATHS)
 
-    async def _counted(self, scope, receive, send):
-        counted = False
+    async def _counted(self, scope, receive, send, limited: bool):
+        counted = admitted = refused = False
         body_at = 0.0
         status = 0
         whole = False  # the response's last byte went out (not so for a client that left mid-stream)
@@ -211,9 +203,17 @@ class InFlight:
         token = in_process.ENGINE_ANSWERED.set(answered)
 
         async def received():
-            nonlocal counted, body_at
+            nonlocal counted, body_at, admitted, refused
             message = await receive()
             if not counted and message["type"] == "http.request" and not message.get("more_body", False):
+                if limited and InFlight.limit is not None:
+                    if InFlight.admitted >= InFlight.limit:
+                        # fail the body read: the handler never runs, its error answer is replaced below
+                        in_process.ROUTED["requests_overloaded"] += 1
+                        refused = True
+                        raise _Overloaded
+                    InFlight.admitted += 1
+                    admitted = True
                 counted = True
                 InFlight.count += 1
                 body_at = time.monotonic()
@@ -223,6 +223,8 @@ class InFlight:
 
         async def sent(message):
             nonlocal status, whole
+            if refused:
+                return
             if message["type"] == "http.response.start":
                 status = message["status"]
             await send(message)
@@ -230,12 +232,18 @@ class InFlight:
 
         try:
             await self.app(scope, received, sent)
+        except _Overloaded:
+            pass
         finally:
             in_process.ENGINE_ANSWERED.reset(token)
+            if admitted:
+                InFlight.admitted -= 1
             if counted:
                 InFlight.count -= 1
                 if answered[0] and status == 200 and whole:  # a generation answered in full (a stream too)
                     in_process.INGRESS_E2E.observe(time.monotonic() - body_at)
+        if refused:
+            await _error_response(Request(scope), _overloaded())(scope, receive, send)
 
 
 class ApiError(Exception):
@@ -312,6 +320,10 @@ class PayloadLimit:
 
 
 class _TooLarge(Exception):
+    pass
+
+
+class _Overloaded(Exception):
     pass
 
 
@@ -1909,8 +1921,10 @@ class Ingress:
             ids = await self._chat_ids(req)
         else:
             ids = await self._tokenize(req.prompt, req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": (await self.info_cached())["max_total_tokens"], "tokens": ids,
-                "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+        limit = (await self.info_cached())["max_total_tokens"]
+        return await self._off_loop(lambda: JSONResponse({  # (off the loop too: 2 MB of ids took it for seconds)
+            "count": len(ids), "max_model_len": limit, "tokens": ids,
+            "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}))
 
     @app.post("/detokenize")
     async def detokenize(self, req: DetokenizeRequest):

@@ -104,3 +104,35 @@ def test_a_client_that_leaves_gives_its_place_back(monkeypatch):
         return await c.post("/generate", json={"inputs": "x"})
 
     assert _run(scenario).status_code == 200
+
+
+def test_an_upload_that_stalls_holds_no_place(monkeypatch):
+    """Places were taken at a request's first byte: clients that sent part of a body and stalled (until
+    the proxy's request timeout, 10 minutes) held every one, and everyone else got 429. They are taken
+    when the body is in, as TGI reads the body before its semaphore."""
+    monkeypatch.setattr(InFlight, "draining", False)
+    monkeypatch.setattr(InFlight, "limit", 2)
+    monkeypatch.setattr(in_process, "ROUTED", {**in_process.ROUTED, "requests_overloaded": 0})
+
+    async def stalled_body():
+        yield b'{"inputs": "'
+        await asyncio.sleep(3600)
+
+    async def scenario(c, release):
+        slow = [asyncio.create_task(c.post("/generate", content=stalled_body(),
+                                           headers={"content-type": "application/json"})) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        assert InFlight.admitted == 0
+        held = await _hold(c, 2, "admitted")
+        over = await c.post("/v1/chat/completions", json={})  # refused once its body is in, as before
+        release.set()
+        done = await asyncio.gather(*held)
+        for t in slow:
+            t.cancel()
+        await asyncio.gather(*slow, return_exceptions=True)
+        return over, done
+
+    over, done = _run(scenario)
+    assert [r.status_code for r in done] == [200, 200]
+    assert over.status_code == 429 and over.json()["error"]["code"] == "overloaded"
+    assert InFlight.admitted == 0 and in_process.ROUTED["requests_overloaded"] == 1
