@@ -22,13 +22,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) redis
 
-# Debian's redis-server, installed when missing (as root); its system service is stopped because
-# port 6379 belongs to Ray's GCS: tests and `radixserve serve` start their own on free ports.
+# Debian's redis-server, installed when missing (as root); its system service is stopped and disabled
+# (it would be back at the next boot) because port 6379 belongs to Ray's GCS (`ray start --head`): tests
+# and `radixserve serve` start their own on free ports.
 redis:
 	@if ! command -v redis-server >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null && \
-	    (service redis-server stop >/dev/null 2>&1 || true); \
+	    (systemctl disable --now redis-server >/dev/null 2>&1 || service redis-server stop >/dev/null 2>&1 || true); \
 	  else \
 	    echo "redis-server is missing: install it with 'sudo apt-get install redis-server'" >&2; exit 1; \
 	  fi; \

@@ -293,7 +293,7 @@ def _device_problem(settings: Settings, config) -> str | None:
                                       settings.kv_cache_dtype, resolve_dtype(settings.dtype, device))
         blocks = num_blocks_for(settings.block_size, token_bytes, settings.max_batch_total_tokens,
                                 settings.kv_memory_fraction, device)  # (as the engine sizes and checks it)
-        return pool_problem(blocks, settings.block_size, token_bytes, device)
+        return pool_problem(blocks, settings.block_size, token_bytes, device, replicas=first)  # (all on this machine)
     return None
 
 

@@ -71,9 +71,11 @@ def available_memory(device: torch.device) -> int:
 PAD_BLOCKS = 1
 
 
-def pool_problem(num_blocks: int, block_size: int, token_bytes: int, device: torch.device) -> str | None:
+def pool_problem(num_blocks: int, block_size: int, token_bytes: int, device: torch.device,
+                 replicas: int = 1) -> str | None:
     """Why a pool of ``num_blocks`` (and its padding block) cannot be allocated on ``device`` now (more than
-    its free memory), else None: said at start-up instead of the allocator's own error."""
+    its free memory), else None: said at start-up instead of the allocator's own error. ``replicas``: that
+    many start here at once, each with its own pool."""
     if device.type not in ("cpu", "cuda"):
         return None  # no free-memory reading of its own here: the allocator's error will say
     try:
@@ -82,11 +84,12 @@ def pool_problem(num_blocks: int, block_size: int, token_bytes: int, device: tor
         return None
     tokens = num_blocks * block_size
     need = (num_blocks + PAD_BLOCKS) * block_size * token_bytes
-    if need <= free:
+    if need * replicas <= free:
         return None
     room = "free" if device.type == "cpu" else "free beside a step's working memory"
-    return (f"a KV pool of {tokens} tokens (max_batch_total_tokens) needs {need / 2**30:.1f} GiB, more than the "
-            f"{free / 2**30:.1f} GiB {room} on {device}")
+    each = f" ({replicas} replicas start here, one pool each: {need * replicas / 2**30:.1f} GiB)" if replicas > 1 else ""
+    return (f"a KV pool of {tokens} tokens (max_batch_total_tokens) needs {need / 2**30:.1f} GiB{each}, more than "
+            f"the {free / 2**30:.1f} GiB {room} on {device}")
 
 
 # A CPU replica's pool without a size given: a fraction of the machine's memory, but at most this

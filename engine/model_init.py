@@ -14,6 +14,10 @@ import torch
 
 from engine.presets import PRESETS
 
+# what a model folder holds beside its weights and config.json that another model's could leave behind
+OLD_MODEL_FILES = ("model.safetensors.index.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
+                   "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt", "merges.txt", "special_tokens_map.json", "added_tokens.json")
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 # a reasoning model's tags, one ordinary (not special) added token each, as in Qwen3's and DeepSeek-R1's
 # tokenizers: their text stays in the answer, where the reasoning parser reads it
@@ -89,9 +93,10 @@ def write_model(path: str | Path, preset: str = "tiny", seed: int = 0, init_scal
         pad_token_id=tokenizer.pad_token_id, dtype="float32")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # written over another model (--force): its weights go first, or a stale shard index would name
-    # files that are no longer there (or shards of the old model would stay beside the new one)
-    for old in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
+    # written over another model (--force): its files go first, or a stale shard index would name files
+    # that are no longer there, and its tokenizer's leftovers (special_tokens_map.json, added_tokens.json,
+    # a chat template) would change the new tokenizer's BOS, EOS and template
+    for old in [*path.glob("*.safetensors"), *(path / name for name in OLD_MODEL_FILES)]:
         old.unlink(missing_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

@@ -281,6 +281,28 @@ def test_preflight_refuses_what_the_replicas_could_not_serve(tmp_path, tiny_fold
     assert preflight(many, local_ray=False) is None  # a cluster's GPUs are its nodes'
 
 
+def test_the_start_up_check_counts_a_pool_for_each_replica_starting_here(tiny_folder, monkeypatch):
+    # a local Ray starts every replica on this machine, each allocating its own pool: 8 replicas of a
+    # pool that fit once passed the check, then overcommitted the machine's memory
+    import cache.kv_pool as kv_pool
+    from app.cli import preflight
+    from app.config import Settings
+
+    monkeypatch.setattr(kv_pool, "available_memory", lambda device: 10 * 2**30)
+    cpu = torch.device("cpu")
+    blocks = 4 * 2**30 // (16 * 1024) - kv_pool.PAD_BLOCKS  # 4 GiB at 1 KiB a token
+    assert kv_pool.pool_problem(blocks, 16, 1024, cpu) is None
+    assert kv_pool.pool_problem(blocks, 16, 1024, cpu, replicas=2) is None
+    assert "needs 4.0 GiB (3 replicas start here, one pool each: 12.0 GiB), more than the 10.0 GiB free" in \
+        kv_pool.pool_problem(blocks, 16, 1024, cpu, replicas=3)
+    asked = []
+    monkeypatch.setattr(kv_pool, "pool_problem", lambda *a, **k: asked.append(k["replicas"]))
+    for replicas in (1, 3):
+        preflight(Settings(model_id=str(tiny_folder), port=free_port(), max_batch_total_tokens=512, device="cpu",
+                           num_replicas=replicas), local_ray=True)
+    assert asked == [1, 3]
+
+
 def test_replicas_on_cuda_take_their_share_of_the_gpus_and_see_only_theirs(monkeypatch, tiny_folder, capsys):
     # with --replica-num-gpus 0 Ray neither counted a GPU for them nor hid the others: all ran on cuda:0
     import torch
@@ -369,3 +391,24 @@ def test_no_layer_is_swapped_for_a_hub_kernel(tiny_folder, monkeypatch):
     monkeypatch.setattr(PreTrainedModel, "set_use_kernels", spy)
     loaded = load_model(str(tiny_folder), device="cpu")
     assert asked == [False] and not loaded.model.use_kernels
+
+
+def test_a_folder_whose_tokenizer_is_a_sentencepiece_model_alone_loads(tiny_folder, tmp_path):
+    # Llama 2-era checkpoints ship tokenizer.model without tokenizer.json: transformers converts it with
+    # the sentencepiece package, which the project did not depend on (the folder was refused, naming tiktoken)
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(200)))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=60,
+                                   model_type="bpe", bos_id=1, eos_id=2, unk_id=0, minloglevel=2)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        (tiny_folder / f).unlink(missing_ok=True)
+    (tiny_folder / "tokenizer.model").write_bytes((tmp_path / "sp.model").read_bytes())
+    (tiny_folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    check_model_folder(str(tiny_folder))
+    tok = AutoTokenizer.from_pretrained(tiny_folder)
+    ids = tok("the lazy fox").input_ids
+    assert tok.eos_token_id == 2 and tok.decode(ids, skip_special_tokens=True) == "the lazy fox"

@@ -202,9 +202,16 @@ def test_init_model_does_not_overwrite_by_accident(tmp_path):
     # over a sharded checkpoint: its index and shards go, or the index would name missing files
     (tmp_path / "m" / "model.safetensors.index.json").write_text('{"weight_map": {"x": "model-00002.safetensors"}}')
     (tmp_path / "m" / "model-00002.safetensors").write_bytes(b"old")
+    # and the old tokenizer's leftovers (transformers 4 wrote these beside it): they changed the new one's EOS
+    (tmp_path / "m" / "special_tokens_map.json").write_text('{"eos_token": "<|pad|>", "bos_token": "<|pad|>"}')
+    (tmp_path / "m" / "added_tokens.json").write_text('{"<|pad|>": 258}')
     assert _cli("init-model", str(tmp_path / "m"), "--preset", "tiny-qwen2", "--force").returncode == 0
     assert "qwen2" in (tmp_path / "m" / "config.json").read_text()
     assert sorted(f.name for f in (tmp_path / "m").glob("model*")) == ["model.safetensors"]
+    assert not (tmp_path / "m" / "special_tokens_map.json").exists() and not (tmp_path / "m" / "added_tokens.json").exists()
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "m").eos_token == "<|eos|>"
     # a mistaken flag: its line and where to look, not the whole usage
     r = _cli("serve", "--port", "abc")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
