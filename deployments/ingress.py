@@ -894,10 +894,14 @@ class Ingress:
         return self._info
 
     async def _refuse_past_context(self, n: int, max_new: Any) -> None:
-        """The engine's own length check, before routing: the router counts max_new_tokens as work (a
-        refused 10**300 erased a replica's real load in its float arithmetic)."""
+        """The engine's own length checks, in its order, before routing: the router counts max_new_tokens as
+        work (a refused 10**300 erased a replica's real load in its float arithmetic). A prompt over
+        max_input_tokens is its own fault, not max_tokens' (the sum's refusal blamed max_tokens)."""
+        info = await self.info_cached()
+        if n > info["max_input_tokens"]:
+            raise ApiError(422, f"the prompt has {n} tokens, more than max_input_tokens ({info['max_input_tokens']})")
         if isinstance(max_new, int) and not isinstance(max_new, bool):
-            limit = (await self.info_cached())["max_total_tokens"]
+            limit = info["max_total_tokens"]
             if n + max_new > limit:
                 raise ApiError(422, f"prompt ({n}) + max_new_tokens ({max_new}) = {n + max_new} tokens, more than "
                                     f"max_total_tokens ({limit})", param="max_tokens")

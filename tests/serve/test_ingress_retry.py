@@ -51,7 +51,7 @@ class FakeIngress:
         return f"engine failure: {type(e).__name__}"
 
     async def info_cached(self):
-        return {"max_total_tokens": 1 << 20}
+        return {"max_total_tokens": 1 << 20, "max_input_tokens": (1 << 20) - 1}
 
     _refuse_past_context = Ingress.func_or_class._refuse_past_context
 
@@ -244,3 +244,20 @@ def test_a_warmup_is_refused_whole_before_any_prefix_is_warmed():
         asyncio.run(warmup(off, WarmupRequest(prefixes=[[5] * 20])))
     assert fake.sent == off.sent == []
     assert asyncio.run(warmup(fake, WarmupRequest(prefixes=[[5] * 20, [6] * 64])))["prefixes"] == 2
+
+
+def test_a_prompt_over_max_input_tokens_is_refused_for_itself_not_for_max_tokens():
+    # the engine's order: a 5,004-token prompt in a 4,096-token context was refused as "prompt + max_tokens",
+    # with param max_tokens, which no smaller max_tokens could fix
+    class Limits:
+        async def info_cached(self):
+            return {"max_total_tokens": 100, "max_input_tokens": 99}
+
+    check = Ingress.func_or_class._refuse_past_context
+    with pytest.raises(ApiError) as e:
+        asyncio.run(check(Limits(), 120, 5))
+    assert e.value.message == "the prompt has 120 tokens, more than max_input_tokens (99)" and e.value.param is None
+    with pytest.raises(ApiError) as e:
+        asyncio.run(check(Limits(), 90, 20))
+    assert e.value.message.startswith("prompt (90) + max_new_tokens (20) = 110") and e.value.param == "max_tokens"
+    asyncio.run(check(Limits(), 90, 10))
