@@ -105,8 +105,8 @@ def _loosened_one(schema: dict) -> dict:
     out = {}
     for key, v in schema.items():
         numeric = isinstance(v, (int, float)) and not isinstance(v, bool)
-        if key in _BOUNDS and numeric and abs(v) > WIDEST_BOUND:
-            continue
+        if key in _BOUNDS and numeric and (v if key.endswith("aximum") else -v) > WIDEST_BOUND:
+            continue  # (one that holds numbers in, a minimum past int64's largest, is kept: llguidance refuses it)
         if key in _COUNTS and isinstance(v, float) and v.is_integer():
             v = int(v)
         out[key] = v
@@ -114,8 +114,8 @@ def _loosened_one(schema: dict) -> dict:
 
 
 def _loosened(schema):
-    """A JSON schema as llguidance compiles it: a numeric bound past ``WIDEST_BOUND`` (int64's, as OpenAPI
-    tools declare them) left out, as no answer comes near it, and a count written as a float (5.0) as the
+    """A JSON schema as llguidance compiles it: a numeric bound that lets past ``WIDEST_BOUND`` (int64's, as
+    OpenAPI tools declare them) left out, as no answer comes near it, and a count written as a float (5.0) as the
     integer it is. llguidance refused both: a valid tool was a 400."""
     return walk_schema(schema, _loosened_one)
 

@@ -450,12 +450,13 @@ class LLMEngine:
             if seq.guide_wait == "marker" and (at := seq.text.find(p.guide_after, max(0, before - len(p.guide_after)))) >= 0:
                 seq.guide_wait = None  # the thinking is over: the guide holds the rest, and any text this
                 tail = seq.text[at + len(p.guide_after):].lstrip()  # token wrote after the tag already
-                if tail:  # (one the guide does not allow breaks it: the answer ends there)
-                    ok = self.guides.consume_text(seq.matcher, tail)
-                    guide_done = not ok or seq.matcher.is_stopped() or seq.matcher.is_error()
-                    if not ok:  # (a tag of several tokens, whose last one wrote more: its answer is not guided)
-                        log.warning("request %s: the text after %r is not what its guide allows: %r",
-                                    seq.request_id, p.guide_after, tail[:40])
+                if tail:
+                    if not self.guides.consume_text(seq.matcher, tail):
+                        # (a tag of several tokens, whose last one wrote more than the guide starts with: the
+                        # answer cannot be what was asked for, and ends as a guide that broke off, not "stop")
+                        raise GuideError(f"the guide cannot go on: the text after {p.guide_after!r} is not "
+                                         f"what it allows: {tail[:40]!r}")
+                    guide_done = seq.matcher.is_stopped() or seq.matcher.is_error()
             # stop strings count past min_tokens (as in vLLM: the token after the min_tokens-th may complete one
             # that began before, as an ending token may come there at the earliest), and only ones this
             # token completes

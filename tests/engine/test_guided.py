@@ -165,6 +165,13 @@ def test_a_reasoning_models_guide_waits_for_the_end_of_its_thinking(make_engine)
     # the token that completes the end tag may carry text after it: the guide reads that too
     text, _ = answer(guide=("regex", ">ok"), guide_after="</think", logit_bias={end: 100.0})
     assert text == "</think>ok"
+    # and where the guide cannot start with that text, the request fails as a guide that broke off (it
+    # ended 'stop', as if complete, with no JSON in its answer)
+    rid = eng.add_request(PROMPT, SamplingParams(max_new_tokens=60, guide=guide, guide_after="</think",
+                                                 logit_bias={end: 100.0}))
+    last = [ev for _ in iter(eng.has_work, False) for ev in eng.step() if ev.request_id == rid][-1]
+    assert last.finish_reason == "error" and last.error_kind == "validation"
+    assert last.error == "the guide cannot go on: the text after '</think' is not what it allows: '>'"
     # it cannot end while it thinks (an end token, however likely): its answer comes, or max_tokens cuts it
     eos = next(iter(eng.eos_ids))
     text, seq = answer(guide_after="</think>", logit_bias={eos: 100.0, end: -100.0}, max_new_tokens=8)
@@ -270,6 +277,12 @@ def test_schemas_with_int64_bounds_or_float_counts_compile_and_keep_their_data(m
     kept = {"type": "object", "properties": {"maximum": {"type": "integer", "maximum": 9}},
             "const": {"maximum": 1e30}, "enum": [{"maxLength": 5.0}]}
     assert _loosened(kept) == kept
+    # a bound past int64 that holds numbers in is kept, and llguidance refuses it: dropped, any integer
+    # passed "at least 1e19" (0, 8209, ...)
+    for tight in ({"type": "integer", "minimum": 10**19}, {"type": "number", "exclusiveMaximum": -1e20}):
+        assert _loosened(tight) == tight
+        with pytest.raises(GuideError):
+            guides.check("json", json.dumps(tight))
     m = guides.matcher("json", json.dumps({"type": "string", "maxLength": 2.0}))
     ids = guides._tokenizer.encode('"abc"', add_special_tokens=False)
     assert m.validate_tokens(ids) < len(ids)  # the count still holds
