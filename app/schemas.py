@@ -689,6 +689,15 @@ class DetokenizeRequest(_Strict):
 
 
 # ----------------------------------------------------------------------------- warm-up
+class WarmupChat(ChatPrompt):
+    """A chat's prefix to warm (its system prompt, its tools), rendered as the chat route renders it: a text
+    is tokenized as a completion's prompt, and a chat template puts its own tokens first, so a warmed text
+    is no chat's prefix. Without the assistant's turn opening, unless asked."""
+
+    add_generation_prompt: bool = False
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+
+
 class WarmupRequest(_Strict):
-    prefixes: list[str | list[int]] = Field(..., min_length=1, max_length=256)
+    prefixes: list[str | list[int] | WarmupChat] = Field(..., min_length=1, max_length=256)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)

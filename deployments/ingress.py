@@ -59,6 +59,7 @@ from app.schemas import (
     TGIRequest,
     TGITokenizeRequest,
     TokenizeRequest,
+    WarmupChat,
     WarmupRequest,
 )
 from app.tool_calls import (
@@ -2032,7 +2033,8 @@ class Ingress:
         for p in req.prefixes:
             if isinstance(p, str):
                 await self._refuse_overlong(len(p), "prefixes")
-        prefixes = [p if isinstance(p, list) else await self._tokenize(p) for p in req.prefixes]
+        prefixes = [p if isinstance(p, list) else await self._chat_ids(p) if isinstance(p, WarmupChat)
+                    else await self._tokenize(p) for p in req.prefixes]
         if any(not p for p in prefixes):
             raise ApiError(422, "prefixes must not be empty", param="prefixes")
         info = await self.info_cached()

@@ -112,3 +112,47 @@ def test_thinking_tags_in_a_history_are_the_answers_text_not_control_tokens():
             "continue_final_message": True, "add_generation_prompt": False}
     prefill = asyncio.run(chat._chat_ids(ChatRequest.model_validate(body)))
     assert chat.tokenizer.convert_tokens_to_ids("<think>") in prefill  # the tag, not its characters
+
+
+class _WarmedLLM:
+    """The LLM handle's ``warmup.remote``: records what was sent."""
+
+    def __init__(self):
+        self.sent: list = []
+
+    @property
+    def warmup(self):
+        return self
+
+    async def remote(self, prefixes, salt):
+        self.sent.append(prefixes)
+        return {"prefixes": len(prefixes), "cached_tokens": 0}
+
+
+class Warming(Rendering):
+    _tokenize = Cls._tokenize
+
+    def __init__(self):
+        super().__init__()
+        self.llm = _WarmedLLM()
+
+    async def info_cached(self) -> dict:
+        return {"max_input_tokens": 4096, "max_total_tokens": 8192, "vocab_size": 300, "block_size": 4,
+                "max_batch_total_tokens": 8192, "prefix_caching": True}
+
+
+def test_a_warmed_chat_prefix_is_the_start_of_the_chats_that_share_it():
+    # a system prompt warmed as text is tokenized as a completion's prompt: the chat template puts its own
+    # tokens first, so no chat ever matched it (0 tokens from the cache, the README's own example)
+    from app.schemas import WarmupRequest
+
+    w = Warming()
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    asyncio.run(Cls.warmup(w, WarmupRequest.model_validate(
+        {"prefixes": [system["content"], {"messages": [system]}, {"messages": [system], "tools": TOOLS}]})))
+    ((as_text, as_chat, with_tools),) = w.llm.sent
+    chat = asyncio.run(w._chat_ids(ChatRequest.model_validate({"messages": [system, {"role": "user", "content": "Hi"}]})))
+    assert chat[:len(as_chat)] == as_chat and chat[:len(as_text)] != as_text
+    tooled = asyncio.run(w._chat_ids(ChatRequest.model_validate(
+        {"messages": [system, {"role": "user", "content": "Hi"}], "tools": TOOLS})))
+    assert tooled[:len(with_tools)] == with_tools and with_tools != as_chat
