@@ -55,3 +55,18 @@ def response_events(response) -> list:
     async def read():
         return "".join([piece async for piece in response.body_iterator])
     return _data(asyncio.run(read()).split("\n"))
+
+
+class WarmupRecorder:
+    """An LLM handle's ``warmup.remote`` that records the prefixes sent, for the ingress's ``/warmup``."""
+
+    def __init__(self):
+        self.sent: list = []
+
+    @property
+    def warmup(self):
+        return self
+
+    async def remote(self, prefixes, salt):
+        self.sent.append(prefixes)
+        return {"prefixes": len(prefixes), "cached_tokens": 0}

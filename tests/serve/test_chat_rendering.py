@@ -12,6 +12,7 @@ from app.config import Settings
 from app.schemas import ChatRequest, ChatTokenizeRequest
 from deployments.ingress import ApiError, Ingress, _sanitize_option
 from engine.model_init import build_tokenizer
+from tests.serve.helpers import WarmupRecorder
 
 Cls = Ingress.func_or_class
 TEMPLATE = ("{% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
@@ -114,27 +115,12 @@ def test_thinking_tags_in_a_history_are_the_answers_text_not_control_tokens():
     assert chat.tokenizer.convert_tokens_to_ids("<think>") in prefill  # the tag, not its characters
 
 
-class _WarmedLLM:
-    """The LLM handle's ``warmup.remote``: records what was sent."""
-
-    def __init__(self):
-        self.sent: list = []
-
-    @property
-    def warmup(self):
-        return self
-
-    async def remote(self, prefixes, salt):
-        self.sent.append(prefixes)
-        return {"prefixes": len(prefixes), "cached_tokens": 0}
-
-
 class Warming(Rendering):
     _tokenize = Cls._tokenize
 
     def __init__(self):
         super().__init__()
-        self.llm = _WarmedLLM()
+        self.llm = WarmupRecorder()
 
     async def info_cached(self) -> dict:
         return {"max_input_tokens": 4096, "max_total_tokens": 8192, "vocab_size": 300, "block_size": 4,

@@ -9,6 +9,7 @@ import pytest
 
 from deployments.ingress import ApiError, Ingress
 from routing import in_process
+from tests.serve.helpers import WarmupRecorder
 
 _stream = Ingress.func_or_class._stream
 
@@ -212,16 +213,8 @@ class FakeWarmIngress:
     def __init__(self, **info):
         self.info = {"block_size": 16, "vocab_size": 100, "max_input_tokens": 64, "max_batch_total_tokens": 4096,
                      "prefix_caching": True, **info}
-        self.sent: list = []
-        self.llm = self
-
-    @property
-    def warmup(self):
-        return self
-
-    async def remote(self, prefixes, salt):
-        self.sent.append(prefixes)
-        return {"prefixes": len(prefixes), "cached_tokens": 0}
+        self.llm = WarmupRecorder()
+        self.sent = self.llm.sent
 
     async def info_cached(self):
         return self.info
