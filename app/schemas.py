@@ -692,7 +692,8 @@ class DetokenizeRequest(_Strict):
 class WarmupChat(ChatPrompt):
     """A chat's prefix to warm (its system prompt, its tools), rendered as the chat route renders it: a text
     is tokenized as a completion's prompt, and a chat template puts its own tokens first, so a warmed text
-    is no chat's prefix. Without the assistant's turn opening, unless asked."""
+    is no chat's prefix. What the chats that start with it share, unless its end is asked for (the ingress's
+    ``_warmed_chat``)."""
 
     add_generation_prompt: bool = False
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)

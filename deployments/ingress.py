@@ -51,6 +51,7 @@ from app.sampling_defaults import read_sampling_defaults
 from app.schemas import (
     MAX_BEST_OF,
     TGI_FINISH,
+    ChatMessage,
     ChatPrompt,
     ChatRequest,
     ChatTokenizeRequest,
@@ -2033,8 +2034,8 @@ class Ingress:
         for p in req.prefixes:
             if isinstance(p, str):
                 await self._refuse_overlong(len(p), "prefixes")
-        prefixes = [p if isinstance(p, list) else await self._chat_ids(p) if isinstance(p, WarmupChat)
-                    else await self._tokenize(p) for p in req.prefixes]
+        prefixes = [p if isinstance(p, list) else await self._warmed_chat(p, i) if isinstance(p, WarmupChat)
+                    else await self._tokenize(p) for i, p in enumerate(req.prefixes)]
         if any(not p for p in prefixes):
             raise ApiError(422, "prefixes must not be empty", param="prefixes")
         info = await self.info_cached()
@@ -2059,6 +2060,32 @@ class Ingress:
             refused = out.get("error_kind") == "validation"
             raise ApiError(422 if refused else 503, out["error"], "validation" if refused else "generation")
         return out
+
+    async def _warmed_chat(self, p: WarmupChat, i: int) -> list[int]:
+        """The tokens every chat that starts with ``p``'s messages (and tools) begins with, as the chat route
+        renders it: the messages with two different turns after them, and what the two renders share.
+        Rendered alone they may be no chat's start: a template may put the system prompt inside the first
+        user turn (Gemma, Mistral: a lone system message is the BOS alone), end a history with an EOS no
+        request has (Phi-3), or want a user turn for the tools (Llama 3.1). ``i``: its place, for refusals."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(422, f"prefixes[{i}]: this model has no chat template: send the prefix as text or token "
+                                "ids", param="prefixes")
+        try:
+            if p.add_generation_prompt or p.continue_final_message:  # (its end asked for: as it is)
+                return await self._chat_ids(p)
+            # a turn of the other role, so templates that want roles to alternate render it
+            role = "assistant" if p.messages[-1].role == "user" else "user"
+            renders = [await self._chat_ids(p.model_copy(update={
+                "messages": [*p.messages, ChatMessage.model_validate({"role": role, "content": probe})],
+                "add_generation_prompt": role == "user"})) for probe in ("A", "Z")]
+        except ApiError as e:
+            raise ApiError(e.status, f"prefixes[{i}]: {e.message}", e.kind, param="prefixes") from None
+        a, b = renders
+        shared = next((n for n, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        if shared == 0:
+            raise ApiError(422, f"prefixes[{i}]: under this model's chat template the chats that start with these "
+                                "messages share no tokens", param="prefixes")
+        return a[:shared]
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(self):

@@ -116,10 +116,11 @@ def test_thinking_tags_in_a_history_are_the_answers_text_not_control_tokens():
 
 
 class Warming(Rendering):
-    _tokenize = Cls._tokenize
+    _tokenize, _warmed_chat = Cls._tokenize, Cls._warmed_chat
 
-    def __init__(self):
+    def __init__(self, template: str = TEMPLATE):
         super().__init__()
+        self.tokenizer.chat_template = template
         self.llm = WarmupRecorder()
 
     async def info_cached(self) -> dict:
@@ -142,3 +143,46 @@ def test_a_warmed_chat_prefix_is_the_start_of_the_chats_that_share_it():
     tooled = asyncio.run(w._chat_ids(ChatRequest.model_validate(
         {"messages": [system, {"role": "user", "content": "Hi"}], "tools": TOOLS})))
     assert tooled[:len(with_tools)] == with_tools and with_tools != as_chat
+
+
+# templates that render a lone system message as no chat's start: Gemma 3's puts it in the first user turn
+# (alone: the BOS alone), Phi-3's ends a history without the generation prompt with an EOS
+GEMMA3 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
+          "{% set rest = messages[1:] %}{% else %}{% set first = '' %}{% set rest = messages %}{% endif %}"
+          "{% for m in rest %}{{ '<|user|>' if m['role'] == 'user' else '<|assistant|>' }}"
+          "{{ first if loop.first else '' }}{{ m['content'] }}<|end|>{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PHI3 = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% else %}{{ eos_token }}{% endif %}")
+
+
+@pytest.mark.parametrize("template", [GEMMA3, PHI3])
+def test_a_warmed_chat_is_what_its_chats_share_whatever_the_template_does_with_it_alone(template):
+    from app.schemas import WarmupRequest
+
+    w = Warming(template)
+    system = {"role": "system", "content": "You are a helpful assistant, brief and exact."}
+    history = [system, {"role": "user", "content": "Hi"}]  # (a few-shot history that ends with a user turn too)
+    asyncio.run(Cls.warmup(w, WarmupRequest.model_validate({"prefixes": [{"messages": [system]}, {"messages": history}]})))
+    ((alone, few_shot),) = w.llm.sent
+    for asked in ("Hello there", "What is 2 + 2?"):
+        chat = asyncio.run(w._chat_ids(ChatRequest.model_validate({"messages": [system, {"role": "user", "content": asked}]})))
+        assert chat[:len(alone)] == alone
+    assert w.tokenizer.decode(alone).endswith("brief and exact.\n\n" if template == GEMMA3 else "<|user|>")
+    later = asyncio.run(w._chat_ids(ChatRequest.model_validate(
+        {"messages": [*history, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]})))
+    assert later[:len(few_shot)] == few_shot and len(few_shot) > len(alone)
+
+
+def test_a_chat_warmup_that_cannot_be_rendered_says_which_prefix():
+    from app.schemas import WarmupRequest
+
+    w = Warming("{{ raise_exception('tools go in the first user message') if tools else '' }}{{ messages[0]['content'] }}")
+    with pytest.raises(ApiError) as e:
+        asyncio.run(Cls.warmup(w, WarmupRequest.model_validate(
+            {"prefixes": ["plain text", {"messages": [{"role": "system", "content": "x"}], "tools": TOOLS}]})))
+    assert e.value.message.startswith("prefixes[1]: the model's chat template cannot render these messages")
+    assert e.value.param == "prefixes" and w.llm.sent == []
+    w.tokenizer.chat_template = None
+    with pytest.raises(ApiError, match=r"prefixes\[0\]: this model has no chat template: send the prefix as text"):
+        asyncio.run(Cls.warmup(w, WarmupRequest.model_validate({"prefixes": [{"messages": [{"role": "user", "content": "x"}]}]})))
