@@ -861,6 +861,14 @@ def test_warmup_then_hit(client):
     r = client.post("/warmup", json={"prefixes": [prefix]})
     assert r.status_code == 200, r.text
     assert r.json()["cached_tokens"] >= 16 * 9
+    # a chat's system prompt, warmed as chats render it: the chat that starts with it finds it cached (one
+    # warmed as text never matched a chat, whose template puts its own tokens first)
+    system = {"role": "system", "content": "A system prompt warmed the way a chat renders it, for this test. " * 3}
+    r = client.post("/warmup", json={"prefixes": [{"messages": [system]}]})
+    assert r.status_code == 200 and r.json()["cached_tokens"] >= 16 * 9, r.text
+    chat = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, "messages": [
+        system, {"role": "user", "content": "Hi"}]})
+    assert chat.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= r.json()["cached_tokens"], chat.text
 
 
 def test_warmup_reports_what_the_cache_holds_and_refuses_more_than_a_pool(client):
