@@ -10,8 +10,9 @@ capacity. The router policies see only what a real router sees: their own routin
 by the replicas' eviction reports every ``--report-s`` seconds.
 
 Policies: ours (``routing.policy``), pow2 (Serve's default), round robin, consistent hashing of the
-first block, Ray-LLM-like (``PrefixCacheAffinityRouter``: match rate >= 0.1 wins, else smallest tenant,
-pow2 among the chosen; ``imbalanced_threshold`` defaults to infinity, so it never falls back),
+first block, Ray-LLM-like (``PrefixCacheAffinityRouter``: match rate >= 0.1 wins, else smallest tenant;
+Serve then takes the least loaded of all the chosen, the first on ties, as its router does with one rank
+of candidates; ``imbalanced_threshold`` defaults to infinity, so it never falls back to pow2),
 SGLang-like (cache-aware: match rate > 0.3 wins, else smallest tree; shortest queue when max-min > 64
 and max > 1.5 min), and an oracle (one cache with the fleet's capacity). ``clairvoyant`` is a reference no
 router can be: told each group's popularity in advance, it plans copies and placement once
@@ -291,9 +292,9 @@ class Sim:
         if p.startswith("ray_llm"):  # imbalanced_threshold defaults to inf: never falls back to pow2
             best = max(matched.values(), default=0)
             if best * BS / n >= 0.1:
-                return self._pow2([r for r, m in matched.items() if m == best])
+                return self._least_loaded([r for r, m in matched.items() if m == best])
             least = min(size(r) for r in live)
-            return self._pow2([r for r in live if size(r) == least])
+            return self._least_loaded([r for r in live if size(r) == least])
         if p.startswith("sglang"):
             loads = {r: self.replicas[r].busy + len(self.replicas[r].queue) for r in live}
             lo, hi = min(loads.values()), max(loads.values())
@@ -304,6 +305,11 @@ class Sim:
                 return best[0]
             return min(live, key=lambda r: (size(r), loads[r]))
         raise ValueError(p)
+
+    def _least_loaded(self, candidates: list[str]) -> str:
+        """Serve's pick among one rank of candidates (``_select_from_candidate_replicas``): the lowest queue
+        length, the first of them on ties (a strict ``<`` scan)."""
+        return min(candidates, key=lambda r: self.replicas[r].busy + len(self.replicas[r].queue))
 
     def _pow2(self, live: list[str]) -> str:
         a, b = self.rng.sample(live, 2) if len(live) > 1 else (live[0], live[0])  # live: candidates

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.routing_sim import WORKLOADS, HistoryTree, clairvoyant_plan, group_shares, main
+from bench.routing_sim import WORKLOADS, HistoryTree, Sim, SimRequest, clairvoyant_plan, group_shares, main
 
 
 def test_history_tree_remembers_every_route_and_never_hears_of_evictions():
@@ -17,6 +17,25 @@ def test_history_tree_remembers_every_route_and_never_hears_of_evictions():
     assert t.size == {"a": 3, "b": 3}
     t.remove("a")
     assert t.match([1, 2, 3]) == {"b": 2}
+
+
+def test_the_ray_like_takes_the_least_loaded_of_all_it_chose_as_serve_does():
+    """Serve probes one rank of candidates whole and takes the lowest queue (``_select_from_candidate_replicas``);
+    the simulator drew two of them at random (pow2), which is not what the PrefixCacheAffinityRouter does."""
+    for seed in range(20):
+        sim = Sim("ray_llm", 3, capacity_blocks=64, slots=8, prefill_ms=0.25, decode_ms=5.0, report_s=1.0,
+                  seed=seed, load_weight=None)
+        hashes = [11, 12, 13, 14]
+        for r in ("r0", "r1", "r2"):
+            sim.tree.insert(r, hashes)
+        for r, busy in (("r0", 5), ("r1", 3), ("r2", 1)):
+            sim.replicas[r].busy = busy
+        req = SimRequest(0.0, list(range(64)), hashes, 8, 0)
+        assert sim.route(req) == "r2"  # all three match: the least loaded of them
+        cold = SimRequest(0.0, list(range(64)), [91, 92, 93, 94], 8, 1)
+        assert sim.route(cold) == "r2"  # (no match: the smallest trees, all equal here; the least loaded)
+        sim.replicas["r0"].busy = sim.replicas["r1"].busy = 1
+        assert sim.route(req) == "r0"  # ties: the first, as Serve's strict scan
 
 
 def test_small_run_beats_pow2_and_reports_every_baseline(capsys):
