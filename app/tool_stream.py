@@ -106,6 +106,7 @@ class ToolCallStream:
         self.held_object: JsonEnd | None = None  # where a held Hermes block's JSON ends
         self.calls = 0
         self.cut = False  # the last call's arguments never ended
+        self.open_at_end = False  # the answer ended where a call may have begun (a tag's start, a call's head)
         self.broken = False  # some call's arguments closed with the wrong bracket: not JSON
         self.first_broken = False  # the first call's were
         self.head_room = 96 + 2 * max((len(n) for n in names), default=0)  # (past it, no head is coming)
@@ -130,7 +131,12 @@ class ToolCallStream:
         a call after it cut short by max_tokens is not sent)."""
         if first_only and self.calls > 1:  # (a later call began: the first one's arguments ended)
             return engine if self.first_broken else "tool_calls"
-        return "tool_calls" if self.calls and not (self.cut or self.broken) else engine
+        if first_only:
+            return "tool_calls" if self.calls and not (self.cut or self.broken) else engine
+        # max_tokens that cut the answer where another call may have begun cut that call: the calls are
+        # not all there, whatever the text held back became
+        cut = self.cut or (self.open_at_end and engine == "length")
+        return "tool_calls" if self.calls and not (cut or self.broken) else engine
 
     def _take(self) -> list[dict[str, Any]]:
         out, self.out = self.out, []
@@ -145,6 +151,8 @@ class ToolCallStream:
     # the states: each reads on from self.at, and says whether it moved to another state
 
     def _text(self, final: bool) -> bool:
+        if final and self.opener is not None and partial_tail(self.text[self.at:], self.opener):
+            self.open_at_end = True  # (it ended in what may have been a call's tag)
         if self.opener is None or final:  # (no more calls can begin: a plain answer, or the end)
             self._content(len(self.text), final)
             return False
@@ -281,7 +289,10 @@ class ToolCallStream:
         at = self.text.find(HERMES_CLOSE, self.at if closed is None else closed)
         if at >= 0:
             return at + len(HERMES_CLOSE)
-        return len(self.text) if final else None
+        if final:
+            self.open_at_end = self.open_at_end or closed is None  # (it ended inside what may have been a call)
+            return len(self.text)
+        return None
 
     def _to(self, state: str) -> bool:
         self.state = state
@@ -327,12 +338,13 @@ class ToolCallStream:
             self.out.append({"tool_calls": [{"index": self.calls - 1, "function": {"arguments": text}}]})
 
 
-def read_answer(parser: str, text: str, names: set[str], first_only: bool = False
+def read_answer(parser: str, text: str, names: set[str], first_only: bool = False, engine: str = ""
                 ) -> tuple[str | None, list[ToolCall], bool]:
     """A whole answer read as its stream is (so a client gets the same calls either way): its content
     (None: nothing but calls), its calls (``first_only``: the first alone), and whether they are complete
-    (False: the last was cut short, or some call's arguments broke; the finish reason then stays the
-    engine's, as the stream's does)."""
+    (False: the last was cut short, or some call's arguments broke, or ``engine``'s finish reason, length,
+    cut the answer where another call may have begun; the finish reason then stays the engine's, as the
+    stream's does)."""
     reader = ToolCallStream(parser, names)
     calls: list[ToolCall] = []
     content: list[str] = []
@@ -344,7 +356,7 @@ def read_answer(parser: str, text: str, names: set[str], first_only: bool = Fals
             calls[c["index"]].arguments += c["function"]["arguments"]
     if not calls:
         return text, [], True
-    complete = reader.finish_reason("", first_only) == "tool_calls"
+    complete = reader.finish_reason(engine, first_only) == "tool_calls"
     return "".join(content) or None, calls[:1] if first_only else calls, complete
 
 

@@ -1735,7 +1735,8 @@ class Ingress:
             parser = "required" if mode == "required" else self.settings.tool_call_parser
             # (parallel_tool_calls false: one call at most; the required guide allows only one)
             content, calls, complete = read_answer(parser, text, {t.function.name for t in req.tools},
-                                                   first_only=req.parallel_tool_calls is False)
+                                                   first_only=req.parallel_tool_calls is False,
+                                                   engine=events[-1].get("finish_reason") or "")
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if thinking:
             message["reasoning_content"] = thinking

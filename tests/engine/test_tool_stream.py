@@ -185,6 +185,27 @@ def test_a_call_cut_short_stays_unfinished_and_the_finish_reason_says_so():
     assert read_answer("hermes", text, NAMES)[1] == []
 
 
+def test_max_tokens_that_cut_where_another_call_may_begin_cut_the_calls():
+    # a whole call, then max_tokens inside the next one's tag or head: it said tool_calls (the Messages API
+    # tool_use, Responses completed), and an agent ran the first call as if the turn were over
+    whole = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    for later in ("vfs<too", "\n<tool_call>", '<tool_call>\n{"name": "ad', '<tool_call>\n{"na'):
+        for engine, said in (("length", "length"), ("stop", "tool_calls"), ("eos", "tool_calls")):
+            s = ToolCallStream("hermes", NAMES)
+            s.feed(whole + later)
+            s.finish()
+            assert s.finish_reason(engine) == said, (later, engine)
+            _, calls, complete = read_answer("hermes", whole + later, NAMES, engine=engine)
+            assert complete is (said == "tool_calls") and len(calls) == 1, (later, engine)
+            assert s.finish_reason(engine, first_only=True) == "tool_calls"  # (only the first is sent)
+    # a call whose closing tag alone was cut is whole, as before; so is text after it that begins no tag
+    for text in (whole[:-5], whole + " done.", whole[:-12] + "\n"):
+        s = ToolCallStream("hermes", NAMES)
+        s.feed(text)
+        s.finish()
+        assert s.finish_reason("length") == "tool_calls", text
+
+
 def test_with_one_call_sent_only_that_calls_end_says_the_finish_reason():
     # parallel_tool_calls false sends the first call alone: a second cut short by max_tokens (or broken)
     # made the answer "length" though its one call was whole, and an agent loop did not run it
