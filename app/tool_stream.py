@@ -194,6 +194,9 @@ class ToolCallStream:
             return self._to("done")  # (separators after the last call)
         if final and self.in_list:
             self.cut = True  # a list of calls the answer never closed: cut short
+        if final and ((self.first and self.opener is not None)  # (right after a call's tag: a head was coming)
+                      or (not self.first and rest.strip() and _could_be_later_head(rest, self.parser))):
+            self.open_at_end = True
         if final or len(rest) > self.head_room or (self.opener == HERMES_OPEN and HERMES_CLOSE in rest) \
                 or (not self.first and rest.strip() and not _could_be_later_head(rest, self.parser)):
             return self._to("held")

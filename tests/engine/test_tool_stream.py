@@ -198,6 +198,17 @@ def test_max_tokens_that_cut_where_another_call_may_begin_cut_the_calls():
             _, calls, complete = read_answer("hermes", whole + later, NAMES, engine=engine)
             assert complete is (said == "tool_calls") and len(calls) == 1, (later, engine)
             assert s.finish_reason(engine, first_only=True) == "tool_calls"  # (only the first is sent)
+    # the other formats: inside the next call's head (Llama's after its ';', Mistral's after its tag)
+    for parser, text in [("llama3_json", '{"name": "add", "parameters": {"a": 1}}; {"na'),
+                         ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; {"name": "ad'),
+                         ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]ad'),
+                         ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]')]:
+        for engine, said in (("length", "length"), ("eos", "tool_calls")):
+            s = ToolCallStream(parser, NAMES)
+            s.feed(text)
+            s.finish()
+            assert s.finish_reason(engine) == said, (parser, text, engine)
+            assert read_answer(parser, text, NAMES, engine=engine)[2] is (said == "tool_calls"), (parser, text)
     # a call whose closing tag alone was cut is whole, as before; so is text after it that begins no tag
     for text in (whole[:-5], whole + " done.", whole[:-12] + "\n"):
         s = ToolCallStream("hermes", NAMES)
