@@ -2063,28 +2063,32 @@ class Ingress:
         return out
 
     async def _warmed_chat(self, p: WarmupChat, i: int) -> list[int]:
-        """The tokens every chat that starts with ``p``'s messages (and tools) begins with, as the chat route
-        renders it: the messages with two different turns after them, and what the two renders share.
-        Rendered alone they may be no chat's start: a template may put the system prompt inside the first
-        user turn (Gemma, Mistral: a lone system message is the BOS alone), end a history with an EOS no
-        request has (Phi-3), or want a user turn for the tools (Llama 3.1). ``i``: its place, for refusals."""
+        """The tokens the requests that go on from ``p``'s messages (and tools) share, as the chat route renders
+        them. Messages that end with a user or tool turn: up to where the answer begins (the request of those
+        messages, and its later turns); others (a system prompt, a history that ends with the assistant): what
+        the requests of the next user turn share (two different ones rendered). Rendered alone they may be no
+        request's start: a template may put the system prompt inside a user turn (Gemma; Mistral's last),
+        end a history with an EOS no request has (Phi-3), or want a user turn for the tools (Llama 3.1).
+        ``i``: its place, for refusals."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(422, f"prefixes[{i}]: this model has no chat template: send the prefix as text or token "
                                 "ids", param="prefixes")
         try:
             if p.add_generation_prompt or p.continue_final_message:  # (its end asked for: as it is)
                 return await self._chat_ids(p)
-            # a turn of the other role, so templates that want roles to alternate render it
-            role = "assistant" if p.messages[-1].role == "user" else "user"
-            renders = [await self._chat_ids(p.model_copy(update={
-                "messages": [*p.messages, ChatMessage.model_validate({"role": role, "content": probe})],
-                "add_generation_prompt": role == "user"})) for probe in ("A", "Z")]
+            if p.messages[-1].role in ("user", "tool"):  # (the same messages with and without the answer's start)
+                variants = [p.model_copy(update={"add_generation_prompt": True}), p]
+            else:
+                variants = [p.model_copy(update={
+                    "messages": [*p.messages, ChatMessage.model_validate({"role": "user", "content": probe})],
+                    "add_generation_prompt": True}) for probe in ("A", "Z")]
+            renders = [await self._chat_ids(v) for v in variants]
         except ApiError as e:
             raise ApiError(e.status, f"prefixes[{i}]: {e.message}", e.kind, param="prefixes") from None
         a, b = renders
         shared = next((n for n, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         if shared == 0:
-            raise ApiError(422, f"prefixes[{i}]: under this model's chat template the chats that start with these "
+            raise ApiError(422, f"prefixes[{i}]: under this model's chat template the requests that go on from these "
                                 "messages share no tokens", param="prefixes")
         return a[:shared]
 

@@ -174,6 +174,34 @@ def test_a_warmed_chat_is_what_its_chats_share_whatever_the_template_does_with_i
     assert later[:len(few_shot)] == few_shot and len(few_shot) > len(alone)
 
 
+# Mistral v0.3's: the system prompt goes in the last user turn
+MISTRAL = ("{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+           "{% set rest = messages[1:] %}{% else %}{% set rest = messages %}{% endif %}{{ bos_token }}"
+           "{% for m in rest %}{% if m['role'] == 'user' %}{% if loop.last and system is defined %}"
+           "{{ '[INST] ' + system + '\n\n' + m['content'] + '[/INST]' }}{% else %}{{ '[INST] ' + m['content'] + '[/INST]' }}"
+           "{% endif %}{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def test_a_warmed_chat_that_ends_with_a_user_or_tool_turn_is_warmed_up_to_the_answer():
+    # probed with an assistant turn after it, a Mistral history lost its system prompt (it moves to the last
+    # user turn), and a thinking template's empty block or a user header after a tool result were warmed,
+    # tokens no request has: the request of those messages itself is what is warmed, up to its answer
+    from app.schemas import WarmupRequest
+
+    system = {"role": "system", "content": "You are a helpful assistant, brief and exact."}
+    for template in (MISTRAL, TEMPLATE, PHI3):
+        w = Warming(template)
+        history = [system, {"role": "user", "content": "Hi"}]
+        asyncio.run(Cls.warmup(w, WarmupRequest.model_validate({"prefixes": [{"messages": history}, {"messages": [system]}]})))
+        ((warmed, alone),) = w.llm.sent
+        request = asyncio.run(w._chat_ids(ChatRequest.model_validate({"messages": history})))
+        assert request[:len(warmed)] == warmed and "brief and exact" in w.tokenizer.decode(warmed), template
+        assert len(request) - len(warmed) <= 2, template  # (all but the answer's opening)
+        first_turn = asyncio.run(w._chat_ids(ChatRequest.model_validate(
+            {"messages": [system, {"role": "user", "content": "What now?"}]})))
+        assert first_turn[:len(alone)] == alone and "brief and exact" in w.tokenizer.decode(alone), template
+
+
 def test_a_chat_warmup_that_cannot_be_rendered_says_which_prefix():
     from app.schemas import WarmupRequest
 
