@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import EngineConfig
+from engine.model_loader import TOKENIZER_FILES
 
 ENV_PREFIX = "RADIXSERVE_"
 # RADIXSERVE_* variables that are not settings: the model folder's home, the batch command's default URL,
@@ -49,11 +50,6 @@ class AutoscalingSettings(BaseModel):
         if self.policy == "requests" and unused:
             raise ValueError(f"policy \"requests\" takes no {' or '.join(unused)} (settings of the cache policy)")
         return self
-
-
-# the files that decide a model's token ids (whichever of them a tokenizer has)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-                   "vocab.txt", "spiece.model", "special_tokens_map.json", "added_tokens.json")
 
 
 def tokenizer_fingerprint(model: str) -> str | None:

@@ -18,6 +18,7 @@ import hmac
 import inspect
 import json
 import logging
+import os
 import secrets
 import sys
 import threading
@@ -2085,12 +2086,11 @@ class Ingress:
             renders = [await self._chat_ids(v) for v in variants]
         except ApiError as e:
             raise ApiError(e.status, f"prefixes[{i}]: {e.message}", e.kind, param="prefixes") from None
-        a, b = renders
-        shared = next((n for n, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        shared = len(os.path.commonprefix(renders))  # (of lists too, as of strings)
         if shared == 0:
             raise ApiError(422, f"prefixes[{i}]: under this model's chat template the requests that go on from these "
                                 "messages share no tokens", param="prefixes")
-        return a[:shared]
+        return renders[0][:shared]
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(self):

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
+from engine.model_loader import TOKENIZER_FILES
 from engine.presets import PRESETS
 
 # what a model folder holds beside its weights and config.json that another model's could leave behind
 OLD_MODEL_FILES = ("model.safetensors.index.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
-                   "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
-                   "vocab.txt", "merges.txt", "special_tokens_map.json", "added_tokens.json")
+                   *TOKENIZER_FILES)
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 # a reasoning model's tags, one ordinary (not special) added token each, as in Qwen3's and DeepSeek-R1's
 # tokenizers: their text stays in the answer, where the reasoning parser reads it

@@ -122,8 +122,8 @@ def check_model_folder(model_id: str):
     except Exception as e:  # noqa: BLE001 - any parse failure is the user's broken folder
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {_first_line(e)}") from e
     check_tensor_names(path, config, check_weight_files(path))
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelLoadError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    if not any((path / name).is_file() for name in TOKENIZER_SOURCES):
+        raise ModelLoadError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_SOURCES)})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001
@@ -131,7 +131,11 @@ def check_model_folder(model_id: str):
     return path, config, tokenizer
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+# the files that decide a model's token ids (whichever of them a tokenizer has; the service's cache
+# namespace hashes them, and init-model --force clears them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "vocab.txt", "spiece.model", "special_tokens_map.json", "added_tokens.json")
+TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")  # (one at least)
 
 
 def _first_line(e: Exception) -> str:
