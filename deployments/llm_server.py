@@ -119,7 +119,6 @@ class LLMServer:
         if (url := self.settings.directory_url()) and self.engine.kv.cache is not None:
             self.directory = HotPrefixDirectory(url, self.settings.deployment_name,
                                                 cfg.cache_namespace or cfg.model_id, cfg.block_size)
-        self.first_request_cached_tokens: int | None = None
         self.warmup_report = self._warm_up()  # before Serve marks this replica ready
         self.aengine = AsyncEngine(self.engine)
         self._hub = HubClient(self.settings.deployment_name)
@@ -217,8 +216,6 @@ class LLMServer:
                    "replica": self.replica_id}
 
     def _note_finished(self, prompt_ids: list[int], cached: int, salt: str | None, prefill_only: bool) -> None:
-        if self.first_request_cached_tokens is None and not prefill_only and len(prompt_ids) > self.block_size:
-            self.first_request_cached_tokens = cached  # (a prompt within one block could never hit)
         if self.directory is None or salt:
             return
         shared = len(prompt_ids) if prefill_only else cached  # what this request proved to be shared
@@ -294,8 +291,8 @@ class LLMServer:
                 "directory_errors": self.directory.errors if self.directory else 0,
                 "warmup_prefixes": self.warmup_report["prefixes"], "warmup_tokens": self.warmup_report["tokens"],
                 # -1 until the first request: how much of it warm-up had already cached
-                "first_request_cached_tokens": (-1 if self.first_request_cached_tokens is None
-                                                else self.first_request_cached_tokens),
+                "first_request_cached_tokens": (-1 if engine.kv.first_request_cached_tokens is None
+                                                else engine.kv.first_request_cached_tokens),
                 # counted by the engine as each sample came (on this thread): none dropped between snapshots
                 **{k: getattr(st, k).to_dict() for k in ("ttft", "itl", "e2e")}}
 
@@ -374,12 +371,12 @@ class LLMServer:
         while not self._stop.wait(1.0):
             try:
                 # the ingress (re)creates the hub; a replica only finds it (see HubClient.call)
-                cut = self._hub.call("push", self.replica_id, self.aengine.call(self._snapshot, timeout=5),
-                                     create=False)
+                cut = self._hub.call("push", self.replica_id, self._snapshot_now(), create=False)
                 if cut is True:  # `radixserve serve` is stopping past its drain: end what still runs
                     log.warning("the service is stopping: ending the requests still running")
                     self._cut_at = time.monotonic()
                     self.aengine.shutdown()
+                    self._push_last()
                     return
             except Exception as e:  # noqa: BLE001 - metrics must never take a replica down
                 log.debug("metrics push failed: %s", e)
@@ -393,6 +390,22 @@ class LLMServer:
                 if time.monotonic() - self._flush_warned_at > 60:
                     self._flush_warned_at = time.monotonic()
                     log.warning("hot-prefix directory: records lost", exc_info=True)
+
+    def _snapshot_now(self) -> dict[str, Any]:
+        """The engine's counts, read on its thread; once that thread is gone (a crash, a stop), directly:
+        nothing else touches the engine then, and the requests its end aborted are counted there."""
+        try:
+            return self.aengine.call(self._snapshot, timeout=5)
+        except EngineDeadError:
+            return self.aengine.read_after_end(self._snapshot)
+
+    def _push_last(self) -> None:
+        """The counts since the last push, and the requests a stop aborted, to the hub once more (it keeps
+        a stopped replica's last push as its retired totals): else every stop lost up to a second of them."""
+        try:
+            self._hub.call("push", self.replica_id, self._snapshot_now(), timeout=2, create=False)
+        except Exception as e:  # noqa: BLE001 - metrics must never hold a stop up
+            log.debug("last metrics push failed: %s", e)
 
     def _push_hot_sketch(self) -> None:
         sketch = self._hot_sketch
@@ -459,11 +472,12 @@ class LLMServer:
         # Serve calls this on graceful shutdown, after the drain, with its force-kill near: the quick
         # calls first (the hub forgets this replica's series, the directory its holdings), then abort what
         # is running so every block goes back (a join of up to 10 s)
-        # (the background thread is joined first: a push or record of its own after them would undo them)
+        # (the background thread is joined first: a push or record of its own after them would undo them);
+        # last, the counts since the last push and the aborts, which the hub adds to the retired series
         for step in (lambda: self._stop.set(), lambda: self._background.join(1.5),
                      lambda: self._hub.handle.stopped.remote(self.replica_id),
                      lambda: self.directory is not None and self.directory.forget_replica(self.replica_id),
-                     lambda: self.aengine.shutdown()):
+                     lambda: self.aengine.shutdown(), self._push_last):
             try:
                 step()
             except Exception:  # noqa: BLE001 - each one on its own: one failing must not skip the rest

@@ -77,6 +77,14 @@ class AsyncEngine:
             raise box["error"]
         return box["result"]
 
+    def read_after_end(self, fn: Callable[[LLMEngine], Any], timeout: float = 2.0) -> Any:
+        """``fn(engine)`` once the engine thread has ended (a crash, a stop; it aborts what it held as it
+        ends): nothing else touches the engine then. Raises if the thread still runs after ``timeout``."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise EngineDeadError("the engine thread is still ending")
+        return fn(self.engine)
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, prefill_only: bool = False,
                        sibling: bool = False) -> AsyncIterator[TokenEvent]:

@@ -19,6 +19,9 @@ class KVManager:
         # reused prefixes outlive unique tails by about one pool's worth of cache operations
         self.cache = RadixCache(block_size, model_id, reuse_bonus=num_blocks) if prefix_caching else None
         self.allocator = BlockAllocator(num_blocks, block_size, self.cache)
+        # cached tokens of the first request taken with a prompt longer than a block (the shortest that can
+        # hit): what warm-up left cached for it; None until then (see count_admission)
+        self.first_request_cached_tokens: int | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -75,6 +78,10 @@ class KVManager:
         if seq.prefill_only:
             return  # warm-up is not user traffic: keep it out of the hit rate
         seq.num_cached_prompt_tokens = min(seq.num_computed, len(seq.prompt_ids))
+        # taken in order, not as they finish: a later request that hit the first one's blocks and finished
+        # first reported a hit on a cold replica (a sibling's hit is its first choice's work)
+        if self.first_request_cached_tokens is None and not seq.sibling and len(seq.prompt_ids) > self.block_size:
+            self.first_request_cached_tokens = seq.num_cached_prompt_tokens
         if self.cache is not None:
             c = self.cache.counters
             c.queries += 1

@@ -62,7 +62,8 @@ def make_engine(loaded):
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    ids = torch.tensor([prompt], device=model.device)
+    with torch.inference_mode():  # (the mask given: without it, transformers takes every id 0 for padding)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     return out.sequences[0, len(prompt):].tolist(), torch.stack([x[0] for x in out.logits]).float().cpu()

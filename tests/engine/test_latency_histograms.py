@@ -21,10 +21,21 @@ def test_a_sample_counts_in_the_first_bucket_whose_bound_it_does_not_pass():
     assert 'radixserve_time_to_first_token_seconds_bucket{replica="r",le="+Inf"} 0' in text
 
 
+def test_the_buckets_resolve_an_overloaded_line_and_a_long_answer():
+    """TTFT's last bound was 30 s (E2E's 300 s): the minutes an overloaded service's line takes were all
+    +Inf, and every quantile read 30 s."""
+    from engine.latency import E2E_BUCKETS, TTFT_BUCKETS
+
+    for buckets, slow in ((TTFT_BUCKETS, (35.0, 50.0, 100.0, 300.0)), (E2E_BUCKETS, (400.0, 900.0, 1800.0))):
+        h = Histogram(buckets)
+        for x in slow:
+            h.observe(x)
+        assert h.counts[-1] == 0 and len({i for i, c in enumerate(h.counts) if c}) == len(slow)
+
+
 def snapshot(engine) -> dict:
     """The replica's snapshot, without Ray (only what it reads of the replica)."""
-    replica = types.SimpleNamespace(directory=None, warmup_report={"prefixes": 0, "tokens": 0},
-                                    first_request_cached_tokens=None)
+    replica = types.SimpleNamespace(directory=None, warmup_report={"prefixes": 0, "tokens": 0})
     return LLMServer._snapshot(replica, engine)
 
 

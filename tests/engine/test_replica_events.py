@@ -40,6 +40,12 @@ def _recording(make_engine, directory: bool = False):
     return eng, r
 
 
+def _generate(r: LLMServer, prompts, params: SamplingParams) -> None:
+    """The engine's own generate, on the replica's engine thread: from the test's thread it raced the
+    thread's loop, which stepped the request too and found no stream for it (a crashed engine)."""
+    r.aengine.call(lambda e: e.generate(prompts, params))
+
+
 def _evict_all(r: LLMServer) -> None:
     r.aengine.call(lambda e: e.kv.allocator.free(e.kv.cache.evict(10**6)))  # pressure: the cache lets go
 
@@ -75,14 +81,14 @@ def test_a_prefix_evicted_before_its_record_reaches_the_directory_is_taken_back(
     eng, r = _recording(make_engine, directory=True)
     prompt = PROMPT
     try:
-        eng.generate([prompt], SamplingParams(max_new_tokens=1))
+        _generate(r, [prompt], SamplingParams(max_new_tokens=1))
         r._queue_record(prompt[:64])  # the request proved 64 tokens shared: the record waits for the flush
         _evict_all(r)  # pressure: the cache lets go
         r._collect_events()  # the eviction is seen first (a routing stats poll)
         r._flush_directory()
         assert not r._recorded and not r.directory.held
         # the usual order: recorded, then evicted, then the next flush drops it
-        eng.generate([prompt], SamplingParams(max_new_tokens=1))
+        _generate(r, [prompt], SamplingParams(max_new_tokens=1))
         r._queue_record(prompt[:64])
         r._flush_directory()
         assert len(r._recorded) == 1 and r.directory.held == set(r._recorded)
@@ -91,10 +97,10 @@ def test_a_prefix_evicted_before_its_record_reaches_the_directory_is_taken_back(
         assert not r._recorded and not r.directory.held
         # evicted, computed again and recorded, all between two flushes: held (an early version of
         # this fix applied the eviction after the record and dropped it)
-        eng.generate([prompt], SamplingParams(max_new_tokens=1))
+        _generate(r, [prompt], SamplingParams(max_new_tokens=1))
         r._collect_events()
         _evict_all(r)
-        eng.generate([prompt], SamplingParams(max_new_tokens=1))
+        _generate(r, [prompt], SamplingParams(max_new_tokens=1))
         r._queue_record(prompt[:64])
         r._flush_directory()
         assert len(r._recorded) == 1 and r.directory.held == set(r._recorded)
@@ -171,7 +177,7 @@ def test_a_later_choice_of_one_call_is_no_record_of_a_shared_prefix(make_engine)
     import asyncio
 
     eng, r = _recording(make_engine, directory=True)
-    r.first_request_cached_tokens, r.block_size = 0, eng.config.block_size
+    r.block_size = eng.config.block_size
 
     async def run(sibling: bool) -> int:
         events = [ev async for ev in r.generate(PROMPT, {"max_new_tokens": 1}, sibling=sibling)]
@@ -187,6 +193,30 @@ def test_a_later_choice_of_one_call_is_no_record_of_a_shared_prefix(make_engine)
         r.aengine.shutdown()
 
 
+def test_the_first_requests_cached_tokens_are_the_first_taken_not_the_first_finished(make_engine):
+    """The gauge was set as requests finished: on a cold replica, a later request that hit the first one's
+    blocks and ended first showed as a warm-up that worked."""
+    import asyncio
+
+    eng, r = _recording(make_engine)
+    r.block_size, r.warmup_report = eng.config.block_size, {"prefixes": 0, "tokens": 0}
+
+    async def run() -> None:
+        first = r.generate(PROMPT, {"max_new_tokens": 40, "ignore_eos": True})
+        await first.__anext__()  # its prompt is computed (and cached)
+        later = [ev async for ev in r.generate(PROMPT + [7, 8], {"max_new_tokens": 1})]
+        assert later[-1]["num_cached_tokens"] == 64  # it hit the first one's blocks, and ended first
+        async for _ in first:
+            pass
+
+    try:
+        assert r._snapshot(eng)["first_request_cached_tokens"] == -1  # none yet
+        asyncio.run(run())
+        assert r._snapshot(eng)["first_request_cached_tokens"] == 0  # the first one found nothing cached
+    finally:
+        r.aengine.shutdown()
+
+
 def test_a_request_refused_on_the_engine_thread_is_the_requests_error_and_records_nothing(make_engine, monkeypatch):
     """A refusal there (a guide the replica's check let through) was an "engine" error, a 503 that the
     ingress retries elsewhere; and its failed last event recorded its prompt as held (a warm-up's, a hit)."""
@@ -195,7 +225,7 @@ def test_a_request_refused_on_the_engine_thread_is_the_requests_error_and_record
     from engine.llm_engine import RequestError
 
     eng, r = _recording(make_engine, directory=True)
-    r.first_request_cached_tokens, r.block_size = None, eng.config.block_size
+    r.block_size = eng.config.block_size
 
     def refuse(*_, **__):
         raise RequestError("the guide cannot be used")
@@ -209,7 +239,7 @@ def test_a_request_refused_on_the_engine_thread_is_the_requests_error_and_record
         for prefill_only in (True, False):
             last = asyncio.run(run(prefill_only))
             assert last["error_kind"] == "validation" and "guide" in last["error"], last
-        assert not r._pending_records and r.first_request_cached_tokens is None
+        assert not r._pending_records and eng.kv.first_request_cached_tokens is None
     finally:
         r.aengine.shutdown()
 
@@ -239,13 +269,13 @@ def test_a_report_carries_each_blocks_net_change_since_the_last(make_engine):
     # eviction first and the store after, and counted on blocks the replica no longer had
     eng, r = _recording(make_engine)
     try:
-        eng.generate([list(range(40, 110))], SamplingParams(max_new_tokens=1))  # stores 4 blocks
+        _generate(r, [list(range(40, 110))], SamplingParams(max_new_tokens=1))  # stores 4 blocks
         _evict_all(r)
         cache = r.engine.kv.cache
         chain = block_hashes(list(range(40, 110)), cache.block_size, cache.model_id)[:4]
         report = r.record_routing_stats()  # (hashes packed as hex: a list of ints cost Serve's controller more)
         assert report["stored"] == "" and list(PackedHashes(report["removed"])) == chain
-        eng.generate([list(range(40, 110))], SamplingParams(max_new_tokens=1))  # and back again
+        _generate(r, [list(range(40, 110))], SamplingParams(max_new_tokens=1))  # and back again
         report = r.record_routing_stats()
         assert list(PackedHashes(report["stored"])) == chain and report["removed"] == ""
     finally:
@@ -292,12 +322,12 @@ def test_autoscaling_stats_report_prefixes_computed_again_and_the_working_set(ma
         assert first["prompt_tps"] == first["recompute_tps"] == 0.0 and first["total_blocks"] == 8.0
         for _ in range(3):
             for p in prompts:
-                eng.generate([p], SamplingParams(max_new_tokens=1))
+                _generate(r, [p], SamplingParams(max_new_tokens=1))
         time.sleep(0.05)
         s = r.record_autoscaling_stats()
         assert s["prompt_tps"] > 0 and s["recompute_tps"] / s["prompt_tps"] > 0.5, s
         assert s["ongoing"] == 0.0 and s["kv_usage"] == 0.0 and s["hot_blocks"] == 0.0  # nothing ever hit
-        eng.generate([prompts[2] + [7]], SamplingParams(max_new_tokens=1))  # the last prompt is still cached
+        _generate(r, [prompts[2] + [7]], SamplingParams(max_new_tokens=1))  # the last prompt is still cached
         s = r.record_autoscaling_stats()
         assert s["hot_blocks"] == 5.0 and s["recompute_tps"] == 0.0, s
         # the working set's sketch goes to the hub, whose count of the fleet's distinct blocks comes back
@@ -457,7 +487,7 @@ def test_a_holder_removal_redis_did_not_run_is_tried_again(make_engine):
     eng, r = _recording(make_engine, directory=True)
     prompt = PROMPT
     try:
-        eng.generate([prompt], SamplingParams(max_new_tokens=1))
+        _generate(r, [prompt], SamplingParams(max_new_tokens=1))
         r._queue_record(prompt[:64])
         r._flush_directory()
         assert len(r.directory.held) == 1
@@ -516,8 +546,45 @@ def test_shutdown_tells_the_hub_and_the_directory_before_the_slow_engine_join():
 
     r._hub = types.SimpleNamespace(handle=types.SimpleNamespace(stopped=types.SimpleNamespace(remote=stopped)))
     r.directory = types.SimpleNamespace(forget_replica=lambda rid: calls.append("directory"))
-    r.aengine = types.SimpleNamespace(shutdown=lambda: calls.append("engine"))
+    r._hub.call = lambda method, *args, **kw: calls.append(method)
+    r.aengine = types.SimpleNamespace(shutdown=lambda: calls.append("engine"), call=lambda fn, timeout: {})
     r._background = types.SimpleNamespace(join=lambda timeout: calls.append("background"))
     r.__del__()
-    # the background thread first: a push or a record of its own after them would undo them
-    assert calls == ["background", "hub", "directory", "engine"] and r._stop.is_set()
+    # the background thread first: a push or a record of its own after them would undo them; the last
+    # counts after the engine's end (what it aborted)
+    assert calls == ["background", "hub", "directory", "engine", "push"] and r._stop.is_set()
+
+
+def test_a_stopping_replica_hands_the_hub_its_last_counts_and_what_the_stop_aborted(make_engine):
+    """Counts reached the hub only through the push each second: a stop lost what finished since the last
+    one, and the requests it aborted were never counted (each scale-down)."""
+    import asyncio
+
+    from deployments.metrics import render
+
+    store = SnapshotStore()
+    eng = make_engine("tiny", max_batch_total_tokens=1024)
+    r = _replica(eng)
+    r.warmup_report = {"prefixes": 0, "tokens": 0}
+    r._hub = types.SimpleNamespace(call=lambda method, *args, **kw: getattr(store, method)(*args),
+                                   handle=types.SimpleNamespace(stopped=types.SimpleNamespace(remote=store.stopped)))
+    r._background = threading.Thread(target=lambda: None)
+    r._background.start()
+    store.push("A", r._snapshot_now())  # the background thread's last push, before any request
+
+    async def run() -> None:
+        params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        for _ in range(2):
+            async for _ev in r.aengine.generate(PROMPT, params):
+                pass
+        long = r.aengine.generate(PROMPT, SamplingParams(max_new_tokens=900, ignore_eos=True))
+        await long.__anext__()  # running when Serve stops the replica
+        await asyncio.to_thread(r.__del__)
+        rest = [ev async for ev in long]
+        assert rest[-1].finished and rest[-1].error  # the stop ended it
+
+    asyncio.run(run())
+    text = render(*store.export())
+    assert 'radixserve_requests_total{replica="all"} 2' in text
+    assert 'radixserve_requests_aborted_total{replica="all"} 1' in text
+    assert not store.snapshots()  # retired, not a live series again

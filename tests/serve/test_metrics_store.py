@@ -9,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.metrics import HOT_UNION_EVERY_S, RETIRED_MERGE_S, STALE_AFTER_S, SnapshotStore, render
+from engine.latency import TTFT_BUCKETS
 
 
 def values(text: str) -> dict[tuple[str, str], float]:
@@ -18,7 +19,7 @@ def values(text: str) -> dict[tuple[str, str], float]:
 
 def snap(requests: int, running: int = 0) -> dict:
     return {"requests_finished": requests, "prompt_tokens": 10 * requests, "running": running, "blocks_total": 8,
-            "ttft": {"counts": [requests] + [0] * 12, "sum": 0.01 * requests}}
+            "ttft": {"counts": [requests] + [0] * len(TTFT_BUCKETS), "sum": 0.01 * requests}}
 
 
 def test_all_counters_stay_monotonic_when_a_replica_goes_away():
