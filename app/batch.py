@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -42,7 +43,7 @@ import tempfile
 import time
 import uuid
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -70,6 +71,7 @@ CONNECT_TIMEOUT_S = 10.0  # a try's wait for a connection (its answer may take -
 
 
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+CAP_FIELDS = ("max_tokens", "max_output_tokens")  # a request's cap on its answer (the Responses API's name)
 OPENAI_BATCH_URLS = (CHAT, COMPLETIONS, RESPONSES)  # what an OpenAI-format line may name as its url
 
 
@@ -193,6 +195,39 @@ def request_digest(obj: Any) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
+def command_flags(args: argparse.Namespace) -> dict:
+    """The command's ``--max-tokens`` and ``--temperature``, where given."""
+    return {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None}
+
+
+def line_defaults(flags: dict, path: str, openai: bool) -> dict:
+    """What the command fills in of a line's request where the line leaves it unset: its own defaults and
+    the flags for a line of its format; the flags alone for an OpenAI-format line (as OpenAI's Batch API
+    and vLLM's run-batch send it, the service's defaults otherwise); under the Responses API's name."""
+    out = dict(flags) if openai else {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": DEFAULT_TEMPERATURE, **flags}
+    if path == RESPONSES:
+        out = {("max_output_tokens" if k == "max_tokens" else k): v for k, v in out.items()}
+    return out
+
+
+def _takes(request: dict, name: str) -> bool:
+    """Whether a request takes ``name`` from the command's defaults (a chat's max_completion_tokens wins)."""
+    return name not in request and not (name == "max_tokens" and "max_completion_tokens" in request)
+
+
+def applied_defaults(flags: dict, path: str, request: dict, openai: bool) -> dict:
+    """The defaults a line's request takes from the flags (its own fields win), which its ``request_hash``
+    includes: a rerun with another ``--max-tokens`` (answers cut at the first one's) sends those lines
+    again. The command's own defaults are left out, as the hashes of earlier versions did."""
+    given = line_defaults(flags, path, openai)
+    built_in = {} if openai else line_defaults({}, path, False)
+    return {k: v for k, v in given.items() if _takes(request, k) and (k not in built_in or built_in[k] != v)}
+
+
+def _with_defaults(digest: str, applied: dict) -> str:
+    return request_digest({"request": digest, "defaults": applied}) if applied else digest
+
+
 def ref_key(ref: dict) -> str:
     """Ids compare as JSON values (1 and "1" differ), apart from the line numbers of lines without one."""
     if "custom_id" in ref:  # an OpenAI-format line (its record's "id" is the record's own)
@@ -211,19 +246,24 @@ class Plan:
     keys: set[str] = field(default_factory=set)  # id keys of the input's lines (refused ones too)
 
 
-def read_lines(src: Path | BinaryIO, done: dict[str, str | None]) -> Plan:
+def read_lines(src: Path | BinaryIO, done: dict[str, str | None], flags: dict | None = None) -> Plan:
     """Parse the input (JSONL, UTF-8; a path, or the file open for reading, which the run then reads its
     lines from again); ``done``: id keys answered by an earlier run, with the digest of the request each
-    answered (None: a record of a version that wrote none)."""
+    answered (None: a record of a version that wrote none); ``flags``: the command's ``--max-tokens`` and
+    ``--temperature`` where given (``applied_defaults``)."""
     if isinstance(src, Path):
         with src.open("rb") as f:
-            return read_lines(f, done)
+            return read_lines(f, done, flags)
+    applied = functools.partial(applied_defaults, flags or {})
     plan = Plan()
     seen = plan.keys  # id keys of this file's lines so far
     src.seek(0)
     at = 0
     for n, raw_bytes in enumerate(src, 1):
-        line = _read_line(raw_bytes, n, plan, seen, done)
+        refused = len(plan.errors)
+        line = _read_line(raw_bytes, n, plan, seen, done, applied)
+        if len(plan.errors) > refused:  # refused now: an answer recorded under its number goes too (one a line)
+            _refused_now(ref_key({"line": n}), plan, done)
         if line is not None:  # (its sort key made: the input keeps the rest until it is sent)
             line.body, line.at, line.size, line.n, line.crc = None, at, len(raw_bytes), n, zlib.crc32(raw_bytes)
             plan.todo.append(line)
@@ -231,7 +271,8 @@ def read_lines(src: Path | BinaryIO, done: dict[str, str | None]) -> Plan:
     return plan
 
 
-def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: dict[str, str | None]) -> Line | None:
+def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: dict[str, str | None],
+               applied: Callable[[str, dict, bool], dict]) -> Line | None:
     """Input line ``n``, to send; or None: refused (recorded in ``plan``), blank or answered before."""
     try:
         raw = raw_bytes.decode("utf-8-sig" if n == 1 else "utf-8")
@@ -256,8 +297,9 @@ def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: dict[
     except ValueError:
         plan.errors.append({"line": n, "error": "holds a number too large for JSON (such as 1e999)"})
         return None
-    if isinstance(obj, dict) and "custom_id" in obj:
-        return _openai_line(obj, n, plan, seen, done, digest)
+    if isinstance(obj, dict) and ("custom_id" in obj or (obj.get("prompt") is None and obj.get("messages") is None
+                                                         and ("url" in obj or "body" in obj))):
+        return _openai_line(obj, n, plan, seen, done, digest, applied)
     # (a null prompt is no prompt: a null field means the default, as in OpenAI's API)
     if not isinstance(obj, dict) or (obj.get("prompt") is None) == (obj.get("messages") is None):
         named = {"id": obj["id"]} if isinstance(obj, dict) and obj.get("id") is not None else {}
@@ -272,9 +314,11 @@ def _read_line(raw_bytes: bytes, n: int, plan: Plan, seen: set[str], done: dict[
         plan.errors.append({"line": n, "error": f"{key} is used by an earlier line"})
         return None
     seen.add(key)
+    request, path = _request(obj, openai=False), COMPLETIONS if obj.get("messages") is None else CHAT
+    digest = _with_defaults(digest, applied(path, request, False))
     if _answered_before(key, digest, plan, done):
         return None
-    return Line(ref, _request(obj, openai=False), COMPLETIONS if obj.get("messages") is None else CHAT, digest=digest)
+    return Line(ref, request, path, digest=digest)
 
 
 def _refused_now(key: str, plan: Plan, done: dict[str, str | None]) -> None:
@@ -297,18 +341,20 @@ def _answered_before(key: str, digest: str, plan: Plan, done: dict[str, str | No
     return False
 
 
-def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: dict[str, str | None], digest: str
-                 ) -> Line | None:
+def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: dict[str, str | None], digest: str,
+                 applied: Callable[[str, dict, bool], dict]) -> Line | None:
     """An OpenAI-format line (``custom_id``, ``method``, ``url``, ``body``) to send, or None: refused
     (recorded in ``plan``, in that format) or answered by an earlier run."""
-    ref = {"custom_id": obj["custom_id"]}
+    ref = {"custom_id": obj.get("custom_id")}
     key = ref_key(ref)
     if key in seen:  # (its record names the line, not the id: one id, one result; OpenAI's shape otherwise)
         plan.errors.append({"line": n, **_openai_record({"custom_id": None}, None, None, {
             "code": "duplicate_custom_id", "message": f"line {n}: custom_id {obj['custom_id']!r} is used by an earlier line"})})
         return None
     problem = None
-    if not isinstance(obj["custom_id"], str) or not obj["custom_id"]:
+    if "custom_id" not in obj:  # (a line with a url or body and no prompt: OpenAI's format, its id left out)
+        problem = "custom_id is required (a line of OpenAI's batch format)"
+    elif not isinstance(obj["custom_id"], str) or not obj["custom_id"]:
         problem = "custom_id must be a non-empty string"
     elif obj.get("method", "POST") != "POST":
         problem = f"method must be POST, got {obj.get('method')!r}"
@@ -318,14 +364,16 @@ def _openai_line(obj: dict, n: int, plan: Plan, seen: set[str], done: dict[str, 
         problem = "body must be the request, a JSON object"
     if problem:
         plan.errors.append(_openai_record(ref, None, None, {"code": "invalid_request", "message": f"line {n}: {problem}"}))
-        if isinstance(obj["custom_id"], str):
+        if isinstance(obj.get("custom_id"), str):
             _refused_now(key, plan, done)
         return None
     seen.add(key)
+    url = next(u for u in OPENAI_BATCH_URLS if u == obj["url"])  # (the constant: not a string per line)
+    request = _request(obj, openai=True)
+    digest = _with_defaults(digest, applied(url, request, True))
     if _answered_before(key, digest, plan, done):
         return None
-    url = next(u for u in OPENAI_BATCH_URLS if u == obj["url"])  # (the constant: not a string per line)
-    return Line(ref, _request(obj, openai=True), url, openai=True, digest=digest)
+    return Line(ref, request, url, openai=True, digest=digest)
 
 
 def _openai_record(ref: dict, r: httpx.Response | None, body: Any, error: dict | None) -> dict:
@@ -439,12 +487,20 @@ def _error_message(r: httpx.Response) -> str:
     return f"HTTP {r.status_code}: {msg}"
 
 
-def _error_code(r: httpx.Response) -> str | None:
+def _error_field(r: httpx.Response, name: str) -> Any:
     try:
         err = r.json().get("error")
-        return err.get("code") if isinstance(err, dict) else None
+        return err.get(name) if isinstance(err, dict) else None
     except (ValueError, AttributeError):
         return None
+
+
+def _error_code(r: httpx.Response) -> str | None:
+    return _error_field(r, "code")
+
+
+def _error_param(r: httpx.Response) -> str | None:
+    return _error_field(r, "param")
 
 
 class ServiceGone(Exception):
@@ -471,12 +527,13 @@ async def _one(client: httpx.AsyncClient, line: Line, request: dict, defaults: d
     (no connection) or without replicas (502/503): the line was not answered, a rerun sends it again.
     A line that times out or gets 429/504 each time is this line's failure, recorded as such (or a
     line too slow for --request-timeout-s would stop every rerun)."""
-    if line.path == RESPONSES:  # (that API's name for it)
-        defaults = {("max_output_tokens" if k == "max_tokens" else k): v for k, v in defaults.items()}
     # (sent whole, not streamed: a line's stream_options would be refused without its stream)
     body = {**defaults, **{k: v for k, v in request.items() if k != "stream_options"}, "stream": False}
-    gone, timeouts = True, 0
-    for attempt in range(retries + 1):
+    # a cap the line took from the command: past the room its prompt leaves in the context, the service
+    # refuses it; the line then goes without it, cut to that room (as without max_tokens), not failed for good
+    capped = [k for k in CAP_FIELDS if k in defaults and _takes(request, k)]
+    gone, timeouts, attempt = True, 0, 0
+    while attempt <= retries:
         r, code = None, None
         try:
             r = await client.post(line.path, json=body)
@@ -495,6 +552,10 @@ async def _one(client: httpx.AsyncClient, line: Line, request: dict, defaults: d
             gone = gone and r.status_code in GONE_STATUS and not engine_failed
             if engine_failed and attempt >= 1:
                 return _failure_record(line, problem, r), True
+            if capped and r.status_code in (400, 422) and _error_param(r) in CAP_FIELDS:
+                body = {k: v for k, v in body.items() if k not in capped}
+                capped = []
+                continue  # at once: another request, not a try again
             if r.status_code not in RETRY_STATUS:  # a 4xx: the line itself is wrong and would fail again
                 return _failure_record(line, problem, r), r.status_code >= 500  # a 500 may not
             timeouts += r.status_code == 408
@@ -502,6 +563,7 @@ async def _one(client: httpx.AsyncClient, line: Line, request: dict, defaults: d
             break
         if attempt < retries:
             await asyncio.sleep(RETRY_WAITS_S[min(attempt, len(RETRY_WAITS_S) - 1)])
+        attempt += 1
     if gone:
         raise ServiceGone(problem)
     return _failure_record(line, problem, r, code), True
@@ -601,7 +663,7 @@ async def _run(args: argparse.Namespace, totals: dict, output: Path) -> None:
 
 async def _run_input(args: argparse.Namespace, totals: dict, output: Path, done: dict[str, str | None],
                      src: BinaryIO) -> None:
-    plan = read_lines(src, done)
+    plan = read_lines(src, done, command_flags(args))
     todo = plan.todo if args.keep_order else prefix_order(plan.todo)
     totals.update({"to_send": len(todo), "ok": 0, "failed": 0, "retryable": 0, "changed": 0, "refused": len(plan.errors),
                    "skipped": plan.skipped, "replaced": len(plan.replaced), "not_done": len(todo), "prompt_tokens": 0,
@@ -661,11 +723,7 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
                 src: BinaryIO, out, totals: dict) -> None:
     """Send ``todo`` (read from the input ``src``) with ``workers`` workers. When a line finds the service gone through all its
     retries (about a minute), no new line is sent: the others would each wait as long for nothing."""
-    given = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None}
-    # a line of the command's own format gets its defaults; an OpenAI-format line runs as OpenAI's Batch API
-    # and vLLM's run-batch would run it, with the service's defaults, unless the command was told otherwise
-    plain = {"model": model, "max_tokens": DEFAULT_MAX_TOKENS, "temperature": DEFAULT_TEMPERATURE, **given}
-    as_given = {"model": model, **given}
+    flags = command_flags(args)
     bar = tqdm(total=len(todo), unit="req", mininterval=2.0, file=sys.stderr)
     queue = iter(todo)  # workers take the next line in order (no task per line)
 
@@ -674,8 +732,8 @@ async def _send(client: httpx.AsyncClient, model: str, args: argparse.Namespace,
             if "_gone" in totals or "_unauthorized" in totals:
                 return
             try:
-                rec, transient = await _one(client, line, line.request(src), as_given if line.openai else plain,
-                                            args.retries)
+                rec, transient = await _one(client, line, line.request(src),
+                                            {"model": model, **line_defaults(flags, line.path, line.openai)}, args.retries)
             except InputChanged as e:  # (a rerun reads it again)
                 rec, transient = _failure_record(line, str(e), None), True
                 totals["changed"] += 1

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 COUNTERS = {
     "radixserve_requests_total": ("requests_finished", "Requests finished (warm-up prefills not counted)."),
     "radixserve_requests_aborted_total": ("requests_aborted",
-                                          "Requests cancelled before they finished (client gone, shutdown)."),
+                                          "Requests cancelled before they finished (client gone, shutdown, engine failure)."),
     "radixserve_requests_failed_total": ("requests_failed", "Requests an engine error ended alone (in their "
                                          "sampling or text; counted in requests_total too)."),
     "radixserve_prompt_tokens_total": ("prompt_tokens", "Prompt tokens received, warm-up prefixes included."),

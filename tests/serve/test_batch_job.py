@@ -314,10 +314,11 @@ class _DownService:
                 service.keys.add(self.headers.get("authorization"))
                 if service.on_post is not None:
                     service.on_post(json.loads(body))
-                if status == 200:  # a fast service: an answer at once
-                    self._send(200, service.answer(json.loads(body)) if service.answer else json.dumps(
+                if status == 200:  # a fast service: an answer at once (or the status and text ``answer`` gives)
+                    given = service.answer(json.loads(body)) if service.answer else json.dumps(
                         {"choices": [{"text": "ok", "finish_reason": "length"}],
-                         "usage": {"prompt_tokens": 2, "completion_tokens": 1}}))
+                         "usage": {"prompt_tokens": 2, "completion_tokens": 1}})
+                    self._send(*(given if isinstance(given, tuple) else (200, given)))
                     return
                 self._send(status, json.dumps({"error": {"message": "no replica" if status == 503 else "timeout",
                                                          "code": code}}))
@@ -937,3 +938,69 @@ def test_an_output_it_may_not_write_is_refused_before_anything_is_sent(tmp_path,
         assert captured.out == "" and f"Permission denied): {denied}" in captured.err, captured
         assert "run the same command again" not in captured.err and service.posts == 0
         monkeypatch.setattr(os, "access", real)
+
+
+def test_a_line_refused_now_drops_the_answer_its_line_number_had(tmp_path, capsys):
+    """Only a refused line with an id dropped its earlier answer: one known by its number (broken JSON now,
+    a key misspelt) kept it beside the refusal, two results for one line, and a rerun said it was another
+    input's."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"prompt": "a1"}, {"prompt": "a2"}, {"id": "x", "prompt": "a3"}])
+    with _DownService(200) as url:
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url]) == 0
+        write(src, [{"promt": "a1"}, '{"prompt": "a2"', {"id": "x", "prompt": "a3"}])
+        capsys.readouterr()
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["replaced"] == 2 and "lines this input does not have" not in captured.err
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(ref_key(r) for r in recs) == ['id "x"', "line 1", "line 2"]
+    assert all("error" in r for r in recs if "line" in r)
+
+
+def test_a_rerun_with_another_max_tokens_sends_the_lines_that_took_it(tmp_path, capsys):
+    """The request_hash was the line's alone: answers cut at --max-tokens 8 stood when the same command ran
+    again with --max-tokens 1024 (nothing sent, exit 0). The command's own defaults stay out of the hash,
+    so the answers of earlier versions, and of a run that spelt them out, still stand."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": "takes", "prompt": "a"}, {"id": "own", "prompt": "b", "max_tokens": 3},
+                {"custom_id": "oa", "method": "POST", "url": "/v1/responses", "body": {"input": "c"}}])
+    sent: list[dict] = []
+    with _DownService(200, on_post=sent.append) as url:
+        for flags, expected in ((["--max-tokens", "8"], {"a", "b", "c"}), (["--max-tokens", "8"], set()),
+                                (["--max-tokens", "1024"], {"a", "c"}), ([], {"a", "c"}),
+                                (["--max-tokens", "256", "--temperature", "0"], {"c"}), ([], {"c"})):
+            sent.clear()
+            assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url, *flags]) in (0, 1)
+            capsys.readouterr()
+            assert {b.get("prompt") or b.get("input") for b in sent} == expected, (flags, sent)
+    assert [b.get("max_output_tokens") for b in sent] == [None]  # the service's own default for that API
+
+
+def test_a_cap_the_line_took_from_the_command_past_its_prompts_room_goes_and_the_room_is_its_cap(tmp_path, capsys):
+    """Every line of the command's format went with max_tokens 256 (or --max-tokens): a prompt within that
+    of the context was refused (prompt + max_tokens past max_total_tokens) for good, though the line asked
+    for nothing wrong; sent without a cap, the service cuts the answer to the room its prompt leaves."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write(src, [{"id": "long", "prompt": "long"}, {"id": "asked", "prompt": "long", "max_tokens": 100},
+                {"custom_id": "oa", "method": "POST", "url": "/v1/completions", "body": {"prompt": "long"}},
+                {"method": "POST", "url": "/v1/completions", "body": {"prompt": "no custom_id"}}])
+    sent: list[dict] = []
+
+    def answer(body: dict):
+        sent.append(body)
+        if "max_tokens" in body:
+            return 422, json.dumps({"error": {"message": "prompt (300) + max_new_tokens (256) = 556 tokens, more than "
+                                              "max_total_tokens (512)", "param": "max_tokens"}})
+        return json.dumps({"choices": [{"text": "cut at the room", "finish_reason": "length"}]})
+
+    with _DownService(200, answer=answer) as url:
+        assert cli(["batch", "--input", str(src), "--output", str(out), "--url", url, "--max-tokens", "300"]) == 1
+    capsys.readouterr()
+    recs = {r.get("id") if "custom_id" not in r else r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert recs["long"]["output"] == "cut at the room"  # its own format's cap went
+    assert recs["oa"]["response"]["status_code"] == 200  # the flag's cap went
+    assert "max_total_tokens" in recs["asked"]["error"]  # its own cap: the line's fault, as the service said
+    assert [b.get("max_tokens") for b in sent if b["prompt"] == "long"].count(None) == 2
+    # an OpenAI-format line without its custom_id is refused in that format, saying so
+    assert "custom_id is required" in recs[None]["error"]["message"]
