@@ -385,12 +385,17 @@ class Sim:
             self.next_report = until + self.report_s
 
     def _report(self) -> None:
-        """Replicas tell the router what they evicted (as record_routing_stats does)."""
+        """Replicas tell the router what they evicted and stored since the last report, each block's net
+        change (as record_routing_stats does), which the router folds removed first (as PrefixRouter)."""
         for rid, rep in self.replicas.items():
             events, _ = rep.cache.drain_events()
             if rep.alive:
-                removed = [h for kind, hs in events if kind == "removed" for h in hs]
-                self.policy.forget_hashes(rid, removed)
+                net: dict[int, bool] = {}
+                for kind, hs in events:
+                    for h in hs:
+                        net[h] = kind == "stored"
+                self.policy.forget_hashes(rid, [h for h, kept in net.items() if not kept])
+                self.policy.learn_hashes(rid, [h for h, kept in net.items() if kept], from_root=False)
 
 
 def oracle_hit_rate(w: Workload, n: int, capacity_blocks: int, seed: int) -> float:

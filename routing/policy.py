@@ -182,10 +182,15 @@ class PrefixPolicy:
     def _touch(self, view: ReplicaView, hashes: Sequence[int], use: bool = True) -> None:
         """Index ``hashes`` on the replica; ``use``: as used again (else known ones stay as they are)."""
         idx, rid, holders = view.index, view.replica_id, self.holders
-        index = idx.touch if use else idx.add
-        for h in hashes:
-            if index(h):
-                holders.add(h, rid)
+        if use:
+            # a chain's last block first: its first is then the most recent, and a trim takes the tail, as
+            # the replica evicts a leaf's blocks from its end (the first block gone, the guess matched nothing
+            # of a prompt the replica still held all but its last blocks of)
+            new = [h for h in reversed(hashes) if idx.touch(h)]
+        else:
+            new = idx.add_chain(hashes)
+        for h in new:
+            holders.add(h, rid)
         self._trim(view)
         self._update_fill(view)
 

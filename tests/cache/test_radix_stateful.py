@@ -16,6 +16,7 @@ from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from cache.allocator import BlockAllocator, OutOfBlocks
+from cache.hashing import block_hashes
 from cache.radix import Node, RadixCache
 
 BS = 2
@@ -81,6 +82,8 @@ class CacheMachine(RuleBasedStateMachine):
         m = self.cache.match(list(tokens), cache_salt=salt)
         keys = self._ref_match(salt, tokens, limit)
         assert m.blocks == [self.ref[k] for k in keys]
+        # what the routers and the directory learn: every matched block's chained hash
+        assert m.hashes == block_hashes(tokens[: len(keys) * BS], BS, cache_salt=salt)
         self.cache.lock(m.node)
         self._touch(keys)
         self.reused.update(keys)
@@ -105,6 +108,9 @@ class CacheMachine(RuleBasedStateMachine):
         full = len(req.tokens) // BS
         res = self.cache.insert(list(req.tokens), req.table[:full], cache_salt=req.salt)
         keys = self._prefixes(req.salt, req.tokens, full)
+        # the blocks it added (under a cached prefix too: chained from that prefix, not from the root)
+        added = [i for i, k in enumerate(keys) if k not in self.ref]
+        assert res.new_hashes == [block_hashes(req.tokens, BS, cache_salt=req.salt)[i] for i in added]
         if self.BONUS:
             for k in (k for k in keys if k not in self.ref):  # the new leaf's leading returning blocks
                 if k not in self.ghost:

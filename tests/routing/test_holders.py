@@ -57,3 +57,17 @@ def test_holders_match_a_dict_of_sets(ops):
         ref = {k: v for k, v in ref.items() if v}
         assert h.as_sets() == ref
     assert len(h._ids) <= len(REPLICAS)  # slots were reused: masks stay as wide as the live fleet
+
+
+def test_a_replica_that_leaves_frees_its_slot_for_the_next_one():
+    """Masks stay as short as the fleet: replicas coming and going (each one a new id, as Serve names
+    them) must reuse the slots of those gone, or every mask grows by a bit per replica ever seen."""
+    h = Holders()
+    for i in range(3):
+        h.add(7, f"r{i}")
+    for gen in range(50):
+        gone, new = f"r{gen}" if gen < 3 else f"n{gen - 1}", f"n{gen}"
+        h.remove_replica(gone)
+        h.add(7, new)
+        assert len(h._ids) == 3 and h.masks[7].bit_length() <= 3, (gen, h._ids)
+    assert sorted(h.ids(h.masks[7])) == ["n0", "n1", "n49"]

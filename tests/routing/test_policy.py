@@ -407,3 +407,128 @@ def test_a_replica_whose_pool_size_comes_later_gets_the_head_start_of_its_own_po
     assert late.replicas["new"].home_base == 0 < known.replicas["new"].home_base
     late.report("new", capacity_blocks=64)
     assert late.replicas["new"].home_base == known.replicas["new"].home_base
+
+
+def _serve_on_a_real_cache(cache, alloc, tokens: list[int], full_blocks: int) -> None:
+    """One request on a replica's own cache: match, allocate the rest, insert the prompt's full blocks,
+    free what it does not keep (as the engine's KV manager does)."""
+    from cache.radix import RadixCache  # noqa: F401 - (the type the caller built)
+
+    m = cache.match(tokens)
+    cache.lock(m.node)
+    table = m.blocks + alloc.allocate(-(-len(tokens) // cache.block_size) - len(m.blocks))
+    res = cache.insert(tokens, table[:full_blocks])
+    alloc.free(res.redundant)
+    cache.lock(res.node)
+    cache.unlock(m.node)
+    cache.unlock(res.node)
+    alloc.free(table[full_blocks:])
+
+
+@settings(max_examples=2000, deadline=None)
+@given(groups=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4)), min_size=1, max_size=40))
+def test_with_the_replicas_reports_the_routers_guess_of_its_cache_is_the_cache(groups):
+    """The index the policy keeps for a replica against the replica's own radix cache (same capacity),
+    request by request, with the stored and removed blocks it reports (as ``record_routing_stats`` hands
+    them over): the guess and the reports agree on every block. The guess is a segmented LRU: a reused
+    block outlives every block seen once, which the replica's reuse bonus (a pool's worth of cache
+    operations: hundreds of requests' worth in a real pool) gives it unless it sits unused that long; a
+    pool this small turns over in a few requests, so its bonus here is past any run's length."""
+    from cache.allocator import BlockAllocator
+    from cache.radix import RadixCache
+
+    bs, cap = 4, 12
+    cache = RadixCache(bs, reuse_bonus=10**6, record_events=True)
+    alloc = BlockAllocator(cap + 1, bs, cache)  # (one block for the unshared tail each request holds)
+    p = PrefixPolicy(PolicyConfig(block_size=bs))
+    p.add_replica("r0", capacity_blocks=cap)
+    for n, (g, k) in enumerate(groups):  # the first k blocks of group g's prompt: prefixes of each other
+        tokens = [g * 100 + i for i in range(k * bs)] + [5000 + n]
+        _serve_on_a_real_cache(cache, alloc, tokens, k)
+        h = block_hashes(tokens, bs)
+        p.on_completed("r0", p.on_routed("r0", h, len(tokens)))
+        for kind, hashes in cache.drain_events()[0]:
+            if kind == "stored":
+                p.learn_hashes("r0", hashes, from_root=False)
+            else:
+                p.forget_hashes("r0", hashes)
+        assert set(p.replicas["r0"].index) == set(cache.all_hashes()), (n, groups[: n + 1])
+
+
+def test_the_routers_guess_keeps_the_prefixes_the_replica_protects_in_their_order_of_use():
+    """Without reports: three prefixes used twice each (protected), the first used again, then a new one
+    twice: the replica lets the least recently used protected one go (B), and so must the guess (the
+    protected blocks' recency order was untested: a guess that dropped A routed the hottest prefix cold)."""
+    from cache.allocator import BlockAllocator
+    from cache.radix import RadixCache
+
+    def tokens(g: str, n: int) -> list[int]:
+        return [("ABCD".index(g) + 1) * 1000 + i for i in range(4 * BS)] + [9000 + n]
+
+    cache = RadixCache(BS, reuse_bonus=12)
+    alloc = BlockAllocator(13, BS, cache)
+    p = PrefixPolicy(PolicyConfig(block_size=BS))
+    p.add_replica("r0", capacity_blocks=12)
+    for n, g in enumerate("ABCABCAADD"):
+        _serve_on_a_real_cache(cache, alloc, tokens(g, n), 4)
+        p.on_completed("r0", p.on_routed("r0", block_hashes(tokens(g, n), BS), 4 * BS + 1))
+    held = [g for g in "ABCD" if cache.match(tokens(g, 99), hit=False, count=False).blocks]
+    assert held == ["A", "C", "D"]
+    assert [g for g in "ABCD" if p.matches(block_hashes(tokens(g, 99), BS))] == held
+
+
+def test_of_two_holders_of_a_prefix_the_less_busy_takes_the_next_request():
+    p = fleet(2)
+    shared = prompt(1)
+    for r in ("r0", "r1"):
+        p.learn_hashes(r, block_hashes(shared, BS))
+    picks = []
+    for t in range(8):
+        r, w = route(p, shared + [t] * BS, 64)
+        p.on_completed(r, w)
+        picks.append(r)
+    assert picks[0::2] == [picks[0]] * 4 and picks[1::2] == [picks[1]] * 4 and picks[0] != picks[1], picks
+
+
+def test_a_replica_that_emptied_takes_new_prefixes_first():
+    """``fill_threshold``: a replica that restarted with an empty cache is where new prefixes go until it
+    fills, not one of an even spread (an earlier test passed for another reason: the fewest homes)."""
+    p = PrefixPolicy(PolicyConfig(block_size=BS))
+    for i in range(3):
+        p.add_replica(f"r{i}", capacity_blocks=16)
+    for g in range(30):
+        r, w = route(p, prompt(g, 4))
+        p.on_completed(r, w)
+    assert {p.homes(r) for r in p.replicas} == {10}  # as many homes each: only the fill tells them apart
+    p.report("r2", cached_blocks=0)
+    picks = []
+    for g in range(100, 102):
+        r, w = route(p, prompt(g, 4))
+        p.on_completed(r, w)
+        picks.append(r)
+    assert picks == ["r2", "r2"], picks
+
+
+def test_a_fleet_past_small_fleet_places_cold_prefixes_on_its_ring_through_churn():
+    """Fleets over ``small_fleet`` replicas place cold prefixes by a hash ring: a path no test ran (a
+    replica removed without its ring entries made every cold route fail, and Serve's fallback ranking
+    took over without a word)."""
+    import random
+
+    rng = random.Random(0)
+    p = PrefixPolicy(PolicyConfig(block_size=BS, small_fleet=4))
+    for i in range(8):
+        p.add_replica(f"r{i}", capacity_blocks=64)
+    seen = set()
+    for step in range(600):
+        if step % 50 == 25:
+            p.remove_replica(rng.choice(sorted(p.replicas)))
+        elif step % 50 == 40:
+            p.add_replica(f"r{8 + step}", capacity_blocks=64)
+        h = block_hashes(prompt(rng.randrange(200), 4), BS)
+        cands = None if step % 2 else rng.sample(sorted(p.replicas), 3)
+        r = p.choose(h, 4 * BS, 8, cands)
+        assert r in p.replicas and (cands is None or r in cands), (step, r)
+        p.on_completed(r, p.on_routed(r, h, 4 * BS, 8))
+        seen.add(r)
+    assert len(seen) > 8  # replicas added mid-run get cold prefixes too
