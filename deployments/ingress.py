@@ -366,6 +366,48 @@ def _too_large(limit: int) -> ApiError:
                     "validation", code="payload_too_large")
 
 
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def _origin_allowed(origin: bytes, host: bytes) -> bool:
+    """Whether a browser's request from a page of ``origin`` (the Origin header) may act on this service,
+    reached as ``host`` (the Host header): a page of an origin ``--cors-allow-origin`` lists, or one of this
+    service's own origin (its /docs page), named by a loopback name where the service listens on loopback."""
+    text = origin.decode("latin-1").strip().lower()
+    if "*" in Cors.origins or text in Cors.origins:
+        return True
+    scheme, sep, netloc = text.partition("://")
+    if not sep or scheme not in ("http", "https") or netloc != host.decode("latin-1").strip().lower():
+        return False  # another site (or "null": a sandboxed frame, a file)
+    name = netloc[1:].partition("]")[0] if netloc.startswith("[") else netloc.rpartition(":")[0] or netloc
+    return not CrossSite.loopback or name in LOOPBACK_HOSTS or name.endswith(".localhost")
+
+
+class CrossSite:
+    """ASGI middleware: a request a web page of another site sends (a browser names the page's origin in
+    ``Origin`` on every POST) is refused, 403, unless ``--cors-allow-origin`` lists that origin. Such a
+    request needs no preflight when its body has no Content-Type (which reads as JSON here): any page the
+    operator opened could run generations, warm-ups that mark its prompts hot in the directory, on a
+    service without ``--api-key``. A page of a name that a rebinding DNS points at a service listening on
+    loopback is the service's own origin to the browser: there its name must be a loopback one."""
+
+    loopback = True  # the service listens on loopback: set from the settings by Ingress.__init__
+
+    def __init__(self, asgi_app):
+        self.app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("method") not in ("GET", "HEAD", "OPTIONS"):
+            headers = scope.get("headers") or ()
+            origin = next((v for k, v in headers if k == b"origin"), None)
+            if origin is not None and not _origin_allowed(origin, next((v for k, v in headers if k == b"host"), b"")):
+                err = ApiError(403, f"requests from web pages of another site ({origin.decode('latin-1')}) are "
+                                    "refused: list the page's origin in --cors-allow-origin to allow them",
+                               "authentication", code="cross_origin_request")
+                return await _error_response(Request(scope), err)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 class ApiKey:
     """ASGI middleware: with ``--api-key`` set, every request but a liveness probe, a Prometheus scrape and
     a browser's preflight must carry ``Authorization: Bearer <key>`` (what OpenAI's and Hugging Face's
@@ -402,12 +444,13 @@ class ApiKey:
 
 
 # Starlette runs the last one added first: CORS (its headers go on every answer, refusals too, and a
-# browser's preflight is answered there), the API key, the size check, the drain check and in-flight
-# count, then the content type.
+# browser's preflight is answered there), other sites' pages, the API key, the size check, the drain check
+# and in-flight count, then the content type.
 app.add_middleware(JsonOnly)
 app.add_middleware(InFlight)
 app.add_middleware(PayloadLimit)
 app.add_middleware(ApiKey)
+app.add_middleware(CrossSite)
 app.add_middleware(Cors)
 
 
@@ -816,6 +859,7 @@ class Ingress:
         InFlight.limit = self.settings.max_concurrent_requests
         ApiKey.keys = tuple(hashlib.sha256(k.encode()).digest() for k in api_keys(self.settings.api_key or "") if k)
         Cors.origins = tuple(self.settings.cors_allow_origin)
+        CrossSite.loopback = self.settings.host in LOOPBACK_HOSTS
         # no token covers more characters than the longest vocabulary entry: bounds a text's token count
         self._max_token_chars = max((len(k) for k in self.tokenizer.get_vocab()), default=1)
         self._info: dict[str, Any] | None = None

@@ -58,10 +58,13 @@ def grammar_text(kind: str, text: str) -> str:
         if kind == "json" and not isinstance(value, dict):
             raise GuideError("the JSON schema must be an object")
         if kind == "json":
-            value = _loosened(value)
-            if "x-guidance" not in value:
-                value = {**value, "x-guidance": JSON_STYLE}
-            text = json.dumps(value)
+            try:  # (a schema given as a string skips the body's nesting bound: json reads deeper than these walk)
+                value = _loosened(value)
+                if "x-guidance" not in value:
+                    value = {**value, "x-guidance": JSON_STYLE}
+                text = json.dumps(value)
+            except RecursionError:
+                raise GuideError(f"the {kind} guide is nested too deeply") from None
     llg = _llguidance()
     try:
         grammar = llg.grammar_from("json_schema" if kind == "json" else kind, text)

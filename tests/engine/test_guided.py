@@ -82,6 +82,14 @@ def test_bad_guides_are_refused_with_the_reason(make_engine, guide, needle):
     assert not eng.has_work()
 
 
+def test_a_schema_string_nested_past_what_the_walks_take_is_refused_at_every_depth():
+    """A schema sent as a string skips the body's nesting bound: at depths json reads but the schema's
+    walks do not, a RecursionError reached the replica's caller (a retried 503), not a 400."""
+    for depth in range(250, 800, 10):
+        with pytest.raises(GuideError, match="nested too deeply|cannot be compiled"):
+            grammar_text("json", '{"anyOf":[' * depth + '{"type":"string"}' + "]}" * depth)
+
+
 def test_a_guide_ends_at_any_of_the_engines_end_tokens_and_cannot_be_contradicted(make_engine):
     import torch
 

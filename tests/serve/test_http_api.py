@@ -1218,6 +1218,43 @@ def test_a_browsers_preflight_needs_no_api_key_and_a_401_carries_cors_headers(mo
         assert c.options("/v1/completions").status_code == 405  # no CORS: a plain OPTIONS, no 401
 
 
+def test_a_web_page_of_another_site_may_not_post_unless_its_origin_is_allowed(monkeypatch):
+    """A fetch() with an untyped body sends no Content-Type: no preflight, and the ingress read it as JSON,
+    so any page the operator opened could run generations and warm-ups on a service without a key; a
+    page of a name a rebinding DNS points at 127.0.0.1 is the service's own origin to the browser."""
+    from starlette.testclient import TestClient
+
+    from deployments.cors import Cors
+    from deployments.ingress import CrossSite, app
+
+    body = json.dumps({"prompt": "x"}).encode()  # (untyped, as such a fetch sends it)
+    with TestClient(app, base_url="http://127.0.0.1:8000") as c:
+        for origin, host in (("https://evil.example", "127.0.0.1:8000"), ("null", "127.0.0.1:8000"),
+                             ("http://rebind.evil.example:8000", "rebind.evil.example:8000")):
+            r = c.post("/v1/completions", content=body, headers={"origin": origin, "host": host})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin_request", (origin, r.text)
+            assert "--cors-allow-origin" in r.json()["error"]["message"]
+        assert c.get("/nope", headers={"origin": "https://evil.example"}).status_code == 404  # a read: CORS's job
+
+    async def reached(scope, receive, send):  # (what the rest of the stack would get)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    # let through: no browser, the service's own page, an origin allowed, and a service on another
+    # interface reached by its own name
+    c = TestClient(CrossSite(reached), base_url="http://127.0.0.1:8000")  # (no lifespan: not the app's)
+    for headers in ({}, {"origin": "http://127.0.0.1:8000"}, {"origin": "http://localhost:8000", "host": "localhost:8000"}):
+        assert c.post("/v1/completions", content=body, headers=headers).status_code == 204, headers
+    assert c.post("/v1/completions", content=body, headers={"origin": "https://app.example"}).status_code == 403
+    monkeypatch.setattr(Cors, "origins", ("https://app.example",))
+    assert c.post("/v1/completions", content=body, headers={"origin": "https://app.example"}).status_code == 204
+    assert c.post("/v1/completions", content=body, headers={"origin": "http://gpu-box:8000", "host": "gpu-box:8000"}
+                  ).status_code == 403
+    monkeypatch.setattr(CrossSite, "loopback", False)
+    assert c.post("/v1/completions", content=body, headers={"origin": "http://gpu-box:8000", "host": "gpu-box:8000"}
+                  ).status_code == 204
+
+
 def test_n_choices_each_with_its_own_seed_and_the_prompt_computed_once(client):
     from tests.serve.helpers import fleet, wait_for
 
