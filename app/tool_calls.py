@@ -21,6 +21,7 @@ from typing import Any
 from engine.guided import (
     LENIENT_JSON_STYLE,
     MAX_GUIDE_CHARS,
+    format_or_calls_grammar,
     lenient_schema_problem,
     tagged_calls_grammar,
     walk_schema,
@@ -152,13 +153,34 @@ def strict_auto_guide(tools: list[tuple[str, dict[str, Any] | None, bool]], pars
     llguidance does not implement are let be), naming it."""
     if parser != "hermes" or not any(strict for _, _, strict in tools):
         return None
+    grammar = tagged_calls_grammar(HERMES_OPEN, HERMES_CLOSE, _auto_call_schema(tools), parallel, tag_ids,
+                                   text_excludes)
+    return ("grammar", grammar) if len(grammar) <= MAX_GUIDE_CHARS else None
+
+
+def _auto_call_schema(tools: list[tuple[str, dict[str, Any] | None, bool]]) -> dict:
+    """A call's schema under ``tool_choice: auto``: a strict tool's arguments held to its parameters,
+    another's to any object. ValueError for a strict tool whose schema no guide can hold, naming it."""
     for i, (name, params, strict) in enumerate(tools):
         if strict and (problem := lenient_schema_problem(_arguments_schema(params))):
             raise ValueError(f"tools[{i}] ({name}): its strict parameters cannot be held to under tool_choice auto "
                              f"({problem}): fix the schema, or leave strict off")
     calls, defs = _call_schemas([(name, params if strict else None) for name, params, strict in tools], "arguments")
-    grammar = tagged_calls_grammar(HERMES_OPEN, HERMES_CLOSE, {"anyOf": calls, **({"$defs": defs} if defs else {})},
-                                   parallel, tag_ids, text_excludes)
+    return {"anyOf": calls, **({"$defs": defs} if defs else {})}
+
+
+def format_or_calls_guide(answer_schema: dict, tools: list[tuple[str, dict[str, Any] | None, bool]], parser: str,
+                          parallel: bool = True, tag_ids: tuple[int | None, int | None] = (None, None)
+                          ) -> tuple[str, str] | None:
+    """The guide of ``tool_choice: auto`` beside a response format (``answer_schema``): the answer is that
+    format's JSON, or tool calls (``_auto_call_schema``), as OpenAI's structured outputs with tools and
+    Anthropic's ``output_config.format`` with tools take it; the format alone held the answer from its first
+    token, and no tool could be called (agents that give an output type and tools never got a call). For
+    the Hermes format only (the others' calls are not tagged); None otherwise, or past ``MAX_GUIDE_CHARS``."""
+    if parser != "hermes":
+        return None
+    grammar = format_or_calls_grammar(answer_schema, HERMES_OPEN, HERMES_CLOSE, _auto_call_schema(tools), parallel,
+                                      tag_ids)
     return ("grammar", grammar) if len(grammar) <= MAX_GUIDE_CHARS else None
 
 

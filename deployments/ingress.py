@@ -68,6 +68,7 @@ from app.tool_calls import (
     HERMES_CLOSE,
     HERMES_OPEN,
     ToolCall,
+    format_or_calls_guide,
     new_call_id,
     strict_auto_guide,
     template_call_ids,
@@ -251,9 +252,15 @@ class InFlight:
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "validation", code: str | None = None,
-                 param: str | None = None):
+                 param: str | None = None, overflow: tuple[int, int] | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+        self.overflow = overflow  # a prompt past the context: (its tokens, at least; the most it may have)
+
+
+# A request past the context's room: OpenAI's code for it, which clients (LangChain, litellm) read to
+# shorten the conversation; Anthropic's clients read its own words instead (see _error_response)
+CONTEXT_EXCEEDED = "context_length_exceeded"
 
 
 # A 503's ``code`` when the request was running as its engine failed: not retried here (it may be what
@@ -493,6 +500,8 @@ def _error_response(request: Request, err: ApiError) -> JSONResponse:
     if _route_path(request.scope) in ANTHROPIC_PATHS:  # Anthropic's format, on its routes
         # (Anthropic's API says overloaded with its 529)
         status = 529 if err.kind == OVERLOADED else 400 if err.status == 422 else err.status
+        if err.overflow is not None:  # in Anthropic's words, which its clients read (Claude Code compacts on them)
+            message = f"prompt is too long: {err.overflow[0]} tokens > {err.overflow[1]} maximum"
         return JSONResponse(error_body(status, message), status_code=status, headers=headers)
     if _is_openai(request):
         etype = "invalid_request_error" if err.status < 500 and err.kind != OVERLOADED else "server_error"
@@ -946,12 +955,13 @@ class Ingress:
         max_input_tokens is its own fault, not max_tokens' (the sum's refusal blamed max_tokens)."""
         info = await self.info_cached()
         if n > info["max_input_tokens"]:
-            raise ApiError(422, f"the prompt has {n} tokens, more than max_input_tokens ({info['max_input_tokens']})")
+            raise ApiError(422, f"the prompt has {n} tokens, more than max_input_tokens ({info['max_input_tokens']})",
+                           code=CONTEXT_EXCEEDED, overflow=(n, info["max_input_tokens"]))
         if isinstance(max_new, int) and not isinstance(max_new, bool):
             limit = info["max_total_tokens"]
             if n + max_new > limit:
                 raise ApiError(422, f"prompt ({n}) + max_new_tokens ({max_new}) = {n + max_new} tokens, more than "
-                                    f"max_total_tokens ({limit})", param="max_tokens")
+                                    f"max_total_tokens ({limit})", param="max_tokens", code=CONTEXT_EXCEEDED)
 
     async def _off_loop(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
@@ -965,7 +975,8 @@ class Ingress:
         limit = (await self.info_cached())["max_input_tokens"]
         if chars > 2 * limit * self._max_token_chars:
             raise ApiError(422, f"the prompt has more tokens than max_input_tokens ({limit}): "
-                                f"{chars} characters", param=param)
+                                f"{chars} characters", param=param, code=CONTEXT_EXCEEDED,
+                           overflow=(chars // (2 * self._max_token_chars), limit))
 
     async def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._off_loop(lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]))
@@ -1559,6 +1570,8 @@ class Ingress:
             if params.get("guide") is None:
                 params["guide"] = self._strict_tools_guide(req, params)
                 strict = params["guide"] is not None
+            elif params["guide"][0] == "json":  # a response format: the answer is in it, or calls tools
+                params["guide"] = self._strict_tools_guide(req, params, answer=params["guide"][1]) or params["guide"]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         tools = req.tool_mode() != "none"
         prefill = req.messages[-1].text() if req.continue_final_message else None
@@ -1586,23 +1599,34 @@ class Ingress:
                                    {"prompt_logprobs": self._vllm_prompt_logprobs(ids, runs[0], req.prompt_logprobs)},
                                    reasoning)
 
-    def _strict_tools_guide(self, req: ChatRequest, params: dict[str, Any], thinking: bool = False
-                            ) -> tuple[str, str] | None:
+    def _strict_tools_guide(self, req: ChatRequest, params: dict[str, Any], thinking: bool = False,
+                            answer: str | None = None) -> tuple[str, str] | None:
         """Where a tool of an auto-tool answer is strict, the guide that holds each call the answer begins
         (``strict_auto_guide``; ``thinking``: one that waits for the end of the thinking, whose text holds no
-        thinking tag). None beside what a guide would change: under ignore_eos an EOS where a guide is
-        complete ends the answer (this one is, wherever no call is open); a stop token that is a special
-        token would be masked (llguidance allows only the end tokens it is given); min_tokens and
+        thinking tag); beside a response format (``answer``, its JSON schema), the guide of an answer in it or
+        of calls (``format_or_calls_guide``). None beside what a guide would change: under ignore_eos an EOS
+        where a guide is complete ends the answer (this one is, wherever no call is open); a stop token that
+        is a special token would be masked (llguidance allows only the end tokens it is given); min_tokens and
         allowed_token_ids the engine refuses beside a guide."""
         if any(params.get(k) for k in ("ignore_eos", "min_tokens", "allowed_token_ids", "stop_token_ids")):
             return None
+        tools = [(t.function.name, t.function.parameters, bool(t.function.strict)) for t in req.tools]
+        parser, parallel = self.settings.tool_call_parser, req.parallel_tool_calls is not False
+        if answer is not None:
+            try:
+                answer_schema = json.loads(answer)
+            except (ValueError, RecursionError):
+                return None  # (the format's own check says what is wrong with it)
+            if not isinstance(answer_schema, dict):
+                return None
         try:
-            return strict_auto_guide([(t.function.name, t.function.parameters, bool(t.function.strict))
-                                      for t in req.tools], self.settings.tool_call_parser,
-                                     req.parallel_tool_calls is not False, self._hermes_ids,
-                                     (START, END) if thinking else ())
+            if answer is not None:
+                return format_or_calls_guide(answer_schema, tools, parser, parallel, self._hermes_ids)
+            return strict_auto_guide(tools, parser, parallel, self._hermes_ids, (START, END) if thinking else ())
         except ValueError as e:
             raise ApiError(422, str(e), param="tools") from None
+        except RecursionError:  # (a format nested past what the walks take: its own check refuses it)
+            return None
 
     @app.post("/v1/responses")
     async def responses(self, req: ResponsesRequest):

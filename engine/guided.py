@@ -151,6 +151,27 @@ def tagged_calls_grammar(open_tag: str, close_tag: str, call_schema: dict, paral
         f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*({excluded})(.|\\n)*/"])
 
 
+def format_or_calls_grammar(answer_schema: dict, open_tag: str, close_tag: str, call_schema: dict,
+                            parallel: bool = True, tag_ids: tuple[int | None, int | None] = (None, None)) -> str:
+    """A grammar of an answer held to a format (``answer_schema``, a JSON schema) that may call tools
+    instead (``tool_choice: auto`` beside a response format, as OpenAI's and Anthropic's take it): either
+    that JSON, or tagged calls each held to ``call_schema`` (``tagged_calls_grammar``'s tags; not
+    ``parallel``: one call), with no text around them but white space."""
+    answer = _loosened(answer_schema)
+    if "x-guidance" not in answer:
+        answer = {**answer, "x-guidance": JSON_STYLE}
+    call = {**_loosened(call_schema), "x-guidance": LENIENT_JSON_STYLE}
+    open_id, close_id = tag_ids
+    open_, close = (json.dumps(tag) if tid is None else f"<[{tid}]>" for tag, tid in ((open_tag, open_id),
+                                                                                      (close_tag, close_id)))
+    return "\n".join([
+        "%llguidance {}",
+        f"start: answer | call{'+' if parallel else ''} /[ \\n]*/",
+        f"answer: %json {json.dumps(answer)}",
+        f"call: /[ \\n]*/ {open_} /[ \\n]{{0,2}}/ call_body /[ \\n]{{0,2}}/ {close}",
+        f"call_body: %json {json.dumps(call)}"])
+
+
 def lenient_schema_problem(schema: dict) -> str | None:
     """Why llguidance cannot hold a JSON to ``schema`` even leniently (an invalid type, a ``$ref`` to
     nothing, a regex it cannot run), in a line; None where it can."""

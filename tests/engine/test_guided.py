@@ -405,6 +405,29 @@ def test_strict_tools_under_auto_leave_the_text_free_and_hold_each_call_it_begin
     assert row[comma] == float("-inf") and row[brace] == 0
 
 
+def test_a_response_format_beside_tools_under_auto_holds_the_answer_or_lets_it_call(make_engine):
+    """tool_choice auto with a response format (OpenAI's structured outputs with tools, Anthropic's
+    output_config.format with tools, as agent frameworks send an output type and tools): the format held the
+    answer from its first token, and no tool could ever be called."""
+    from app.tool_calls import format_or_calls_guide
+
+    answer = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    assert format_or_calls_guide(answer, [("add", ADD, False)], "mistral") is None  # (its calls are not tagged)
+    guide = format_or_calls_guide(answer, [("add", ADD, True), ("note", {"type": "object"}, False)], "hermes")
+    eng = make_engine("tiny")
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    ok = {'{"city": "Oslo"}': True, call: True,
+          call + ' <tool_call>{"name": "note", "arguments": {"x": [1]}}</tool_call>\n': True,
+          '{"town": "Oslo"}': False,  # the format's schema
+          '<tool_call>{"name": "add", "arguments": {"b": 1}}</tool_call>': False,  # a strict tool's
+          "Just text.": False, 'Sure: ' + call: False}  # no text beside the answer or the calls
+    for text, allowed in ok.items():
+        assert eng.guides.consume_text(eng.guides.matcher(*guide), text) is allowed, text
+    one = format_or_calls_guide(answer, [("add", ADD, True)], "hermes", parallel=False)
+    assert not eng.guides.consume_text(eng.guides.matcher(*one), call + call)
+
+
 def test_a_strict_call_opens_with_the_models_own_tag_token_where_it_has_one(model_dir):
     """Qwen's <tool_call> and </tool_call> are added tokens, which llguidance reads as special: free text
     never allows them, so under a grammar that spelled the tags out a Qwen model could call no tool."""

@@ -461,6 +461,15 @@ def test_a_strict_tool_under_auto_guides_the_calls_the_answer_begins(client):
     r = client.post("/v1/responses", json={"input": "Weather?", "max_output_tokens": 8, "tools": [
         {"type": "function", "name": "f", "parameters": bad["function"]["parameters"], "strict": True}]})
     assert r.status_code == 400 and "nonsense" in r.json()["error"]["message"], r.text
+    # beside a response format the answer is in it or calls tools (the format alone held the answer: no call
+    # could be made): the tools' guide is there too, and an answer is the format's JSON or calls
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}}
+    r = client.post("/v1/chat/completions", json={**chat, "tools": [bad], "response_format": fmt})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    r = client.post("/v1/chat/completions", json={**chat, "max_tokens": 40, "tools": [strict, ADD], "response_format": fmt})
+    message = r.json()["choices"][0]["message"]
+    assert message.get("tool_calls") or json.loads(message["content"])["ok"] in (True, False), r.text
 
 
 def test_tool_calling_named_required_and_auto(client):

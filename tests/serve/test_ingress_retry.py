@@ -254,3 +254,37 @@ def test_a_prompt_over_max_input_tokens_is_refused_for_itself_not_for_max_tokens
         asyncio.run(check(Limits(), 90, 20))
     assert e.value.message.startswith("prompt (90) + max_new_tokens (20) = 110") and e.value.param == "max_tokens"
     asyncio.run(check(Limits(), 90, 10))
+
+
+def test_a_prompt_past_the_context_is_said_in_the_words_each_apis_clients_read():
+    """OpenAI's code (LangChain, litellm shorten a conversation on it) and Anthropic's message: Claude Code
+    compacts its conversation when a 400 says "prompt is too long" (and reads the token gap), and got a
+    bare 400 on every turn once a local model's context filled."""
+    import json
+
+    from starlette.requests import Request
+
+    from deployments.ingress import _error_response
+
+    class Limits:
+        _max_token_chars = 4
+
+        async def info_cached(self):
+            return {"max_total_tokens": 100, "max_input_tokens": 99}
+
+    errors = []
+    for call in (lambda: Ingress.func_or_class._refuse_past_context(Limits(), 120, 5),
+                 lambda: Ingress.func_or_class._refuse_overlong(Limits(), 1000, "messages")):
+        with pytest.raises(ApiError) as e:
+            asyncio.run(call())
+        errors.append(e.value)
+
+    def answer(path: str, err: ApiError) -> tuple[int, dict]:
+        r = _error_response(Request({"type": "http", "path": path, "method": "POST", "headers": []}), err)
+        return r.status_code, json.loads(r.body)
+
+    for err, tokens in zip(errors, (120, 125), strict=True):
+        assert answer("/v1/chat/completions", err)[1]["error"]["code"] == "context_length_exceeded"
+        status, body = answer("/v1/messages", err)
+        assert status == 400 and body["error"] == {"type": "invalid_request_error",
+                                                   "message": f"prompt is too long: {tokens} tokens > 99 maximum"}
