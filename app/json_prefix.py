@@ -2,7 +2,9 @@
 each character read once (a parse of the whole text at each piece made a 100 KB argument cost seconds).
 
 Stricter than a partial parser where that is simpler: the text must start with ``{`` (no whitespace before
-it), and only whitespace may follow the object's end. Like one, it takes NaN, Infinity and -Infinity.
+it), and only whitespace may follow the object's end. NaN and Infinity are no JSON, which some partial
+parsers take (Python's jiter) and others do not: Anthropic's TypeScript client parses the arguments streamed
+so far at every piece, then ``JSON.parse``s them, and raised once they held a NaN.
 """
 
 from __future__ import annotations
@@ -11,9 +13,7 @@ _SPACE = " \t\n\r"
 _DIGITS = "0123456789"
 _HEX = "0123456789abcdefABCDEF"
 _ESCAPES = '"\\/bfnrtu'
-# (NaN and Infinity too: not JSON, but a partial parser takes them, as Python's does; the input reads them
-# as null)
-_LITERALS = {"t": "true", "f": "false", "n": "null", "N": "NaN", "I": "Infinity"}
+_LITERALS = {"t": "true", "f": "false", "n": "null"}
 
 
 class JsonObjectPrefix:
@@ -46,9 +46,6 @@ class JsonObjectPrefix:
             return self._string_char(c)
         if state == "number":
             if self._number_char(c):
-                return True
-            if c == "I" and self._number == "-":  # (-Infinity)
-                self._state, self._literal = "literal", "nfinity"
                 return True
             if self._number not in ("0", "1", "f", "x"):  # (cut inside: "-", "1.", "1e", "1e+")
                 return False

@@ -42,24 +42,27 @@ def _text(content: Any, where: str, stand_in: str | None = None) -> str:
 
 def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """Anthropic's turns as chat messages: an assistant turn's ``tool_use`` blocks become its tool calls (and
-    its ``thinking`` its reasoning_content), a user turn's ``tool_result`` blocks tool messages before its text."""
+    its ``thinking`` its reasoning_content), a user turn's ``tool_result`` blocks tool messages before its text.
+    Consecutive turns of one role are one turn, as Anthropic combines them (a template that wants the roles
+    to alternate refused them, and another showed two user turns)."""
     out: list[dict[str, Any]] = []
     used: set[str] = set()  # the tool_use ids so far: a tool_result answers one of them
+    # each turn's role, and its texts, calls, tool results and thoughts, merged with the turn before of its role
+    turns: list[tuple[str, list[str], list[dict[str, Any]], list[dict[str, Any]], list[str]]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ("user", "assistant"):
             raise ValueError(f"{where}.role must be user or assistant, got {role!r}")
+        if not turns or turns[-1][0] != role:
+            turns.append((role, [], [], [], []))
+        _, texts, calls, results, thoughts = turns[-1]
         content = m.get("content")
         if isinstance(content, str):
-            out.append({"role": role, "content": content})
+            texts.append(content)
             continue
         if not isinstance(content, list):
             raise ValueError(f"{where}.content must be a string or a list of content blocks")
-        texts: list[str] = []
-        calls: list[dict[str, Any]] = []
-        results: list[dict[str, Any]] = []
-        thoughts: list[str] = []
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}.content[{j}]"
@@ -87,6 +90,7 @@ def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
             else:
                 raise ValueError(f"{at}: {kind!r} blocks are not supported by this server in a {role} turn (text, "
                                  "tool_use and thinking in the assistant's, text and tool_result in the user's are)")
+    for role, texts, calls, results, thoughts in turns:
         if role == "assistant":
             msg: dict[str, Any] = {"role": "assistant", "content": BLOCKS_SEP.join(texts) if texts or not calls else None}
             if calls:

@@ -63,7 +63,8 @@ def test_what_is_taken_a_partial_parser_reads(text, at, junk):
     ('{"a": 1, oops}', 9), ('{"a": 01}', 7), ('{"a": 1.}', 8), ('{"a": -}', 7), ('{"a": tx', 7),
     ('{"a": [1,]}', 9), ('{"a": 1]', 7), ('{"a": "x\ny"}', 8), ('{"a": "\\q"}', 8), ('{"a": "\\u00g"}', 11),
     ('{"a": "\\udc00"}', 12), ('{"a": "\\ud800x"}', 13), ('{"a": "\\ud800\\udc00"}', 21),  # (surrogates: pairs)
-    ('{"a": NaN, "b": -Infinity, "c": Infinity}', 41), ('{"a": Nan', 8), ('{"a": -In', 9),  # (as jiter takes them)
+    # (no JSON, though jiter takes them: Anthropic's TypeScript client JSON.parses what it has, and raised)
+    ('{"a": NaN, "b": 1}', 6), ('{"a": 1, "b": -Infinity}', 15), ('{"a": Infinity}', 6),
     (' {"a": 1}', 0), ('[1]', 0), ('{}', 2), ('{"a": {}, "b": []}', 18), ('{"a": 1e+5, "b": -0.5E3}', 24),
 ])
 def test_where_a_text_stops_being_the_start_of_a_json_object(text, taken):

@@ -186,3 +186,20 @@ def test_streamed_tool_arguments_that_stop_reading_as_json_do_not_break_the_clie
     (block,) = got.content
     assert block.type == "tool_use" and block.input == {"location": "Paris"}
     assert events.final()["content"][0]["input"] == block.input  # the unstreamed answer says the same
+
+
+def test_consecutive_turns_of_one_role_are_one_turn_as_anthropic_combines_them():
+    """Each turn was its own chat message: a template that wants the roles to alternate (Gemma's, Llama 2's)
+    refused the request, and another showed the model two user turns."""
+    from app.messages_api import MessagesRequest
+
+    use = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}}
+    req = MessagesRequest(max_tokens=4, messages=[
+        {"role": "user", "content": "Weather?"}, {"role": "user", "content": [{"type": "text", "text": "In Oslo."}]},
+        {"role": "assistant", "content": "Looking."}, {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Sunny"}]},
+        {"role": "user", "content": "Thanks."}])
+    msgs = req.chat_body()["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "user"]
+    assert msgs[0]["content"] == "Weather?\n\nIn Oslo." and msgs[1]["content"] == "Looking."
+    assert [c["id"] for c in msgs[1]["tool_calls"]] == ["t1"] and msgs[3]["content"] == "Thanks."
