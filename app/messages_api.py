@@ -109,7 +109,8 @@ class MessagesRequest(ChatView):
     _refused_here: ClassVar[dict[str, tuple[str, tuple]]] = REFUSED
 
     model: str | None = None
-    max_tokens: int = Field(..., ge=1)  # (required, as Anthropic's API has it)
+    # (required, as Anthropic's API has it; 0: the prompt goes into the prefix cache, and nothing is generated)
+    max_tokens: int = Field(..., ge=0)
     messages: list[Any] = Field(..., min_length=1)
     system: str | list[Any] | None = None
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
@@ -328,7 +329,16 @@ class MessageEvents(ChunkEvents):
 
     _usage = staticmethod(_usage)
 
+    def chunk(self, chunk: dict[str, Any]) -> list[str]:
+        out = super().chunk(chunk)
+        if self.asked == 0 and self.usage is not None:  # (the one token the engine drew is no answer's)
+            self.usage = {**self.usage, "output_tokens": 0}
+        return out
+
     def _delta(self, choice: dict[str, Any], delta: dict[str, Any]) -> list[str]:
+        if self.asked == 0:  # a cache warm-up (max_tokens 0): the prompt was the work, no answer is
+            self.stop = ("max_tokens", None)
+            return []
         out: list[str] = []
         for kind, text, field in (("thinking", delta.get("reasoning_content"), "thinking"),
                                   ("text", delta.get("content"), "text")):

@@ -1643,7 +1643,8 @@ class Ingress:
         self._check_model(req.model)
         rid = f"msg_{uuid.uuid4().hex}"
         named = (req.tool_choice or {}).get("type") == "tool"
-        return await self._chat_view(req.chat(), req.max_tokens,
+        # max_tokens 0 (Anthropic's cache pre-warming): the prompt is computed, one token drawn and left out
+        return await self._chat_view(req.chat(), max(req.max_tokens, 1),
                                      MessageEvents(rid, self.model_name, req.max_tokens, named), req.stream)
 
     @app.post("/v1/messages/count_tokens")

@@ -205,3 +205,20 @@ def test_a_chat_fields_location_is_named_as_each_api_names_it():
         "text.format.schema must be a JSON schema; max_output_tokens (0)"
     assert ResponseEvents.own_text("min_tokens (3) is more than max_tokens (2)") == \
         "min_tokens (3) is more than max_output_tokens (2)"  # (not a field that ends in it)
+
+
+def test_max_tokens_0_warms_the_cache_and_answers_nothing():
+    """Anthropic's cache pre-warming (max_tokens 0) was refused: the engine computes the prompt and draws
+    one token, which the answer leaves out, streamed or not."""
+    ev = MessageEvents("msg_1", "m", asked=0)
+    ev.prompt_tokens(10, 8)
+    sse = ev.start()
+    sse += ev.chunk({"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]})
+    sse += ev.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+    sse += ev.chunk({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11,
+                                              "prompt_tokens_details": {"cached_tokens": 8}}})
+    sse += ev.end()
+    m = ev.final()
+    assert m["content"] == [] and m["stop_reason"] == "max_tokens" and m["usage"]["output_tokens"] == 0
+    assert m["usage"]["cache_read_input_tokens"] == 8
+    assert not any("content_block" in e for e in sse)

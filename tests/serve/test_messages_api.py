@@ -188,6 +188,15 @@ def test_streamed_tool_arguments_that_stop_reading_as_json_do_not_break_the_clie
     assert events.final()["content"][0]["input"] == block.input  # the unstreamed answer says the same
 
 
+def test_max_tokens_0_puts_the_prompt_in_the_cache_and_answers_nothing(ac):
+    # Anthropic's cache pre-warming: refused with a 400 (ge=1), on a server built around its prefix cache
+    system = "You warm the cache for the requests after you, a prompt long enough for several blocks. " * 3
+    m = ac.messages.create(model="tiny", max_tokens=0, system=system, messages=[{"role": "user", "content": "Hi"}])
+    assert m.content == [] and m.stop_reason == "max_tokens" and m.usage.output_tokens == 0
+    after = ac.messages.create(model="tiny", max_tokens=2, system=system, messages=[{"role": "user", "content": "Yo"}])
+    assert after.usage.cache_read_input_tokens > 0
+
+
 def test_consecutive_turns_of_one_role_are_one_turn_as_anthropic_combines_them():
     """Each turn was its own chat message: a template that wants the roles to alternate (Gemma's, Llama 2's)
     refused the request, and another showed the model two user turns."""
