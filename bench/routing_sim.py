@@ -7,7 +7,7 @@ Each replica has a real ``RadixCache`` of fixed capacity (blocks) and ``--concur
 occupies a slot for ``prefill_ms * uncached tokens + decode_ms * output tokens`` (its prefix is matched
 when it starts, as the engine does on admission). Arrivals are Poisson at ``--load`` of the fleet's
 capacity. The router policies see only what a real router sees: their own routing history, corrected
-by the replicas' eviction reports every ``--report-s`` seconds.
+by the replicas' reports of what they evicted and stored every ``--report-s`` seconds.
 
 Policies: ours (``routing.policy``), pow2 (Serve's default), round robin, consistent hashing of the
 first block, Ray-LLM-like (``PrefixCacheAffinityRouter``: match rate >= 0.1 wins, else smallest tenant;
@@ -23,7 +23,7 @@ tree does not evict by default, ``do_eviction=False``; SGLang's approximate tree
 only past ``max_tree_size``, millions of characters: never here); they match whole blocks of 16 tokens
 rather than characters. ``ray_llm_reports`` and ``sglang_reports`` are the same
 policies reading our router's index instead (bounded, trimmed like the replicas evict, corrected by
-their eviction reports): more than the real routers know.
+their reports): more than the real routers know.
 """
 
 from __future__ import annotations
@@ -444,7 +444,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prefill-ms", type=float, default=0.25, help="per uncached prompt token")
     ap.add_argument("--decode-ms", type=float, default=5.0, help="per generated token (per request)")
     ap.add_argument("--load", type=float, default=0.7, help="offered load vs. the fleet's capacity at full hit rate")
-    ap.add_argument("--report-s", type=float, default=1.0, help="replica eviction reports every this many seconds")
+    ap.add_argument("--report-s", type=float, default=1.0, help="replicas report what they evicted and stored every this many seconds")
     ap.add_argument("--load-weight", type=float, default=None, help="ours: default PolicyConfig's")
     ap.add_argument("--policies", default="ours,pow2,round_robin,consistent_hash,ray_llm,sglang,ray_llm_reports,"
                     "sglang_reports,clairvoyant")
