@@ -36,6 +36,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import signal
 import stat
 import sys
@@ -503,6 +504,16 @@ def _error_param(r: httpx.Response) -> str | None:
     return _error_field(r, "param")
 
 
+# this service's refusal of a cap past the room its prompt leaves (deployments.ingress._refuse_past_context)
+PAST_ROOM = re.compile(r"prompt \((\d+)\) \+ max_new_tokens \(\d+\) = \d+ tokens, more than max_total_tokens \((\d+)\)")
+
+
+def _room(r: httpx.Response) -> int | None:
+    """The tokens a refused request's prompt leaves in the context, as this service's refusal says them."""
+    found = PAST_ROOM.search(str(_error_field(r, "message") or ""))
+    return max(0, int(found[2]) - int(found[1])) or None if found else None
+
+
 class ServiceGone(Exception):
     """A request found the service unreachable or unavailable through all its retries."""
 
@@ -530,7 +541,8 @@ async def _one(client: httpx.AsyncClient, line: Line, request: dict, defaults: d
     # (sent whole, not streamed: a line's stream_options would be refused without its stream)
     body = {**defaults, **{k: v for k, v in request.items() if k != "stream_options"}, "stream": False}
     # a cap the line took from the command: past the room its prompt leaves in the context, the service
-    # refuses it; the line then goes without it, cut to that room (as without max_tokens), not failed for good
+    # refuses it; the line then goes with that room as its cap, not failed for good (not without one: a
+    # completion's default is OpenAI's 16 tokens)
     capped = [k for k in CAP_FIELDS if k in defaults and _takes(request, k)]
     gone, timeouts, attempt = True, 0, 0
     while attempt <= retries:
@@ -552,8 +564,8 @@ async def _one(client: httpx.AsyncClient, line: Line, request: dict, defaults: d
             gone = gone and r.status_code in GONE_STATUS and not engine_failed
             if engine_failed and attempt >= 1:
                 return _failure_record(line, problem, r), True
-            if capped and r.status_code in (400, 422) and _error_param(r) in CAP_FIELDS:
-                body = {k: v for k, v in body.items() if k not in capped}
+            if capped and r.status_code in (400, 422) and _error_param(r) in CAP_FIELDS and (room := _room(r)):
+                body = {**body, **dict.fromkeys(capped, room)}
                 capped = []
                 continue  # at once: another request, not a try again
             if r.status_code not in RETRY_STATUS:  # a 4xx: the line itself is wrong and would fail again

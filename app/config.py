@@ -242,7 +242,9 @@ class Settings(BaseModel):
         if isinstance(v, list):
             v = [x.lower() if isinstance(x, str) else x for x in v]  # browsers send scheme and host in lower case
             for origin in v:
-                if not isinstance(origin, str) or not (origin == "*" or re.fullmatch(r"https?://[^/\s]+", origin)):
+                # (a browser extension's pages too: extensions name their origin as any page does)
+                if not isinstance(origin, str) or not (origin == "*" or re.fullmatch(
+                        r"(https?|chrome-extension|moz-extension|safari-web-extension)://[^/\s]+", origin)):
                     raise ValueError(f"cors_allow_origin: {origin!r} is not an origin (scheme://host[:port], "
                                      "no path; or *)")
         return v

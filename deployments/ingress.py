@@ -376,10 +376,15 @@ def _too_large(limit: int) -> ApiError:
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
-def _origin_allowed(origin: bytes, host: bytes) -> bool:
+def _is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.") or host.endswith(".localhost")
+
+
+def _origin_allowed(origin: bytes, host: bytes, loopback: bool) -> bool:
     """Whether a browser's request from a page of ``origin`` (the Origin header) may act on this service,
     reached as ``host`` (the Host header): a page of an origin ``--cors-allow-origin`` lists, or one of this
-    service's own origin (its /docs page), named by a loopback name where the service listens on loopback."""
+    service's own origin (its /docs page), named by a loopback name where the request came in on loopback
+    (``loopback``)."""
     text = origin.decode("latin-1").strip().lower()
     if "*" in Cors.origins or text in Cors.origins:
         return True
@@ -387,7 +392,7 @@ def _origin_allowed(origin: bytes, host: bytes) -> bool:
     if not sep or scheme not in ("http", "https") or netloc != host.decode("latin-1").strip().lower():
         return False  # another site (or "null": a sandboxed frame, a file)
     name = netloc[1:].partition("]")[0] if netloc.startswith("[") else netloc.rpartition(":")[0] or netloc
-    return not CrossSite.loopback or name in LOOPBACK_HOSTS or name.endswith(".localhost")
+    return not loopback or _is_loopback(name)
 
 
 class CrossSite:
@@ -395,10 +400,13 @@ class CrossSite:
     ``Origin`` on every POST) is refused, 403, unless ``--cors-allow-origin`` lists that origin. Such a
     request needs no preflight when its body has no Content-Type (which reads as JSON here): any page the
     operator opened could run generations, warm-ups that mark its prompts hot in the directory, on a
-    service without ``--api-key``. A page of a name that a rebinding DNS points at a service listening on
-    loopback is the service's own origin to the browser: there its name must be a loopback one."""
+    service without ``--api-key``. A page of a name that a rebinding DNS points at 127.0.0.1 is the
+    service's own origin to the browser: a request that came in on loopback (the connection's local address,
+    which Serve's proxy passes on) must name a loopback host."""
 
-    loopback = True  # the service listens on loopback: set from the settings by Ingress.__init__
+    # where a request does not say its connection's local address: whether the service listens on loopback
+    # (set from the settings by Ingress.__init__)
+    loopback = True
 
     def __init__(self, asgi_app):
         self.app = asgi_app
@@ -407,7 +415,10 @@ class CrossSite:
         if scope["type"] == "http" and scope.get("method") not in ("GET", "HEAD", "OPTIONS"):
             headers = scope.get("headers") or ()
             origin = next((v for k, v in headers if k == b"origin"), None)
-            if origin is not None and not _origin_allowed(origin, next((v for k, v in headers if k == b"host"), b"")):
+            server = scope.get("server")
+            loopback = _is_loopback(str(server[0])) if server else CrossSite.loopback
+            if origin is not None and not _origin_allowed(origin, next((v for k, v in headers if k == b"host"), b""),
+                                                          loopback):
                 err = ApiError(403, f"requests from web pages of another site ({origin.decode('latin-1')}) are "
                                     "refused: list the page's origin in --cors-allow-origin to allow them",
                                "authentication", code="cross_origin_request")
@@ -868,7 +879,7 @@ class Ingress:
         InFlight.limit = self.settings.max_concurrent_requests
         ApiKey.keys = tuple(hashlib.sha256(k.encode()).digest() for k in api_keys(self.settings.api_key or "") if k)
         Cors.origins = tuple(self.settings.cors_allow_origin)
-        CrossSite.loopback = self.settings.host in LOOPBACK_HOSTS
+        CrossSite.loopback = _is_loopback(self.settings.host)
         # no token covers more characters than the longest vocabulary entry: bounds a text's token count
         self._max_token_chars = max((len(k) for k in self.tokenizer.get_vocab()), default=1)
         self._info: dict[str, Any] | None = None
@@ -976,7 +987,7 @@ class Ingress:
         if chars > 2 * limit * self._max_token_chars:
             raise ApiError(422, f"the prompt has more tokens than max_input_tokens ({limit}): "
                                 f"{chars} characters", param=param, code=CONTEXT_EXCEEDED,
-                           overflow=(chars // (2 * self._max_token_chars), limit))
+                           overflow=(max(chars // (2 * self._max_token_chars), limit + 1), limit))
 
     async def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._off_loop(lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]))

@@ -27,7 +27,8 @@ RETIRED_MERGE_S = 600.0
 # STALE_AFTER_S: the entries a view gave have not folded away yet)
 RESTORE_WINDOW_S = 20.0
 HOT_UNION_EVERY_S = 2.0  # replicas send their working-set sketches every 5 s (see hot_union)
-HUB_VERSION = 10  # in the hub's name: a detached hub of older code (without ``stopped``) is not reused
+HUB_VERSION = 11  # in the hub's name: a detached hub of older code (without ``stopped``) is not reused
+# (11: the latency histograms' buckets changed: a hub of older code summed none of the new replicas' retired ones)
 INGRESS_FRESH_S = 3.0  # an ingress heartbeats twice a second: one not heard from in this long is gone
 SAVED_NAMESPACE = "radixserve-metrics"  # Ray's internal KV (in the GCS), where a hub keeps its last export
 HUNG_AFTER_TIMEOUTS = 2  # calls in a row that time out before a client restarts the hub

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-REPORTED, TRIMMED_PROBATION, TRIMMED_PROTECTED = 0, 1, 2  # how a hash in the ghost list was dropped
+REPORTED, TRIMMED = 0, 1  # how a hash in the ghost list was dropped: the replica's report, this guess's trim
 GHOST_POOLS = 4  # dropped hashes remembered, in multiples of the replica's capacity (as its cache does)
 
 
@@ -54,25 +54,20 @@ class BlockIndex:
         return True
 
     def add_chain(self, hashes: Sequence[int]) -> list[int]:
-        """Index the blocks of ``hashes`` (a replica's report that it stored them, each chain from its first
-        block) that are not indexed: a report is no second use, so a block the router already counted stays
-        where it is. Returns those newly indexed. A block this guess dropped itself, and the replica never
-        did, goes back where the trim took it from, the oldest of its segment (a chain's last block the
-        oldest, as the trim took it first): the report is of its first computation (a new prefix routed to
-        a full replica is trimmed here at once, and the replica stores it), no return after an eviction,
-        which the replica would protect; protected here, or the newest, the guess dropped a hot prefix, or
-        the rest of that chain, in its place at the next trim. Others go in as ``touch`` has them, a
-        chain's last block first."""
+        """A replica's report that it stored ``hashes`` (chains, each from its first block; a long list comes
+        in slices, the last first): each is the replica's newest, its chain's last block the oldest of them,
+        as the replica evicts a leaf from its end. One on probation here moves to its end; a protected one
+        stays (a report is no second use); one not indexed goes on probation, or is protected where the
+        replica reported its eviction before (a return soon after it, which the replica protects), not where
+        this guess trimmed it itself (a new prefix routed to a full replica is trimmed here at once, and the
+        replica stores it: protected here, the guess dropped a hot prefix in its place). Returns those that
+        were not indexed."""
         new = []
-        for h in hashes:
-            seg = {TRIMMED_PROBATION: self.probation, TRIMMED_PROTECTED: self.protected}.get(self.ghost.get(h))
-            if seg is not None and h not in self:
-                del self.ghost[h]
-                seg[h] = None
-                seg.move_to_end(h, last=False)
-                new.append(h)
         for h in reversed(hashes):
-            if h not in self and self.touch(h):
+            if h in self.probation:
+                self.probation.move_to_end(h)
+            elif h not in self.protected:
+                (self.protected if self.ghost.pop(h, None) == REPORTED else self.probation)[h] = None
                 new.append(h)
         return new
 
@@ -98,6 +93,6 @@ class BlockIndex:
         while len(self) > limit:
             seg = self.probation if self.probation else self.protected
             h = seg.popitem(last=False)[0]
-            self._remember(h, TRIMMED_PROBATION if seg is self.probation else TRIMMED_PROTECTED)
+            self._remember(h, TRIMMED)
             dropped.append(h)
         return dropped

@@ -89,7 +89,11 @@ class ReportBacklog:
                 folded, finished = 1, True  # (one entry, as counted)
             else:
                 try:
-                    part = p.hashes[p.done:p.done + SLICE]
+                    # stored hashes from the list's end: its slices then go in as the whole list would, the
+                    # chains' last blocks the oldest (``BlockIndex.add_chain``); slices from the start left a
+                    # chain's first slice older than its second, and a trim cut it in the middle
+                    n = len(p.hashes)
+                    part = p.hashes[p.done:p.done + SLICE] if p.forget else p.hashes[max(0, n - p.done - SLICE):n - p.done]
                 except ValueError:  # packed hashes that are not hex (no replica of ours sends them): let go
                     folded = len(p.hashes) - p.done
                     self.dropped += folded

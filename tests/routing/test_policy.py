@@ -434,6 +434,7 @@ def test_with_the_replicas_reports_the_routers_guess_of_its_cache_is_the_cache(g
     block outlives every block seen once, which the replica's reuse bonus (a pool's worth of cache
     operations: hundreds of requests' worth in a real pool) gives it unless it sits unused that long; a
     pool this small turns over in a few requests, so its bonus here is past any run's length."""
+    import routing.report_backlog as report_backlog
     from cache.allocator import BlockAllocator
     from cache.radix import RadixCache
 
@@ -442,17 +443,23 @@ def test_with_the_replicas_reports_the_routers_guess_of_its_cache_is_the_cache(g
     alloc = BlockAllocator(cap + 1, bs, cache)  # (one block for the unshared tail each request holds)
     p = PrefixPolicy(PolicyConfig(block_size=bs))
     p.add_replica("r0", capacity_blocks=cap)
-    for n, (g, k) in enumerate(groups):  # the first k blocks of group g's prompt: prefixes of each other
-        tokens = [g * 100 + i for i in range(k * bs)] + [5000 + n]
-        _serve_on_a_real_cache(cache, alloc, tokens, k)
-        h = block_hashes(tokens, bs)
-        p.on_completed("r0", p.on_routed("r0", h, len(tokens)))
-        for kind, hashes in cache.drain_events()[0]:
-            if kind == "stored":
-                p.learn_hashes("r0", hashes, from_root=False)
-            else:
-                p.forget_hashes("r0", hashes)
-        assert set(p.replicas["r0"].index) == set(cache.all_hashes()), (n, groups[: n + 1])
+    backlog = report_backlog.ReportBacklog(per_replica_limit=10**6)
+    slice_was, report_backlog.SLICE = report_backlog.SLICE, 3  # (chains of up to 5 blocks folded in slices)
+    try:
+        for n, (g, k) in enumerate(groups):  # the first k blocks of group g's prompt: prefixes of each other
+            tokens = [g * 100 + i for i in range(k * bs)] + [5000 + n]
+            _serve_on_a_real_cache(cache, alloc, tokens, k)
+            h = block_hashes(tokens, bs)
+            p.on_completed("r0", p.on_routed("r0", h, len(tokens)))
+            net: dict[int, bool] = {}  # each block's last event, as the replica reports them
+            for kind, hashes in cache.drain_events()[0]:
+                net.update(dict.fromkeys(hashes, kind == "stored"))
+            backlog.push("r0", [x for x, kept in net.items() if not kept], [x for x, kept in net.items() if kept])
+            backlog.fold(p.forget_hashes, lambda rid, part: p.learn_hashes(rid, part, from_root=False),
+                         lambda rid, cached: None, float("inf"))
+            assert set(p.replicas["r0"].index) == set(cache.all_hashes()), (n, groups[: n + 1])
+    finally:
+        report_backlog.SLICE = slice_was
 
 
 def test_the_routers_guess_keeps_the_prefixes_the_replica_protects_in_their_order_of_use():

@@ -980,18 +980,19 @@ def test_a_rerun_with_another_max_tokens_sends_the_lines_that_took_it(tmp_path, 
 def test_a_cap_the_line_took_from_the_command_past_its_prompts_room_goes_and_the_room_is_its_cap(tmp_path, capsys):
     """Every line of the command's format went with max_tokens 256 (or --max-tokens): a prompt within that
     of the context was refused (prompt + max_tokens past max_total_tokens) for good, though the line asked
-    for nothing wrong; sent without a cap, the service cuts the answer to the room its prompt leaves."""
+    for nothing wrong; it is sent again with the room its prompt leaves as its cap."""
     src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
-    write(src, [{"id": "long", "prompt": "long"}, {"id": "asked", "prompt": "long", "max_tokens": 100},
+    write(src, [{"id": "long", "prompt": "long"}, {"id": "asked", "prompt": "long", "max_tokens": 400},
                 {"custom_id": "oa", "method": "POST", "url": "/v1/completions", "body": {"prompt": "long"}},
                 {"method": "POST", "url": "/v1/completions", "body": {"prompt": "no custom_id"}}])
     sent: list[dict] = []
 
-    def answer(body: dict):
+    def answer(body: dict):  # (a 300-token prompt in a 512-token context, as this service refuses it)
         sent.append(body)
-        if "max_tokens" in body:
-            return 422, json.dumps({"error": {"message": "prompt (300) + max_new_tokens (256) = 556 tokens, more than "
-                                              "max_total_tokens (512)", "param": "max_tokens"}})
+        if body.get("max_tokens", 16) > 212:
+            return 422, json.dumps({"error": {"message": f"prompt (300) + max_new_tokens ({body['max_tokens']}) = "
+                                              f"{300 + body['max_tokens']} tokens, more than max_total_tokens (512)",
+                                              "param": "max_tokens"}})
         return json.dumps({"choices": [{"text": "cut at the room", "finish_reason": "length"}]})
 
     with _DownService(200, answer=answer) as url:
@@ -1001,6 +1002,7 @@ def test_a_cap_the_line_took_from_the_command_past_its_prompts_room_goes_and_the
     assert recs["long"]["output"] == "cut at the room"  # its own format's cap went
     assert recs["oa"]["response"]["status_code"] == 200  # the flag's cap went
     assert "max_total_tokens" in recs["asked"]["error"]  # its own cap: the line's fault, as the service said
-    assert [b.get("max_tokens") for b in sent if b["prompt"] == "long"].count(None) == 2
+    # sent again with the room as its cap (without one, a completion's default is OpenAI's 16 tokens)
+    assert sorted(b.get("max_tokens") for b in sent if b["prompt"] == "long") == [212, 212, 300, 300, 400]
     # an OpenAI-format line without its custom_id is refused in that format, saying so
     assert "custom_id is required" in recs[None]["error"]["message"]

@@ -1259,9 +1259,19 @@ def test_a_web_page_of_another_site_may_not_post_unless_its_origin_is_allowed(mo
     assert c.post("/v1/completions", content=body, headers={"origin": "https://app.example"}).status_code == 204
     assert c.post("/v1/completions", content=body, headers={"origin": "http://gpu-box:8000", "host": "gpu-box:8000"}
                   ).status_code == 403
-    monkeypatch.setattr(CrossSite, "loopback", False)
-    assert c.post("/v1/completions", content=body, headers={"origin": "http://gpu-box:8000", "host": "gpu-box:8000"}
-                  ).status_code == 204
+    # a request that came in on another interface (Serve listening on 0.0.0.0) by the service's own name:
+    # its /docs page, whatever the settings say
+    monkeypatch.setattr(CrossSite, "loopback", True)
+    lan = TestClient(CrossSite(reached), base_url="http://10.0.0.5:8000")
+    assert lan.post("/v1/completions", content=body, headers={"origin": "http://gpu-box:8000", "host": "gpu-box:8000"}
+                    ).status_code == 204
+    assert lan.post("/v1/completions", content=body, headers={"origin": "http://evil.example", "host": "gpu-box:8000"}
+                    ).status_code == 403
+    # a browser extension's page, listed
+    ext = "chrome-extension://abcdefghijklmnopabcdefghijklmnop"
+    assert c.post("/v1/completions", content=body, headers={"origin": ext}).status_code == 403
+    monkeypatch.setattr(Cors, "origins", (ext,))
+    assert c.post("/v1/completions", content=body, headers={"origin": ext}).status_code == 204
 
 
 def test_n_choices_each_with_its_own_seed_and_the_prompt_computed_once(client):

@@ -139,6 +139,8 @@ def test_cors_origins_come_comma_separated_and_must_be_origins():
     assert Settings.from_sources(env={"RADIXSERVE_CORS_ALLOW_ORIGIN": "none"}).cors_allow_origin == []
     assert Settings.from_sources(cli={"cors_allow_origin": "HTTPS://App.Example"}, env={}).cors_allow_origin == [
         "https://app.example"]
+    ext = "chrome-extension://abcdefghijklmnopabcdefghijklmnop"  # (an extension's pages name their origin too)
+    assert Settings.from_sources(cli={"cors_allow_origin": ext}, env={}).cors_allow_origin == [ext]
     for bad in ("https://app.example/", "app.example", "ftp://x.example", ["https://a.example", 3]):
         with pytest.raises(ValueError, match="is not an origin"):
             Settings.from_sources(cli={"cors_allow_origin": bad}, env={})
