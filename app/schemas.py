@@ -649,7 +649,12 @@ class ChatRequest(_OpenAICommon, ChatPrompt):
         mode = self.tool_mode()
         if mode not in ("named", "required"):
             return own
-        if own is not None:
+        # a response format holds a text answer, which a turn that must call a tool has none of: the calls
+        # are guided (the OpenAI Agents SDK sends both, an output type with tool_choice required); a
+        # guided_* of the request's own is one structured output too many
+        extensions = (self.structured_outputs, self.guided_json, self.guided_regex, self.guided_choice,
+                      self.guided_grammar)
+        if own is not None and any(x is not None and x is not False for x in extensions):
             raise ValueError("ask for one structured output at most (a required or named tool_choice is one)")
         if mode == "named":
             return "json", named_schema(self.named_tool().parameters)

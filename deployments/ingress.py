@@ -1619,7 +1619,9 @@ class Ingress:
         where a guide is complete ends the answer (this one is, wherever no call is open); a stop token that
         is a special token would be masked (llguidance allows only the end tokens it is given); min_tokens and
         allowed_token_ids the engine refuses beside a guide."""
-        if any(params.get(k) for k in ("ignore_eos", "min_tokens", "allowed_token_ids", "stop_token_ids")):
+        # (beside a format nothing changes: its own guide does all that already)
+        if answer is None and any(params.get(k) for k in ("ignore_eos", "min_tokens", "allowed_token_ids",
+                                                           "stop_token_ids")):
             return None
         tools = [(t.function.name, t.function.parameters, bool(t.function.strict)) for t in req.tools]
         parser, parallel = self.settings.tool_call_parser, req.parallel_tool_calls is not False

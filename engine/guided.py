@@ -156,8 +156,9 @@ def format_or_calls_grammar(answer_schema: dict, open_tag: str, close_tag: str, 
     """A grammar of an answer held to a format (``answer_schema``, a JSON schema) that may call tools
     instead (``tool_choice: auto`` beside a response format, as OpenAI's and Anthropic's take it): either
     that JSON, or tagged calls each held to ``call_schema`` (``tagged_calls_grammar``'s tags; not
-    ``parallel``: one call), with no text around them but a line break or two (white space without end
-    would let a model pad the answer up to its token limit)."""
+    ``parallel``: one call), with no text around them but a line break or two (a thinking model's answer
+    begins with them after its ``</think>``, and white space without end would let a model pad the answer
+    up to its token limit)."""
     answer = _loosened(answer_schema)
     if "x-guidance" not in answer:
         answer = {**answer, "x-guidance": JSON_STYLE}
@@ -167,7 +168,7 @@ def format_or_calls_grammar(answer_schema: dict, open_tag: str, close_tag: str, 
                                                                                       (close_tag, close_id)))
     return "\n".join([
         "%llguidance {}",
-        f"start: answer | call{'+' if parallel else ''} /[ \\n]{{0,2}}/",
+        f"start: /[ \\n]{{0,2}}/ answer | call{'+' if parallel else ''} /[ \\n]{{0,2}}/",
         f"answer: %json {json.dumps(answer)}",
         f"call: /[ \\n]{{0,2}}/ {open_} /[ \\n]{{0,2}}/ call_body /[ \\n]{{0,2}}/ {close}",
         f"call_body: %json {json.dumps(call)}"])

@@ -418,6 +418,8 @@ def test_a_response_format_beside_tools_under_auto_holds_the_answer_or_lets_it_c
     eng = make_engine("tiny")
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
     ok = {'{"city": "Oslo"}': True, call: True,
+          '\n\n{"city": "Oslo"}': True,  # (a thinking model's answer after its </think>)
+          '\n\n\n{"city": "Oslo"}': False,
           call + ' <tool_call>{"name": "note", "arguments": {"x": [1]}}</tool_call>\n': True,
           '{"town": "Oslo"}': False,  # the format's schema
           '<tool_call>{"name": "add", "arguments": {"b": 1}}</tool_call>': False,  # a strict tool's

@@ -66,7 +66,7 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type":
 @pytest.mark.parametrize("body,needle", [
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "not one of the tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "one structured output"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"}, "one structured output"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "name"),
     ({"messages": [{"role": "assistant", "function_call": {"name": "add", "arguments": "{}"}}]}, "function_call"),
     ({"messages": [{"role": "tool", "tool_call_id": "1"}]}, "needs content"),
@@ -80,6 +80,17 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type":
 def test_bad_tool_requests_are_refused(body, needle):
     with pytest.raises(ValidationError, match=needle):
         ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+
+
+def test_a_response_format_beside_a_tool_choice_that_must_call_gives_way_to_the_calls():
+    """A turn that must call a tool has no text answer for a format to hold: refused before, though OpenAI
+    takes both, and its Agents SDK sends an output type with tool_choice required."""
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        req = ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                                          "tool_choice": choice, "response_format": {"type": "json_object"}})
+        kind, schema = req.guide()
+        assert kind == "json" and schema != '{"type": "object"}', schema  # the calls' guide, not the format's
+        assert "add" in schema or choice != "required"
 
 
 def test_tool_results_answer_the_calls_before_them():
