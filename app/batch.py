@@ -511,7 +511,10 @@ PAST_ROOM = re.compile(r"prompt \((\d+)\) \+ max_new_tokens \(\d+\) = \d+ tokens
 def _room(r: httpx.Response) -> int | None:
     """The tokens a refused request's prompt leaves in the context, as this service's refusal says them."""
     found = PAST_ROOM.search(str(_error_field(r, "message") or ""))
-    return max(0, int(found[2]) - int(found[1])) or None if found else None
+    if found is None:
+        return None
+    room = int(found[2]) - int(found[1])
+    return room if room > 0 else None
 
 
 class ServiceGone(Exception):
