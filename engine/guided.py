@@ -59,10 +59,7 @@ def grammar_text(kind: str, text: str) -> str:
             raise GuideError("the JSON schema must be an object")
         if kind == "json":
             try:  # (a schema given as a string skips the body's nesting bound: json reads deeper than these walk)
-                value = _loosened(value)
-                if "x-guidance" not in value:
-                    value = {**value, "x-guidance": JSON_STYLE}
-                text = json.dumps(value)
+                text = json.dumps(_styled(value))
             except RecursionError:
                 raise GuideError(f"the {kind} guide is nested too deeply") from None
     llg = _llguidance()
@@ -123,6 +120,17 @@ def _loosened(schema):
     return walk_schema(schema, _loosened_one)
 
 
+def _styled(schema: dict) -> dict:
+    """A JSON guide's schema, loosened (``_loosened``), in ``JSON_STYLE`` unless it sets its own ``x-guidance``."""
+    schema = _loosened(schema)
+    return schema if "x-guidance" in schema else {**schema, "x-guidance": JSON_STYLE}
+
+
+def _tag(text: str, token_id: int | None) -> str:
+    """A call tag in a grammar: its text, or the model's own token where it is one (see tagged_calls_grammar)."""
+    return json.dumps(text) if token_id is None else f"<[{token_id}]>"
+
+
 def tagged_calls_grammar(open_tag: str, close_tag: str, call_schema: dict, parallel: bool = True,
                          tag_ids: tuple[int | None, int | None] = (None, None), text_excludes: tuple[str, ...] = ()
                          ) -> str:
@@ -140,13 +148,13 @@ def tagged_calls_grammar(open_tag: str, close_tag: str, call_schema: dict, paral
     excluded = "|".join("".join(f"\\{c}" if c in r".^$*+?()[]{}|\/" else c for c in tag)
                         for tag in (open_tag, *text_excludes))
     open_id, close_id = tag_ids
-    close = json.dumps(close_tag) if close_id is None else f"<[{close_id}]>"
+    close = _tag(close_tag, close_id)
     rest = f"/[ \\n]{{0,2}}/ call_body /[ \\n]{{0,2}}/ {close}"
     return "\n".join([
         "%llguidance {}",
         f"start: call{'*' if parallel else '?'} TEXT",
         *([f"call: call_open {rest}", f"call_open[lazy]: TEXT {json.dumps(open_tag)}"]  # (the text ends where the tag begins)
-          if open_id is None else [f"call: TEXT <[{open_id}]> {rest}"]),
+          if open_id is None else [f"call: TEXT {_tag(open_tag, open_id)} {rest}"]),
         f"call_body: %json {json.dumps(schema)}",
         f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*({excluded})(.|\\n)*/"])
 
@@ -159,17 +167,12 @@ def format_or_calls_grammar(answer_schema: dict, open_tag: str, close_tag: str, 
     ``parallel``: one call), with no text around them but a line break or two (a thinking model's answer
     begins with them after its ``</think>``, and white space without end would let a model pad the answer
     up to its token limit)."""
-    answer = _loosened(answer_schema)
-    if "x-guidance" not in answer:
-        answer = {**answer, "x-guidance": JSON_STYLE}
     call = {**_loosened(call_schema), "x-guidance": LENIENT_JSON_STYLE}
-    open_id, close_id = tag_ids
-    open_, close = (json.dumps(tag) if tid is None else f"<[{tid}]>" for tag, tid in ((open_tag, open_id),
-                                                                                      (close_tag, close_id)))
+    open_, close = _tag(open_tag, tag_ids[0]), _tag(close_tag, tag_ids[1])
     return "\n".join([
         "%llguidance {}",
         f"start: /[ \\n]{{0,2}}/ answer | call{'+' if parallel else ''} /[ \\n]{{0,2}}/",
-        f"answer: %json {json.dumps(answer)}",
+        f"answer: %json {json.dumps(_styled(answer_schema))}",
         f"call: /[ \\n]{{0,2}}/ {open_} /[ \\n]{{0,2}}/ call_body /[ \\n]{{0,2}}/ {close}",
         f"call_body: %json {json.dumps(call)}"])
 

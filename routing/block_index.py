@@ -25,7 +25,7 @@ class BlockIndex:
         self.probation: OrderedDict[int, None] = OrderedDict()
         self.protected: OrderedDict[int, None] = OrderedDict()
         # recently dropped hashes, oldest first -> how: the replica reported it, or this guess's own trim took
-        # it from one of its segments (see add)
+        # it from one of its segments (see add_chain)
         self.ghost: OrderedDict[int, int] = OrderedDict()
         self.ghost_limit = ghost_limit
 
