@@ -91,15 +91,19 @@ def main(argv=None) -> dict:
             serve.delete(name)
             print(f"{router}: {res['ok']}/{res['requests']} ok in {res['wall_s']:.1f}s, {res['out_tok_s']:.1f} out tok/s,"
                   f" TTFT p50 {res['ttft_p50_s']:.2f}s p90 {res['ttft_p90_s']:.2f}s (in the engine"
-                  f" ~{res['engine_ttft_p50_s']:.2f}s), hit rate {res['hit_rate']:.2f}",
+                  f" ~{res['engine_ttft_p50_s']:.2f}s), hit rate {res['hit_rate']:.2f}; {res['hit_requests']:.0%} of"
+                  f" requests found most of their prompt cached (TTFT p50 {res['ttft_p50_hit_s']:.2f}s, the others"
+                  f" {res['ttft_p50_miss_s']:.2f}s)",
                   flush=True)
     finally:
         local_cluster.stop()
-    print("\n| router | requests ok | wall s | output tok/s | TTFT p50 s | TTFT p90 s | cache hit rate |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| router | requests ok | wall s | output tok/s | TTFT p50 s | TTFT p90 s | cache hit rate "
+          "| requests that hit | their TTFT p50 s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for router, r in rows.items():
         print(f"| {router} | {r['ok']}/{r['requests']} | {r['wall_s']:.1f} | {r['out_tok_s']:.1f} | "
-              f"{r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | {r['hit_rate']:.2f} |")
+              f"{r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | {r['hit_rate']:.2f} | {r['hit_requests']:.2f} "
+              f"| {r['ttft_p50_hit_s']:.2f} |")
     out = {k: {kk: v for kk, v in r.items() if kk != "ttfts"} for k, r in rows.items()}
     if args.plot:
         plot(out, Path(args.plot))

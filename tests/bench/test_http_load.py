@@ -56,3 +56,18 @@ def test_the_p90_is_taken_as_the_other_benches_take_it(monkeypatch):
     monkeypatch.setattr(http_load, "one_request", fake)
     out = asyncio.run(run_load("http://t", [[1]] * 10, 2, 1))
     assert out["ok"] == 10 and out["ttft_p90_s"] == 9.0 and out["ttft_p50_s"] == 4.5
+
+
+def test_hits_and_misses_are_told_apart_by_their_cached_share(monkeypatch):
+    import bench.http_load as http_load
+    from bench.http_load import Result
+
+    shares = iter([0.9, 0.9, 0.9, 0.1, None])  # (None: no usage came)
+    ttfts = iter([0.1, 0.2, 0.3, 2.0, 3.0])
+
+    async def fake(client, ids, max_new):
+        return Result(next(ttfts), 1.0, max_new, True, next(shares))
+
+    monkeypatch.setattr(http_load, "one_request", fake)
+    out = asyncio.run(run_load("http://t", [[1]] * 5, 2, 1))
+    assert out["hit_requests"] == 0.6 and out["ttft_p50_hit_s"] == 0.2 and out["ttft_p50_miss_s"] == 2.5
