@@ -24,6 +24,7 @@ from engine.guided import (
     format_or_calls_grammar,
     lenient_schema_problem,
     tagged_calls_grammar,
+    untagged_calls_grammar,
     walk_schema,
 )
 
@@ -138,6 +139,10 @@ def required_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bo
     return json.dumps(root)
 
 
+# the formats whose calls a guide can tell from text under ``auto``: tagged (Hermes) or the whole answer (Llama 3)
+GUIDED_AUTO_PARSERS = ("hermes", "llama3_json")
+
+
 def strict_auto_guide(tools: list[tuple[str, dict[str, Any] | None, bool]], parser: str, parallel: bool = True,
                       tag_ids: tuple[int | None, int | None] = (None, None), text_excludes: tuple[str, ...] = ()
                       ) -> tuple[str, str] | None:
@@ -145,27 +150,33 @@ def strict_auto_guide(tools: list[tuple[str, dict[str, Any] | None, bool]], pars
     free text, but a call it begins is held to the tools' schemas (a strict tool's arguments to its
     parameters, another's to any object), as OpenAI holds strict tools; so a client that parses a strict
     call's arguments (the OpenAI SDK's ``parse``, pydantic tools) gets what they promise. For the Hermes
-    format only (the others' calls are not tagged in running text); None where no tool is strict, or the
+    format (calls tagged in running text) and Llama 3's (the answer is calls, or text that does not begin
+    with ``{``: ``untagged_calls_grammar``); None for Mistral's, where no tool is strict, or the
     grammar is past ``MAX_GUIDE_CHARS`` (the calls then go unguided, as before). Not ``parallel``
     (``parallel_tool_calls: false``): one call at most. ``tag_ids``: ``<tool_call>`` and ``</tool_call>`` as
     the model's own tokens, where each is one; ``text_excludes``: the thinking tags, with a reasoning parser
     (``tagged_calls_grammar``). ValueError for a strict tool whose schema no guide can hold (keywords
     llguidance does not implement are let be), naming it."""
-    if parser != "hermes" or not any(strict for _, _, strict in tools):
+    if parser not in GUIDED_AUTO_PARSERS or not any(strict for _, _, strict in tools):
         return None
-    grammar = tagged_calls_grammar(HERMES_OPEN, HERMES_CLOSE, _auto_call_schema(tools), parallel, tag_ids,
-                                   text_excludes)
+    if parser == "llama3_json":
+        grammar = untagged_calls_grammar(_auto_call_schema(tools, "parameters"), parallel, None, text_excludes)
+    else:
+        grammar = tagged_calls_grammar(HERMES_OPEN, HERMES_CLOSE, _auto_call_schema(tools), parallel, tag_ids,
+                                       text_excludes)
     return ("grammar", grammar) if len(grammar) <= MAX_GUIDE_CHARS else None
 
 
-def _auto_call_schema(tools: list[tuple[str, dict[str, Any] | None, bool]]) -> dict:
-    """A call's schema under ``tool_choice: auto``: a strict tool's arguments held to its parameters,
-    another's to any object. ValueError for a strict tool whose schema no guide can hold, naming it."""
+
+def _auto_call_schema(tools: list[tuple[str, dict[str, Any] | None, bool]], key: str = "arguments") -> dict:
+    """A call's schema under ``tool_choice: auto``: a strict tool's arguments (under ``key``, as the format
+    names them) held to its parameters, another's to any object. ValueError for a strict tool whose schema
+    no guide can hold, naming it."""
     for i, (name, params, strict) in enumerate(tools):
         if strict and (problem := lenient_schema_problem(_arguments_schema(params))):
             raise ValueError(f"tools[{i}] ({name}): its strict parameters cannot be held to under tool_choice auto "
                              f"({problem}): fix the schema, or leave strict off")
-    calls, defs = _call_schemas([(name, params if strict else None) for name, params, strict in tools], "arguments")
+    calls, defs = _call_schemas([(name, params if strict else None) for name, params, strict in tools], key)
     return {"anyOf": calls, **({"$defs": defs} if defs else {})}
 
 
@@ -176,11 +187,15 @@ def format_or_calls_guide(answer_schema: dict, tools: list[tuple[str, dict[str, 
     format's JSON, or tool calls (``_auto_call_schema``), as OpenAI's structured outputs with tools and
     Anthropic's ``output_config.format`` with tools take it; the format alone held the answer from its first
     token, and no tool could be called (agents that give an output type and tools never got a call). For
-    the Hermes format only (the others' calls are not tagged); None otherwise, or past ``MAX_GUIDE_CHARS``."""
-    if parser != "hermes":
+    the Hermes and Llama 3 formats (Mistral's calls follow its tag, whose form its tokenizer's version
+    decides); None otherwise, or past ``MAX_GUIDE_CHARS``."""
+    if parser not in GUIDED_AUTO_PARSERS:
         return None
-    grammar = format_or_calls_grammar(answer_schema, HERMES_OPEN, HERMES_CLOSE, _auto_call_schema(tools), parallel,
-                                      tag_ids)
+    if parser == "llama3_json":
+        grammar = untagged_calls_grammar(_auto_call_schema(tools, "parameters"), parallel, answer_schema)
+    else:
+        grammar = format_or_calls_grammar(answer_schema, HERMES_OPEN, HERMES_CLOSE, _auto_call_schema(tools),
+                                          parallel, tag_ids)
     return ("grammar", grammar) if len(grammar) <= MAX_GUIDE_CHARS else None
 
 

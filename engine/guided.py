@@ -145,8 +145,7 @@ def tagged_calls_grammar(open_tag: str, close_tag: str, call_schema: dict, paral
     whose text could write the tag itself would hold the thinking too, from the first token). Keywords of
     the schema llguidance does not implement are let be (``lenient``)."""
     schema = {**_loosened(call_schema), "x-guidance": LENIENT_JSON_STYLE}
-    excluded = "|".join("".join(f"\\{c}" if c in r".^$*+?()[]{}|\/" else c for c in tag)
-                        for tag in (open_tag, *text_excludes))
+    excluded = "|".join(_escaped(tag) for tag in (open_tag, *text_excludes))
     open_id, close_id = tag_ids
     close = _tag(close_tag, close_id)
     rest = f"/[ \\n]{{0,2}}/ call_body /[ \\n]{{0,2}}/ {close}"
@@ -175,6 +174,31 @@ def format_or_calls_grammar(answer_schema: dict, open_tag: str, close_tag: str, 
         f"answer: %json {json.dumps(_styled(answer_schema))}",
         f"call: /[ \\n]{{0,2}}/ {open_} /[ \\n]{{0,2}}/ call_body /[ \\n]{{0,2}}/ {close}",
         f"call_body: %json {json.dumps(call)}"])
+
+
+def untagged_calls_grammar(call_schema: dict, parallel: bool = True, answer_schema: dict | None = None,
+                           text_excludes: tuple[str, ...] = ()) -> str:
+    """A grammar of an answer that is either JSON calls, each held to ``call_schema`` and separated by
+    ``;`` (Llama 3's format: a call is the whole answer, untagged; not ``parallel``: one call), or else
+    ``answer_schema``'s JSON (a response format beside the tools) or, without one, free text that does not
+    begin with ``{`` (which the parser would read as a call; ``text_excludes``: tags the text may not
+    hold, as ``tagged_calls_grammar``'s). A line break or two may stand around either."""
+    call = {**_loosened(call_schema), "x-guidance": LENIENT_JSON_STYLE}
+    gap = "/[ \\n]{0,2}/"
+    excluded = "|".join(_escaped(tag) for tag in text_excludes)
+    text = "/[ \\t\\n]*[^{ \\t\\n](.|\\n)*/" + (f" & ~/(.|\\n)*({excluded})(.|\\n)*/" if excluded else "")
+    more = f' ({gap} ";" {gap} call)*' if parallel else ""
+    return "\n".join([
+        "%llguidance {}",
+        f"start: {gap} calls {gap} | " + ("answer" if answer_schema is not None else "TEXT?"),
+        f"calls: call{more}",
+        f"call: %json {json.dumps(call)}",
+        f"answer: {gap} %json {json.dumps(_styled(answer_schema))}" if answer_schema is not None else f"TEXT: {text}"])
+
+
+def _escaped(tag: str) -> str:
+    """``tag`` as a literal inside a grammar's regular expression."""
+    return "".join(f"\\{c}" if c in r".^$*+?()[]{}|\/" else c for c in tag)
 
 
 def lenient_schema_problem(schema: dict) -> str | None:

@@ -430,6 +430,38 @@ def test_a_response_format_beside_tools_under_auto_holds_the_answer_or_lets_it_c
     assert not eng.guides.consume_text(eng.guides.matcher(*one), call + call)
 
 
+def test_llama3_json_calls_under_auto_are_guided_as_the_parser_reads_them(make_engine):
+    """Llama 3's calls are the whole answer, untagged: a strict tool's call went unguided under auto, and
+    beside a response format no call could begin. What the guide takes, the parser reads the same way:
+    calls as calls, everything else as text (or the format's JSON)."""
+    from app.tool_calls import format_or_calls_guide, parse_llama3_json, strict_auto_guide
+
+    tools = [("add", ADD, True), ("note", {"type": "object"}, False)]
+    eng = make_engine("tiny")
+    call, other = '{"name": "add", "parameters": {"a": 1}}', '{"name": "note", "parameters": {"x": [1]}}'
+    auto = strict_auto_guide(tools, "llama3_json")
+    cases = {call: True, f"{call}; {other}": True, f"\n{call}\n": True, "Just text {with braces}.": True,
+             '{"name": "add", "parameters": {"b": 1}}': False,  # (a strict tool's schema)
+             '{"name": "sub", "parameters": {}}': False, '{"city": "Oslo"}': False}  # (a call begun is a call)
+    for text, allowed in cases.items():
+        assert eng.guides.consume_text(eng.guides.matcher(*auto), text) is allowed, text
+        if allowed:
+            content, calls = parse_llama3_json(text, {"add", "note"})
+            assert (content is None) is text.strip().startswith("{"), text
+    assert eng.guides.matcher(*auto).is_accepting()  # (an empty answer is text too)
+    one = strict_auto_guide(tools, "llama3_json", parallel=False)
+    assert not eng.guides.consume_text(eng.guides.matcher(*one), f"{call}; {call}")
+
+    answer = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    both = format_or_calls_guide(answer, tools, "llama3_json")
+    cases = {'{"city": "Oslo"}': True, "\n\n" + '{"city": "Oslo"}': True, call: True, f"{call};{other}": True,
+             '{"town": "Oslo"}': False, "Just text.": False, '{"name": "add", "parameters": {"b": 1}}': False}
+    for text, allowed in cases.items():
+        assert eng.guides.consume_text(eng.guides.matcher(*both), text) is allowed, text
+    assert parse_llama3_json('{"city": "Oslo"}', {"add", "note"}) == ('{"city": "Oslo"}', [])
+
+
 def test_a_strict_call_opens_with_the_models_own_tag_token_where_it_has_one(model_dir):
     """Qwen's <tool_call> and </tool_call> are added tokens, which llguidance reads as special: free text
     never allows them, so under a grammar that spelled the tags out a Qwen model could call no tool."""
