@@ -39,7 +39,10 @@ def llm_deployment(settings: Settings, cache_namespace: str | None = None):
                 policy_function="deployments.autoscaling_policy:CacheAwarePolicy",
                 policy_kwargs={"recompute_share": a.recompute_share, "target_kv_usage": a.target_kv_usage})
         opts["autoscaling_config"] = AutoscalingConfig(
-            min_replicas=a.min_replicas, max_replicas=a.max_replicas, initial_replicas=max(1, a.min_replicas),
+            # Serve sets the fleet to initial_replicas on every redeploy that changes the deployment, so it is
+            # named only where the start needs it (min 0: one replica to begin with); else a redeploy
+            # dropped a grown fleet, its caches with it, to min_replicas
+            min_replicas=a.min_replicas, max_replicas=a.max_replicas, initial_replicas=1 if a.min_replicas == 0 else None,
             target_ongoing_requests=a.target_ongoing_requests, upscale_delay_s=a.upscale_delay_s,
             downscale_delay_s=a.downscale_delay_s, look_back_period_s=a.look_back_period_s, **extra)
     else:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -112,7 +113,8 @@ class CacheAwarePolicy:
         self._last_reason = ""
         self._fleet: tuple[int, float] | None = None  # (running replicas, since when)
         self._starting_since: float | None = None  # since when Serve's target is over the running count
-        self._asked = float("-inf")  # when it last asked for a replica for recomputed prefixes
+        # (replicas, when) it last asked for because prefixes were computed again, while it still asks for more
+        self._asked: tuple[int, float] | None = None
         self._grew: tuple[int, float] = (0, float("-inf"))  # (replicas, when) of the last growth for recomputation
 
     def __call__(self, ctx) -> tuple[float, dict]:
@@ -123,8 +125,11 @@ class CacheAwarePolicy:
         k = dataclasses.replace(self.knobs, target_ongoing_requests=ctx.config.get_target_ongoing_requests())
         current, now = ctx.current_num_replicas, time.time() if ctx.current_time is None else ctx.current_time
         if self._fleet is None or self._fleet[0] != current:
-            if self._fleet is not None and current > self._fleet[0] and now - self._asked <= k.starting_grace_s:
-                self._grew = (current, now)  # the replica it asked for runs (an ask Serve never acted on holds nothing)
+            if self._fleet is not None and current > self._fleet[0] and self._asked is not None:
+                asked, when = self._asked
+                if now - when <= k.starting_grace_s:  # the replica it asked for runs: that size is held, no more
+                    self._grew = (min(current, asked), now)  # (than requests, or a replaced replica, grew it to)
+                self._asked = None
             self._fleet = (current, now)
         # the window Serve averages over must no longer reach back to the fleet before its last change
         # (replicas push their reports every metrics interval: the newest may be that old); and no
@@ -140,7 +145,9 @@ class CacheAwarePolicy:
                                            latest_share(ctx.raw_metrics, k.min_prompt_tps), ctx.target_num_replicas,
                                            hold)
         if reason == "recomputed prefixes" and desired > current:
-            self._asked = now
+            self._asked = (math.ceil(desired), now)
+        elif desired <= current:
+            self._asked = None  # it asks no more: Serve, which waits upscale_delay_s, never acts on that ask
         if reason != self._last_reason and reason != "requests":
             log.info("cache-aware autoscaling of %s: %.2f replicas for now (%s)", ctx.deployment_name, desired, reason)
         self._last_reason = reason

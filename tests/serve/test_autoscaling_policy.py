@@ -218,3 +218,25 @@ def test_a_fleet_grown_for_recomputed_prefixes_keeps_its_size_while_traffic_last
     # the traffic stopped: nothing to keep the caches for
     policy._grew = (3, 1900.0)
     assert policy(Ctx(3, _idle_fleet(3), now=1950.0))[0] == 2.0
+
+
+def test_only_the_replica_asked_for_recomputed_prefixes_is_held():
+    """The hold took whatever the fleet grew to within the start grace of an ask: a traffic ramp after it
+    (or an ask Serve never acted on, followed by one) kept the whole ramp's fleet for 30 minutes after the
+    load was gone."""
+    policy = CacheAwarePolicy(recompute_share=0.1)
+    busy = {**_idle_fleet(2, 1000.0), "recompute_tps": {"r0": 300.0, "r1": 300.0}}
+    assert policy(Ctx(2, _idle_fleet(2, 1000.0), now=0.0))[0] == 2.0
+    assert policy(Ctx(2, busy, now=50.0))[0] == 3.0
+    policy(Ctx(3, _idle_fleet(3, 1000.0), now=60.0))  # the replica it asked for runs
+    assert policy(Ctx(3, _idle_fleet(3, 1000.0), now=120.0, requests=48.0))[0] == 6.0  # a ramp of requests
+    policy(Ctx(6, _idle_fleet(6, 1000.0), now=130.0, requests=48.0))
+    assert policy(Ctx(6, _idle_fleet(6, 1000.0), now=300.0, requests=4.0)) == (5.0, {})  # (3 held, not 6)
+    # an ask that lapses before Serve acts on it holds nothing a later ramp brings
+    policy = CacheAwarePolicy(recompute_share=0.1)
+    policy(Ctx(2, _idle_fleet(2, 1000.0), now=0.0))
+    assert policy(Ctx(2, busy, now=50.0))[0] == 3.0
+    assert policy(Ctx(2, _idle_fleet(2, 1000.0), now=55.0, requests=16.0))[0] == 2.0  # it asks no more
+    assert policy(Ctx(2, _idle_fleet(2, 1000.0), now=120.0, requests=48.0))[0] == 6.0
+    policy(Ctx(6, _idle_fleet(6, 1000.0), now=130.0, requests=48.0))
+    assert policy(Ctx(6, _idle_fleet(6, 1000.0), now=300.0, requests=4.0)) == (5.0, {})

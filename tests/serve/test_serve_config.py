@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import types
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,32 @@ def test_replicas_and_the_ingress_get_the_drain_timeout_and_the_autoscaling_wind
     # and so does an ingress being replaced (it relays those streams)
     assert build_app(s)._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 45
     assert cfg.autoscaling_config.look_back_period_s == 12 and cfg.autoscaling_config.max_replicas == 3
+
+
+def test_a_redeploy_keeps_the_fleet_autoscaling_grew(model_dir):
+    """Serve sets the target to initial_replicas whenever the deployment's config or version changes:
+    named always, a redeploy (a raised max_replicas, a rolling update) dropped 6 replicas to min_replicas.
+    Serve's own registration (no Ray started) is fed what llm_deployment builds."""
+    from ray.serve._private.autoscaling_state import DeploymentAutoscalingState
+    from ray.serve._private.common import DeploymentID
+
+    from app.main import llm_deployment
+
+    class Info(types.SimpleNamespace):  # what register() reads of a DeploymentInfo
+        def config_changed(self, other):
+            return self.deployment_config != other.deployment_config or self.version != other.version
+
+    def info(min_replicas: int, max_replicas: int, version: str) -> Info:
+        s = Settings(model_id=model_dir("tiny"), autoscaling={"min_replicas": min_replicas, "max_replicas": max_replicas})
+        return Info(deployment_config=llm_deployment(s)._deployment_config, version=version, target_capacity=None,
+                    target_capacity_direction=None)
+
+    for min_replicas, first, after in ((2, 2, 6), (0, 1, 1)):  # (min 0 starts one, and so does a redeploy: README)
+        state = DeploymentAutoscalingState(DeploymentID(name="radixserve-llm", app_name="radixserve"))
+        assert state.register(info(min_replicas, 8, "v1"), 0) == first
+        # autoscaling grew the fleet to 6; the operator raises max_replicas, then rolls out new settings
+        assert state.register(info(min_replicas, 10, "v1"), 6) == after
+        assert state.register(info(min_replicas, 10, "v2"), 6) == after
 
 
 def test_the_cache_aware_autoscaling_policy_is_the_default_and_serves_can_be_chosen(model_dir):
