@@ -15,7 +15,7 @@ from pydantic import Field
 from app.chat_view import ChatView, ChunkEvents, sse_event
 from app.reasoning import END
 from app.schemas import _OFF, MAX_TOOLS, content_text
-from app.tool_calls import is_json_object
+from app.tool_calls import can_guide_arguments, is_json_object
 from engine.sequence import MAX_TOP_LOGPROBS
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -60,7 +60,8 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
                 raise ValueError(f"{where}.role must be user, assistant, system or developer, got {role!r}")
             out.append({"role": role, "content": _part_text(item.get("content"), f"{where}.content")})
             if role == "assistant" and thought:
-                out[-1]["reasoning_content"], thought = thought, None
+                out[-1]["reasoning_content"] = thought
+            thought = None  # (a turn cut after its thinking: that thinking is no later answer's)
         elif kind == "function_call":
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
@@ -153,6 +154,8 @@ def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     if tool.get("type") != "function":
         raise ValueError(f"tools[{i}]: only function tools are supported by this server, got {tool.get('type')!r}")
     fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    if "strict" not in fn:  # OpenAI's Responses default (chat's is non-strict), where a guide can hold the schema
+        fn["strict"] = can_guide_arguments(tool.get("parameters"))
     return {"type": "function", "function": fn}
 
 
@@ -426,6 +429,8 @@ class ResponseEvents(ChunkEvents):
         # the response's error takes a code of OpenAI's list (its SDK's type), by status; the error event
         # may say more (``overloaded``, ``engine_failure``)
         listed = "server_error" if status >= 500 else "rate_limit_exceeded" if status == 429 else "invalid_prompt"
+        if code == "context_length_exceeded":  # (OpenAI's own, which Codex reads there to compact its history)
+            listed = code
         code = code or ("invalid_request_error" if listed == "invalid_prompt" else listed)
         return [self._event("error", code=code, message=message, param=None),
                 self._event("response.failed", response=self._response("failed", {"code": listed, "message": message}))]

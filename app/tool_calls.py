@@ -89,6 +89,17 @@ def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
     return params
 
 
+def can_guide_arguments(parameters: Any) -> bool:
+    """Whether a guide can hold a call's arguments to ``parameters``, a function's schema (keywords llguidance
+    does not implement let be); False for what is no schema (the request's own check refuses it)."""
+    if not isinstance(parameters, (dict, type(None))):
+        return False
+    try:
+        return lenient_schema_problem(_arguments_schema(parameters)) is None
+    except RecursionError:
+        return False
+
+
 def named_schema(parameters: dict[str, Any] | None) -> str:
     """The guide of a call to one named function: its arguments, per its parameters' schema (keywords
     llguidance does not implement let be, as under ``strict_auto_guide``: pydantic's ``set[...]`` writes

@@ -268,3 +268,35 @@ def test_thinking_cut_by_max_output_tokens_is_incomplete_and_a_failures_code_is_
         ev = ResponseEvents(req, "resp_2", 0, "m")
         error, failed = _events(ev.start() + ev.fail("no", status, code))[-2:]
         assert error["code"] == said and failed["response"]["error"]["code"] == listed
+
+
+def test_a_function_tool_without_strict_is_strict_as_openais_responses_take_it():
+    """OpenAI's Responses API holds a function's calls to its schema unless it says strict false (chat's
+    default is the other way); a schema no guide can hold stays unguided rather than refused."""
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+    def strict(tool: dict) -> bool | None:
+        body = ResponsesRequest.model_validate({"input": "x", "tools": [{"type": "function", "name": "f", **tool}]}).chat_body()
+        return body["tools"][0]["function"].get("strict")
+
+    assert strict({"parameters": params}) is True and strict({"parameters": params, "strict": None}) is True
+    assert strict({}) is True  # (no parameters: any object)
+    assert strict({"parameters": params, "strict": False}) is False
+    assert strict({"parameters": {"type": "object", "properties": {"a": {"type": "bogus"}}}}) is False
+
+
+def test_thinking_of_a_turn_cut_short_is_not_a_later_answers():
+    req = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "first"}, {"type": "reasoning", "summary": [{"type": "summary_text", "text": "T1"}]},
+        {"role": "user", "content": "second"}, {"role": "assistant", "content": "answer to second"}]})
+    assert "reasoning_content" not in req.chat_body()["messages"][-1]
+
+
+def test_a_prompt_past_the_context_says_so_in_the_failed_response_too():
+    """Codex reads a stream's failure from response.failed alone, and compacts its history on OpenAI's
+    context_length_exceeded there; a refusal that came after a late start said invalid_prompt."""
+    ev = ResponseEvents(ResponsesRequest.model_validate({"input": "x", "stream": True}), "resp_1", 0, "m")
+    events = _events(ev.start() + ev.fail("too long", 400, "context_length_exceeded"))
+    assert events[-1]["response"]["error"]["code"] == events[-2]["code"] == "context_length_exceeded"
+    ev = ResponseEvents(ResponsesRequest.model_validate({"input": "x", "stream": True}), "resp_2", 0, "m")
+    assert _events(ev.start() + ev.fail("bad", 400))[-1]["response"]["error"]["code"] == "invalid_prompt"
