@@ -85,6 +85,7 @@ class ChunkEvents:
     # a chat request's field -> this API's name for it, where the two differ (its refusals name this API's
     # fields: a client never sent the chat route's ``tools[0].function.parameters``)
     CHAT_FIELDS: ClassVar[dict[str, str]] = {}
+    TOOLS_STRICT_UNLESS_SAID: ClassVar[bool] = False  # (a tool's strict left out: ChatRequest.tools_strictness)
 
     @classmethod
     def own_location(cls, loc: tuple) -> tuple:

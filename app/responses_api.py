@@ -15,7 +15,7 @@ from pydantic import Field
 from app.chat_view import ChatView, ChunkEvents, sse_event
 from app.reasoning import END
 from app.schemas import _OFF, MAX_TOOLS, content_text
-from app.tool_calls import can_guide_arguments, is_json_object
+from app.tool_calls import is_json_object
 from engine.sequence import MAX_TOP_LOGPROBS
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -154,8 +154,6 @@ def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     if tool.get("type") != "function":
         raise ValueError(f"tools[{i}]: only function tools are supported by this server, got {tool.get('type')!r}")
     fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-    if "strict" not in fn:  # OpenAI's Responses default (chat's is non-strict), where a guide can hold the schema
-        fn["strict"] = can_guide_arguments(tool.get("parameters"))
     return {"type": "function", "function": fn}
 
 
@@ -252,6 +250,7 @@ class ResponseEvents(ChunkEvents):
     tool call is a message of its own)."""
 
     CHAT_FIELDS: ClassVar[dict[str, str]] = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
+    TOOLS_STRICT_UNLESS_SAID = True  # (OpenAI's Responses API: a function is strict unless it says strict false)
     CHAT_TEXT: ClassVar[dict[str, str]] = {"response_format.json_schema.schema": "text.format.schema",
                                            "response_format": "text.format", "max_tokens": "max_output_tokens"}
 

@@ -12,9 +12,9 @@ import math
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from app.tool_calls import named_schema, required_schema, template_tool_calls
+from app.tool_calls import can_guide_arguments, named_schema, required_schema, template_tool_calls
 from engine.sequence import GREEDY_BELOW, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, encodable
 
 # a tenant's id, not data: each salt keeps its own trie on the replicas while it has cached blocks.
@@ -611,6 +611,9 @@ class ChatRequest(_OpenAICommon, ChatPrompt):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # what a tool that leaves strict unsaid is: chat's default, not strict; OpenAI's Responses API's is strict
+    # (set by the route; a field of the request would show in what the template renders of the tools)
+    _strict_unless_said: bool = PrivateAttr(default=False)
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -636,6 +639,14 @@ class ChatRequest(_OpenAICommon, ChatPrompt):
         if isinstance(self.tool_choice, NamedToolChoice):
             return "named"
         return self.tool_choice or "auto"
+
+    def tools_strictness(self) -> list[tuple[str, dict[str, Any] | None, bool]]:
+        """Each tool's (name, parameters, strict): as it says; unsaid, the route's default (the Responses
+        API's strict holds only where a guide can hold the schema: unguided then, not refused)."""
+        return [(t.function.name, t.function.parameters,
+                 t.function.strict if t.function.strict is not None
+                 else self._strict_unless_said and can_guide_arguments(t.function.parameters))
+                for t in self.tools or ()]
 
     def named_tool(self) -> ToolFunction:
         name = self.tool_choice.function.name

@@ -1623,7 +1623,7 @@ class Ingress:
         if answer is None and any(params.get(k) for k in ("ignore_eos", "min_tokens", "allowed_token_ids",
                                                            "stop_token_ids")):
             return None
-        tools = [(t.function.name, t.function.parameters, bool(t.function.strict)) for t in req.tools]
+        tools = req.tools_strictness()
         parser, parallel = self.settings.tool_call_parser, req.parallel_tool_calls is not False
         if answer is not None:
             try:
@@ -1678,7 +1678,9 @@ class Ingress:
         then comes as the stream's error event (before, it is the HTTP error it always is)."""
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         counted = [0]
-        pending = asyncio.ensure_future(self._chat(_validated_chat(body, type(events)), default, counted))
+        chat = _validated_chat(body, type(events))
+        chat._strict_unless_said = type(events).TOOLS_STRICT_UNLESS_SAID
+        pending = asyncio.ensure_future(self._chat(chat, default, counted))
         try:
             if stream and not (await asyncio.wait({pending}, timeout=self.first_token_ping_s))[0]:
                 return StreamingResponse(self._late_view(pending, events, counted), media_type="text/event-stream",

@@ -272,17 +272,22 @@ def test_thinking_cut_by_max_output_tokens_is_incomplete_and_a_failures_code_is_
 
 def test_a_function_tool_without_strict_is_strict_as_openais_responses_take_it():
     """OpenAI's Responses API holds a function's calls to its schema unless it says strict false (chat's
-    default is the other way); a schema no guide can hold stays unguided rather than refused."""
+    default is the other way); a schema no guide can hold stays unguided rather than refused. The tools the
+    template renders stay as the client sent them (the same prompt as the chat route's)."""
     params = {"type": "object", "properties": {"a": {"type": "integer"}}}
 
-    def strict(tool: dict) -> bool | None:
+    def strict(tool: dict, route_default: bool = True) -> bool:
         body = ResponsesRequest.model_validate({"input": "x", "tools": [{"type": "function", "name": "f", **tool}]}).chat_body()
-        return body["tools"][0]["function"].get("strict")
+        chat = ChatRequest.model_validate(body)
+        chat._strict_unless_said = route_default and ResponseEvents.TOOLS_STRICT_UNLESS_SAID
+        assert ("strict" in body["tools"][0]["function"]) is (tool.get("strict") is not None)
+        return chat.tools_strictness()[0][2]
 
     assert strict({"parameters": params}) is True and strict({"parameters": params, "strict": None}) is True
     assert strict({}) is True  # (no parameters: any object)
     assert strict({"parameters": params, "strict": False}) is False
     assert strict({"parameters": {"type": "object", "properties": {"a": {"type": "bogus"}}}}) is False
+    assert strict({"parameters": params}, route_default=False) is False  # (the chat route's default)
 
 
 def test_thinking_of_a_turn_cut_short_is_not_a_later_answers():
