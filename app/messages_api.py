@@ -135,7 +135,12 @@ class MessagesRequest(ChatView):
             msgs.insert(0, {"role": "system", "content": _text(self.system, "system")})
         # (max_tokens is the route's default, cut to the room the context leaves: Claude Code asks for 32,000)
         body: dict[str, Any] = {"messages": msgs, "stream": self.stream, **self.extensions()}
-        if msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls"):
+        last = msgs[-1]
+        if last["role"] == "assistant" and not last.get("tool_calls") and not last.get("content") \
+                and not last.get("reasoning_content") and len(msgs) > 1:
+            msgs.pop()  # an empty last turn (Anthropic allows it) is no prefill: carried on, a template that trims
+            last = msgs[-1]  # its content lost the newline after the turn's header (Llama 3, Gemma)
+        if last["role"] == "assistant" and not last.get("tool_calls"):
             body.update(add_generation_prompt=False, continue_final_message=True)  # a prefill: carried on
         if self.stream:
             body["stream_options"] = {"include_usage": True}

@@ -19,6 +19,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import secrets
 import sys
 import threading
@@ -140,13 +141,44 @@ def _sanitize_option(tokenizer) -> dict[str, bool]:
         # transformers takes every added token its template names for a control token, the thinking tags
         # included; marked in a message, they break the template's own string work on them (Qwen3 splits an
         # answer at "</think>" and strips the newlines after it: a history's answers kept two), and an
-        # assistant prefill could not open a thought. The tags are the answer's text, not turn boundaries:
-        # the other tokens stay control tokens (special tokens always are)
+        # assistant prefill could not open a thought. The tags are the answer's text, not turn boundaries,
+        # and so are a call's tags (Qwen's <tool_call>: an answer sent back with a call in its text came
+        # spelled out, which the model never wrote, and its prefix missed the cache): the other tokens stay
+        # control tokens (special tokens always are; Qwen3's <tool_response> keeps a result inside its turn)
         template = str(getattr(tokenizer, "chat_template", None) or "")
+        answer_tags = (START, END, HERMES_OPEN, HERMES_CLOSE)
         tokenizer.chat_control_tokens = [
             t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
-            if not t.special and t.content in template and not t.content.isspace() and t.content not in (START, END)]
+            if not t.special and t.content in template and not t.content.isspace() and t.content not in answer_tags]
     return {"sanitize_control_tokens": True}
+
+
+def _control_token_pattern(tokenizer) -> re.Pattern | None:
+    """What ``sanitize_control_tokens`` reads as control tokens (special added tokens, and the tokenizer's
+    ``chat_control_tokens``), as one pattern; None without any. Cached on the tokenizer."""
+    if not hasattr(tokenizer, "_radixserve_control_pattern"):
+        listed = set(getattr(tokenizer, "chat_control_tokens", None) or ())
+        tokens = sorted({t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                         if t.content and (t.special or t.content in listed)}, key=len, reverse=True)
+        tokenizer._radixserve_control_pattern = re.compile("|".join(map(re.escape, tokens))) if tokens else None
+    return tokenizer._radixserve_control_pattern
+
+
+def _control_token_in_keys(value: Any, pattern: re.Pattern, where: str) -> tuple[str, str] | None:
+    """The first object key under ``value`` that holds a control token: (where, the token). transformers
+    encodes a message's text, and every string value, as text, but not keys; a tool's parameter named
+    ``<|im_end|><|im_start|>system`` (a schema from another's server, arguments sent back) was a turn."""
+    stack = [(value, where)]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if isinstance(k, str) and (m := pattern.search(k)):
+                    return f"{at}.{k}", m.group(0)
+                stack.append((v, f"{at}.{k}"))
+        elif isinstance(node, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(node))
+    return None
 
 
 def _anchor_token(tokenizer, byte_level: bool) -> int | None:
@@ -1981,6 +2013,11 @@ class Ingress:
         # the tools, through its template: with tool_choice none too (as vLLM by default), so the model
         # knows them and the prompt starts as the turns that may call them (one cached prefix)
         tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if getattr(req, "tools", None) else {}
+        if self._sanitize and (pattern := _control_token_pattern(self.tokenizer)) is not None:
+            for name, value in (("messages", msgs), *tools.items()):
+                if found := _control_token_in_keys(value, pattern, name):
+                    raise ApiError(422, f"{found[0][:200]}: a key holds the model's control token {found[1]!r}, "
+                                        "which a chat template cannot show as text", param=name)
         try:
             enc = await self._off_loop(self.tokenizer.apply_chat_template, msgs, tokenize=True,
                                        add_generation_prompt=req.add_generation_prompt,

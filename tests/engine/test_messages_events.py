@@ -222,3 +222,16 @@ def test_max_tokens_0_warms_the_cache_and_answers_nothing():
     assert m["content"] == [] and m["stop_reason"] == "max_tokens" and m["usage"]["output_tokens"] == 0
     assert m["usage"]["cache_read_input_tokens"] == 8
     assert not any("content_block" in e for e in sse)
+
+
+@pytest.mark.parametrize("last", ["", [], [{"type": "text", "text": ""}]])
+def test_an_empty_last_assistant_turn_is_no_prefill(last):
+    """Anthropic allows the last assistant turn to be empty; carried on as a prefill, a template that trims
+    its content (Llama 3, Gemma) lost the newline after the turn's header."""
+    req = MessagesRequest.model_validate({"max_tokens": 5, "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": last}]})
+    body = req.chat_body()
+    assert [m["role"] for m in body["messages"]] == ["user"] and not body.get("continue_final_message")
+    prefill = MessagesRequest.model_validate({"max_tokens": 5, "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure"}]}).chat_body()
+    assert prefill["continue_final_message"] and prefill["messages"][-1]["content"] == "Sure"
