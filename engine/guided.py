@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import threading
 from typing import Any
@@ -309,16 +310,36 @@ class Guides:
 
 
 _BITS: dict[torch.device, torch.Tensor] = {}  # 0..31 on each device (not copied there at every row)
+_EXECUTORS: list = []  # llguidance's thread pool, made on first use
+PARALLEL_MASKS = True  # (bench.guided_bench turns it off to compare)
 
 
-def mask_disallowed(row: torch.Tensor, matcher) -> torch.Tensor:
-    """``row`` (one request's logits) with the tokens its guide does not allow next at -inf. The
-    matcher writes one bit per token (32 to an int32) on the host; they are unpacked where the row is
+def allowed_bits(matchers: list, vocab_size: int, pinned: bool = False) -> torch.Tensor:
+    """The tokens each matcher allows next, one bit per token (32 to an int32), a row each, on the host.
+    Several are computed at once on llguidance's threads (it releases the GIL): a step's guided requests
+    waited for each other's masks in turn, and a costly guide (nested counts) held every one of them up.
+    ``pinned``: page-locked, for a copy to the GPU that need not wait for the step's kernels."""
+    bitmask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pinned)
+    row_bytes = bitmask.shape[1] * bitmask.element_size()
+    if len(matchers) == 1 or not PARALLEL_MASKS or len({id(m) for m in matchers}) < len(matchers):
+        for i, m in enumerate(matchers):  # (one alone: no hand-off to the pool; one twice: not in parallel)
+            m.unsafe_compute_mask_ptr(bitmask.data_ptr() + i * row_bytes, row_bytes)
+        return bitmask
+    if not _EXECUTORS:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+        _EXECUTORS.append(_llguidance().LLExecutor(min(32, max(2, cores))))
+    _EXECUTORS[0].unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), row_bytes,
+                                          len(matchers))
+    return bitmask
+
+
+def mask_disallowed(row: torch.Tensor, matcher=None, bits: torch.Tensor | None = None) -> torch.Tensor:
+    """``row`` (one request's logits) with the tokens its guide does not allow next at -inf: ``bits``, its
+    row of ``allowed_bits``, or the matcher's own computed now. The bits are unpacked where the row is
     (llguidance's own unpacking goes through torch.compile, which a CPU replica would wait on)."""
     v = row.shape[-1]
-    cuda = row.device.type == "cuda"  # (pinned: its copy to the GPU need not wait for the step's kernels)
-    bitmask = torch.full(((v + 31) // 32,), -1, dtype=torch.int32, pin_memory=cuda)
-    matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
+    cuda = row.device.type == "cuda"
+    bitmask = allowed_bits([matcher], v, pinned=cuda)[0] if bits is None else bits
     shifts = _BITS.get(row.device)
     if shifts is None:
         shifts = _BITS[row.device] = torch.arange(32, dtype=torch.int32, device=row.device)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from engine.guided import mask_disallowed
+from engine.guided import allowed_bits, mask_disallowed
 from engine.sequence import Sequence
 
 
@@ -72,19 +72,26 @@ def _fixed(seq: Sequence, row: torch.Tensor) -> tuple:
     return cached[1:]
 
 
-def _adjust(row: torch.Tensor, seq: Sequence, keep_raw: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _masked(seq: Sequence) -> bool:
+    """Whether ``seq``'s guide holds its next token (not while it thinks before its guided answer)."""
+    return seq.matcher is not None and seq.guide_wait != "marker"
+
+
+def _adjust(row: torch.Tensor, seq: Sequence, keep_raw: bool = False,
+            bits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The request's logits as it samples from them, in vLLM's order: its guide's mask, then
     ``logit_bias``, the penalties (so a bias is scaled by the repetition penalty, as in vLLM), the allowed
     ids, the bad words and the ending tokens held back; and (``keep_raw``) the logits under the guide's
-    mask alone, whose log-probabilities the OpenAI routes report (vLLM's default, ``raw_logprobs``)."""
+    mask alone, whose log-probabilities the OpenAI routes report (vLLM's default, ``raw_logprobs``).
+    ``bits``: its guide's allowed tokens, computed with the step's others (``allowed_bits``)."""
     # (the small index tensors go to the device pinned and asynchronous: made there from a list, each
     # was a blocking copy that waited for the step's kernels, several per row on a GPU)
     p = seq.params
     row = row.clone()
-    if seq.matcher is not None and seq.guide_wait != "marker":  # only what its guide allows next (not in thought)
+    if _masked(seq):  # only what its guide allows next
         opener = p.guide_opener if seq.guide_wait == "opener" else None
         kept = row[opener].clone() if opener is not None else None
-        row = mask_disallowed(row, seq.matcher)
+        row = mask_disallowed(row, seq.matcher, bits)
         if kept is not None:  # (the first token may open the thinking instead)
             row[opener] = kept
     raw = row.clone() if keep_raw else None
@@ -280,9 +287,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled | NoToken
     # penalties and bias first: the model's distribution as the request samples from it; and, for the
     # log-probabilities, the model's own (under a guide's mask)
     rows, raws = {}, {}
+    guided = [i for i in rest if _masked(seqs[i])]
+    bits = dict(zip(guided, allowed_bits([seqs[i].matcher for i in guided], logits.shape[-1],
+                                         pinned=logits.device.type == "cuda"), strict=True)) if guided else {}
     for i in rest:
         if _adjusts(seqs[i]):
-            rows[i], raws[i] = _adjust(logits[i], seqs[i], keep_raw=bool(seqs[i].params.logprobs))
+            rows[i], raws[i] = _adjust(logits[i], seqs[i], keep_raw=bool(seqs[i].params.logprobs), bits=bits.get(i))
         else:
             rows[i] = raws[i] = logits[i]
     greedy = [i for i in rest if seqs[i].params.greedy]

@@ -515,3 +515,19 @@ def test_a_strict_guide_waits_for_the_end_of_the_thinking_and_names_special_call
     tok.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
     assert _tag_tokens(tok, ("<tool_call>",)) == {}  # (as text with special tokens skipped, it is none)
     assert _tag_tokens(tok, ("<tool_call>",), keep_special=True) == {"<tool_call>": tok.convert_tokens_to_ids("<tool_call>")}
+
+
+def test_a_steps_guides_are_masked_together_as_each_alone(make_engine):
+    """A step's guided requests get their masks from llguidance's threads at once (they waited for each
+    other's in turn): the same bits as each computed alone, one matcher twice included."""
+    eng = make_engine("tiny")
+    ms = [eng.guides.matcher("regex", "(ab){3}c"), eng.guides.matcher("json", '{"type": "object"}'),
+          eng.guides.matcher("choice", '["yes", "no"]')]
+    assert eng.guides.consume_text(ms[0], "ab") and eng.guides.consume_text(ms[1], '{"k": ')
+    v = eng.vocab_size
+    together = guided.allowed_bits(ms, v)
+    alone = torch.stack([guided.allowed_bits([m], v)[0] for m in ms])
+    assert torch.equal(together, alone) and len({tuple(r.tolist()) for r in alone}) == 3
+    assert torch.equal(guided.allowed_bits([ms[0], ms[2], ms[0]], v), alone[[0, 2, 0]])
+    row = guided.mask_disallowed(torch.zeros(v), bits=together[2])
+    assert torch.equal(row, guided.mask_disallowed(torch.zeros(v), ms[2]))
