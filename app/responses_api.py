@@ -72,9 +72,11 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
             if last is not None and last["role"] == "assistant" and "tool_call_id" not in last:
                 last.setdefault("tool_calls", []).append(call)  # the same turn's text, or its other calls
             else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                if thought:
-                    out[-1]["reasoning_content"], thought = thought, None
+                last = {"role": "assistant", "content": None, "tool_calls": [call]}
+                out.append(last)
+            if thought:  # (a turn may think again before its call: Codex's reasoning, text, reasoning, call)
+                last["reasoning_content"] = "\n\n".join(filter(None, (last.get("reasoning_content"), thought)))
+            thought = None
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise ValueError(f"{where}: a function_call_output needs a call_id")
@@ -82,6 +84,7 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
                 raise ValueError(f"{where}: no function_call before it has call_id {item['call_id']!r}")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _part_text(item.get("output"), f"{where}.output")})
+            thought = None  # (thinking before a call's output is no later answer's)
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text", ""), str)

@@ -94,9 +94,10 @@ def can_guide_arguments(parameters: Any) -> bool:
     does not implement let be); False for what is no schema (the request's own check refuses it)."""
     if not isinstance(parameters, (dict, type(None))):
         return False
-    try:
-        return lenient_schema_problem(_arguments_schema(parameters)) is None
-    except RecursionError:
+    try:  # (as the calls' guide holds it: under the root's $defs, its $refs rebased there)
+        calls, defs = _call_schemas([("f", parameters)], "arguments")
+        return lenient_schema_problem({"anyOf": calls, "$defs": defs}) is None
+    except (ValueError, RecursionError):
         return False
 
 
@@ -114,11 +115,12 @@ def _rebased(schema: Any, base: str) -> Any:
 
     def rebase(node: dict[str, Any]) -> dict[str, Any]:
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):  # (a URI fragment: "#/%24defs/C" is "/$defs/C")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):  # ("#/%24defs/C" is "/$defs/C")
             return {**node, "$ref": base + urllib.parse.unquote(ref[1:])}
-        return node
+        return node  # (an anchor's, "#Query", names no place: it is found by its name wherever it is)
 
-    return walk_schema(schema, rebase)
+    # the schema's own $id would make its place the base of every $ref in it, the rebased ones too
+    return walk_schema({k: v for k, v in schema.items() if k != "$id"} if isinstance(schema, dict) else schema, rebase)
 
 
 def _call_schemas(tools: list[tuple[str, dict[str, Any] | None]], key: str) -> tuple[list[dict], dict[str, Any]]:
@@ -171,7 +173,8 @@ def strict_auto_guide(tools: list[tuple[str, dict[str, Any] | None, bool]], pars
     if parser not in GUIDED_AUTO_PARSERS or not any(strict for _, _, strict in tools):
         return None
     if parser == "llama3_json":
-        grammar = untagged_calls_grammar(_auto_call_schema(tools, "parameters"), parallel, None, text_excludes)
+        grammar = untagged_calls_grammar(_auto_call_schema(tools, "parameters"), parallel, None, text_excludes,
+                                         PYTHON_TAG)
     else:
         grammar = tagged_calls_grammar(HERMES_OPEN, HERMES_CLOSE, _auto_call_schema(tools), parallel, tag_ids,
                                        text_excludes)

@@ -178,16 +178,19 @@ def format_or_calls_grammar(answer_schema: dict, open_tag: str, close_tag: str, 
 
 
 def untagged_calls_grammar(call_schema: dict, parallel: bool = True, answer_schema: dict | None = None,
-                           text_excludes: tuple[str, ...] = ()) -> str:
+                           text_excludes: tuple[str, ...] = (), skipped: str = "") -> str:
     """A grammar of an answer that is either JSON calls, each held to ``call_schema`` and separated by
     ``;`` (Llama 3's format: a call is the whole answer, untagged; not ``parallel``: one call), or else
     ``answer_schema``'s JSON (a response format beside the tools) or, without one, free text that does not
     begin with ``{`` (which the parser would read as a call; ``text_excludes``: tags the text may not
-    hold, as ``tagged_calls_grammar``'s). A line break or two may stand around either."""
+    hold, as ``tagged_calls_grammar``'s; ``skipped``: a tag the parser skips before calls, Llama's
+    ``<|python_tag|>``, which the text may not begin with either). A line break or two may stand around
+    either. (The text's white space is any, as the parser's ``str.strip`` skips.)"""
     call = {**_loosened(call_schema), "x-guidance": LENIENT_JSON_STYLE}
     gap = "/[ \\n]{0,2}/"
     excluded = "|".join(_escaped(tag) for tag in text_excludes)
-    text = "/[ \\t\\n]*[^{ \\t\\n](.|\\n)*/" + (f" & ~/(.|\\n)*({excluded})(.|\\n)*/" if excluded else "")
+    text = "/\\s*[^{\\s](.|\\n)*/" + (f" & ~/(.|\\n)*({excluded})(.|\\n)*/" if excluded else "") \
+        + (f" & ~/\\s*{_escaped(skipped)}(.|\\n)*/" if skipped else "")
     more = f' ({gap} ";" {gap} call)*' if parallel else ""
     return "\n".join([
         "%llguidance {}",

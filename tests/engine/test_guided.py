@@ -442,7 +442,8 @@ def test_llama3_json_calls_under_auto_are_guided_as_the_parser_reads_them(make_e
     auto = strict_auto_guide(tools, "llama3_json")
     cases = {call: True, f"{call}; {other}": True, f"\n{call}\n": True, "Just text {with braces}.": True,
              '{"name": "add", "parameters": {"b": 1}}': False,  # (a strict tool's schema)
-             '{"name": "sub", "parameters": {}}': False, '{"city": "Oslo"}': False}  # (a call begun is a call)
+             '{"name": "sub", "parameters": {}}': False, '{"city": "Oslo"}': False,  # (a call begun is a call)
+             '\r\u2003{"name": "add"': False, '<|python_tag|>{"name": "add"': False}  # (what the parser skips)
     for text, allowed in cases.items():
         assert eng.guides.consume_text(eng.guides.matcher(*auto), text) is allowed, text
         if allowed:
@@ -531,3 +532,22 @@ def test_a_steps_guides_are_masked_together_as_each_alone(make_engine):
     assert torch.equal(guided.allowed_bits([ms[0], ms[2], ms[0]], v), alone[[0, 2, 0]])
     row = guided.mask_disallowed(torch.zeros(v), bits=together[2])
     assert torch.equal(row, guided.mask_disallowed(torch.zeros(v), ms[2]))
+
+
+def test_a_strict_tools_schema_with_its_own_id_or_anchors_is_held_where_the_guide_places_it(make_engine):
+    """The calls' guide places each tool's schema under its root's $defs and rebases its $refs there: a
+    schema's own $id made those resolve inside the schema (a 4xx for a valid tool), and an anchor's ref
+    ("#A") became a pointer to nowhere. Whether a schema can be held is judged as placed."""
+    from app.tool_calls import can_guide_arguments, strict_auto_guide
+
+    with_id = {"$id": "https://example.com/s.json", "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}},
+               "required": ["a"], "$defs": {"A": {"type": "integer"}}}
+    anchored = {"type": "object", "properties": {"a": {"$ref": "#A"}}, "required": ["a"],
+                "$defs": {"x": {"$anchor": "A", "type": "integer"}}}
+    eng = make_engine("tiny")
+    for schema in (with_id, anchored):
+        assert can_guide_arguments(schema)
+        guide = strict_auto_guide([("f", schema, True)], "hermes")
+        assert eng.guides.consume_text(eng.guides.matcher(*guide), '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
+        assert not eng.guides.consume_text(eng.guides.matcher(*guide), '<tool_call>{"name": "f", "arguments": {"a": "x"}}')
+    assert not can_guide_arguments({"type": "object", "$defs": 5}) and not can_guide_arguments([1])

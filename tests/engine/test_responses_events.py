@@ -305,3 +305,46 @@ def test_a_prompt_past_the_context_says_so_in_the_failed_response_too():
     assert events[-1]["response"]["error"]["code"] == events[-2]["code"] == "context_length_exceeded"
     ev = ResponseEvents(ResponsesRequest.model_validate({"input": "x", "stream": True}), "resp_2", 0, "m")
     assert _events(ev.start() + ev.fail("bad", 400))[-1]["response"]["error"]["code"] == "invalid_prompt"
+
+
+def test_thinking_before_a_call_that_joins_its_turns_text_stays_with_that_turn():
+    """Codex sends reasoning, a preamble message, reasoning, then the call: the call joins the message's
+    turn, and the second thinking went to the next answer instead."""
+    req = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "fix it"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "R1"}]},
+        {"role": "assistant", "content": "Looking."},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "R2"}]},
+        {"type": "function_call", "call_id": "c1", "name": "read", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "code"},
+        {"role": "assistant", "content": "Done."}]})
+    msgs = req.chat_body()["messages"]
+    assert msgs[1]["reasoning_content"] == "R1\n\nR2" and [c["id"] for c in msgs[1]["tool_calls"]] == ["c1"]
+    assert "reasoning_content" not in msgs[-1]
+
+
+def test_the_responses_route_makes_tools_strict_unless_said_and_the_messages_route_does_not():
+    """The route sets the default on the chat request it makes (no service test sent a tool without strict)."""
+    import asyncio
+
+    from app.messages_api import MessageEvents, MessagesRequest
+    from deployments.ingress import ApiError, Ingress
+
+    class Route:
+        _chat_view, first_token_ping_s = Ingress.func_or_class._chat_view, 10.0
+
+        async def _chat(self, req, default, counted):
+            self.seen = req.tools_strictness()
+            raise ApiError(400, "enough")
+
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    route = Route()
+    req = ResponsesRequest.model_validate({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": params}]})
+    with pytest.raises(ApiError):
+        asyncio.run(route._chat_view(req.chat(), 16, ResponseEvents(req, "resp_1", 0, "m"), False))
+    assert route.seen == [("f", params, True)]
+    msg = MessagesRequest.model_validate({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                                          "tools": [{"name": "f", "input_schema": params}]})
+    with pytest.raises(ApiError):
+        asyncio.run(route._chat_view(msg.chat(), 16, MessageEvents(msg, "msg_1", "m"), False))
+    assert route.seen == [("f", params, False)]
