@@ -26,6 +26,7 @@ import logging
 import math
 import threading
 import time
+import urllib.parse
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
@@ -186,7 +187,7 @@ class HotPrefixDirectory:
     def _to_cluster(self) -> None:
         from redis.cluster import RedisCluster
 
-        log.info("hot-prefix directory: %s is a Redis Cluster node; using a cluster client", self._url)
+        log.info("hot-prefix directory: %s is a Redis Cluster node; using a cluster client", _without_secret(self._url))
         self._r = RedisCluster.from_url(self._url, **self._timeouts)
         self._increment_script = self._r.register_script(_INCREMENT_LUA)
         self.cluster = True
@@ -553,3 +554,11 @@ class HotPrefixDirectory:
                 r.delete(*keys)
 
         self._call(wipe, None)
+
+
+def _without_secret(url: str) -> str:
+    """A Redis URL to log: its user name and password left out (a cluster's URL carries them)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    return urllib.parse.urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))

@@ -369,6 +369,9 @@ class LLMServer:
         (Not at once: /health would turn 200 before ``radixserve serve`` has seen its start-up finish,
         and a Ctrl-C then would abandon the start-up instead of draining.)"""
         while not self._stop.wait(1.0):
+            if not self.aengine.alive and self._cut_at is None:
+                self._end_series()
+                return
             try:
                 # the ingress (re)creates the hub; a replica only finds it (see HubClient.call)
                 cut = self._hub.call("push", self.replica_id, self._snapshot_now(), create=False)
@@ -398,6 +401,15 @@ class LLMServer:
             return self.aengine.call(self._snapshot, timeout=5)
         except EngineDeadError:
             return self.aengine.read_after_end(self._snapshot)
+
+    def _end_series(self) -> None:
+        """The engine thread is gone (a crash): its last counts, then its series ends at the hub. Pushed on,
+        the counts read after its end kept it a live engine in /health (200) until Serve replaced it."""
+        self._push_last()
+        try:
+            self._hub.call("stopped", self.replica_id, timeout=2, create=False)
+        except Exception as e:  # noqa: BLE001 - the hub retires it anyway once its pushes are stale
+            log.debug("ending the metrics series failed: %s", e)
 
     def _push_last(self) -> None:
         """The counts since the last push, and the requests a stop aborted, to the hub once more (it keeps

@@ -194,8 +194,19 @@ class AsyncEngine:
                                             guide_start=start)
                 except Exception as e:  # noqa: BLE001 - report to the one request, keep serving
                     # (a refusal here, a guide its check let through, is the request's own: a 4xx, not a 503)
-                    kind = "validation" if isinstance(e, RequestError) else "engine"
-                    self._emit(TokenEvent(rid, None, "", None, True, "error", error=str(e), error_kind=kind))
+                    if isinstance(e, RequestError):
+                        self._emit(TokenEvent(rid, None, "", None, True, "error", error=str(e),
+                                              error_kind="validation"))
+                        continue
+                    log.error("request %s could not be added", rid, exc_info=e)  # (a fault of ours: its traceback)
+                    self.engine.stats.requests_failed += 1
+                    if (seq := self.engine.requests.pop(rid, None)) is not None:  # (taken in part: its blocks go back)
+                        try:
+                            self.engine.scheduler.remove(seq)
+                        except Exception:  # noqa: BLE001 - its error event goes out all the same
+                            log.exception("request %s: giving back what it was given", rid)
+                    self._emit(TokenEvent(rid, None, "", None, True, "error", error_kind="engine",
+                                          error=f"engine failure: {type(e).__name__}: {e}"))
             elif kind == "abort":
                 self.engine.abort(msg[1])
                 self._owners.pop(msg[1], None)  # (an aborted request sends no last event)
@@ -231,8 +242,8 @@ class AsyncEngine:
             for rid in list(self.engine.requests):
                 try:
                     self.engine.abort(rid)
-                except Exception:  # noqa: BLE001 - a crashed engine may not free cleanly; still answer
-                    log.exception("abort after the engine loop ended")
+                except Exception as e:  # noqa: BLE001 - a crashed engine may not free cleanly; still answer
+                    log.error("abort of request %s after the engine loop ended: %s", rid, type(e).__name__)
             why = self._why_closed()
             for rid, target in list(self._streams.items()):  # (those whose add was never taken too)
                 self._emit(TokenEvent(rid, None, "", None, True, "error", error=why,

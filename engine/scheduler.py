@@ -118,7 +118,7 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             if seq.held:
                 self._unhold(seq)
-            else:
+            elif seq in self.waiting:  # (not where an admission that a crash cut short took it out)
                 self.waiting.remove(seq)
         self.kv.release(seq)
         seq.status = Status.FINISHED

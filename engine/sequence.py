@@ -269,6 +269,10 @@ class Sequence:
     text: str = ""
     sent_text_len: int = 0
 
+    def __repr__(self) -> str:  # (not its prompt, text or settings: an error's message reaches the logs)
+        return (f"Sequence({self.request_id!r}, {self.status.name}, {len(self.prompt_ids)} prompt tokens, "
+                f"{len(self.output_ids)} generated)")
+
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import tempfile
@@ -92,3 +93,22 @@ def test_the_directory_works_through_a_node_that_does_not_own_its_slot(cluster):
     d.clear()
     assert not [k for k in RedisCluster(host="127.0.0.1", port=owner).keys(target_nodes=RedisCluster.ALL_NODES)
                 if k.startswith(d.ns.encode())]
+
+
+def test_the_switch_to_a_cluster_client_logs_no_password(monkeypatch, caplog):
+    """The first MOVED answer is logged with the URL, which carried the cluster's password into every
+    replica's log."""
+    made = []
+    monkeypatch.setattr(RedisCluster, "from_url", classmethod(
+        lambda cls, url, **kw: made.append(url) or type("Client", (), {"register_script": lambda self, s: None})()))
+    d = HotPrefixDirectory("redis://user:s3cret@redis-node-1:6379/0", deployment="d", model="m", block_size=BS)
+
+    def moved(_client):
+        if not d.cluster:
+            raise redis.exceptions.MovedError("3999 10.0.0.2:6379")
+        return "ok"
+
+    with caplog.at_level(logging.INFO, logger="cache.directory"):
+        assert d._call(moved, None) == "ok"
+    assert made == ["redis://user:s3cret@redis-node-1:6379/0"]  # (the client gets it whole)
+    assert "redis://redis-node-1:6379/0" in caplog.text and "s3cret" not in caplog.text and "user" not in caplog.text

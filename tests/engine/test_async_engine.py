@@ -291,3 +291,39 @@ def test_a_stream_whose_loop_closed_frees_its_request_and_its_id(make_engine):
 
     assert asyncio.run(again()).finish_reason == "length"
     ae.shutdown()
+
+
+def test_a_fault_of_ours_while_adding_a_request_is_logged_counted_and_frees_what_it_took(make_engine, monkeypatch,
+                                                                                       caplog):
+    """A bug past the request's checks (a generator, a guide matcher) answered a bare 503 of str(e), with no
+    traceback anywhere and no failure counted; the engine goes on."""
+    import engine.llm_engine as llm_engine
+
+    eng = make_engine("tiny")
+    real = llm_engine.make_generator
+    monkeypatch.setattr(llm_engine, "make_generator", lambda seed: (_ for _ in ()).throw(KeyError("cuda:0")))
+    ae = AsyncEngine(eng)
+
+    async def last(params):
+        async for ev in ae.generate(PROMPT, params):
+            if ev.finished:
+                return ev
+
+    try:
+        with caplog.at_level("ERROR", logger="engine.async_engine"):
+            ev = asyncio.run(last(SamplingParams(max_new_tokens=3, temperature=0.7, seed=1)))
+        assert ev.error_kind == "engine" and ev.error == "engine failure: KeyError: 'cuda:0'"
+        assert "could not be added" in caplog.text and "KeyError" in caplog.text
+        assert eng.stats.requests_failed == 1 and eng.requests == {} and eng.kv.allocator.num_in_use == 0
+        monkeypatch.setattr(llm_engine, "make_generator", real)
+        assert asyncio.run(last(SamplingParams(max_new_tokens=3))).finish_reason == "length"
+    finally:
+        ae.shutdown()
+
+
+def test_a_sequence_shows_no_prompt_in_its_repr():
+    """An error's message that holds a Sequence (an abort after a crash) logged its whole prompt and settings."""
+    from engine.sequence import Sequence
+
+    seq = Sequence("r1", [104, 117, 110, 116, 101, 114, 50], SamplingParams(stop=["SECRET"]))
+    assert repr(seq) == "Sequence('r1', WAITING, 7 prompt tokens, 0 generated)" and "SECRET" not in repr(seq)

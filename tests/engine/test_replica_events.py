@@ -588,3 +588,36 @@ def test_a_stopping_replica_hands_the_hub_its_last_counts_and_what_the_stop_abor
     assert 'radixserve_requests_total{replica="all"} 2' in text
     assert 'radixserve_requests_aborted_total{replica="all"} 1' in text
     assert not store.snapshots()  # retired, not a live series again
+
+
+def test_a_replica_whose_engine_crashed_is_no_live_engine_for_health(make_engine):
+    """After a crash its background thread pushed on, with the counts read after the engine's end: the hub
+    counted a live engine and /health answered 200 until Serve replaced the replica."""
+    import asyncio
+
+    store = SnapshotStore()
+    eng = make_engine("tiny", max_batch_total_tokens=1024)
+    r = _replica(eng)
+    r.warmup_report = {"prefixes": 0, "tokens": 0}
+    r._hub = types.SimpleNamespace(call=lambda method, *args, **kw: getattr(store, method)(*args))
+    r._flush_warned_at = 0.0
+    store.push("A", r._snapshot_now())
+    assert store.fresh(10.0) == 1
+
+    def boom():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    eng.step = boom
+
+    async def one() -> None:
+        async for _ev in r.aengine.generate(PROMPT, SamplingParams(max_new_tokens=3)):
+            pass
+
+    asyncio.run(one())
+    assert not r.aengine.alive
+    loop = threading.Thread(target=r._background_loop)
+    loop.start()
+    loop.join(5)
+    assert not loop.is_alive() and store.fresh(10.0) == 0  # (its series ended: retired, not live)
+    store.push("A", r._snapshot_now())  # (a late push of its own counts, but brings no live series back)
+    assert store.fresh(10.0) == 0 and not store.snapshots()
