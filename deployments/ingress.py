@@ -559,7 +559,26 @@ def _error_response(request: Request, err: ApiError) -> JSONResponse:
 
 @app.exception_handler(ApiError)
 async def _api_error(request: Request, err: ApiError):
+    if err.status >= 500:  # (ours, not the client's: one line each, found by the client's request id)
+        log.warning("request %s: %s %s answered %d (%s): %s", _serve_request_id() or "-", request.method,
+                    request.url.path, err.status, err.code or err.kind, err.message[:300])
     return _error_response(request, err)
+
+
+_ID_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
+
+
+def _serve_request_id() -> str:
+    """This HTTP request's id in Serve (a client's ``x-request-id``, which Serve answers with), made safe to
+    log and short; "" outside a request."""
+    return _ID_CHARS.sub("", serve_context._get_serve_request_context().request_id or "")[:64]
+
+
+def _engine_request_id() -> str:
+    """An engine request's id: the HTTP request's, so its replica's and engine's log lines are found by the
+    id its client has, and one of its own (its choices, a retry and a client's reused id stay apart)."""
+    own = uuid.uuid4().hex
+    return f"{http}-{own[:12]}" if (http := _serve_request_id()) else own
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -1075,7 +1094,7 @@ class Ingress:
         started = in_process.REQUEST_START.get() or time.monotonic()
         await self._refuse_past_context(len(ids), params.get("max_new_tokens"))
         for attempt in range(2):  # a replica or engine that fails before the first token: retry once
-            request_id = uuid.uuid4().hex
+            request_id = _engine_request_id()
             flags = {"sibling": True} if sibling else {}  # (routers read the positional arguments)
             gen = self.llm.options(stream=True).generate.remote(ids, params, request_id, **flags)
             it = gen.__aiter__()

@@ -16,6 +16,7 @@ def show_our_info_logs() -> None:
         logger.setLevel(logging.INFO)
         if not logger.handlers:
             handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            # (the time: Ray writes the line as it is, and a failure is found by when it happened)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             logger.addHandler(handler)
             logger.propagate = False  # once, not again through a root handler some library adds

@@ -288,3 +288,30 @@ def test_a_prompt_past_the_context_is_said_in_the_words_each_apis_clients_read()
         status, body = answer("/v1/messages", err)
         assert status == 400 and body["error"] == {"type": "invalid_request_error",
                                                    "message": f"prompt is too long: {tokens} tokens > 99 maximum"}
+
+
+def test_a_failed_request_is_found_in_the_logs_by_the_id_its_client_has(caplog):
+    """The engine's request ids were fresh uuids that no response or access log line named, and a 5xx
+    answer logged nothing at the ingress: a client's complaint could not be matched to its traceback."""
+    import contextvars
+
+    from ray.serve import context as serve_context
+    from starlette.requests import Request
+
+    from deployments.ingress import _api_error, _engine_request_id
+
+    def in_request(fn, request_id: str):
+        ctx = contextvars.copy_context()
+        ctx.run(serve_context._serve_request_context.set, serve_context._RequestContext(request_id=request_id))
+        return ctx.run(fn)
+
+    rid = in_request(_engine_request_id, "client-req-42")
+    assert rid.startswith("client-req-42-") and rid != in_request(_engine_request_id, "client-req-42")
+    assert in_request(_engine_request_id, "a b\n" + "x" * 100).startswith("ab" + "x" * 62 + "-")  # (safe to log)
+    assert "-" not in _engine_request_id()  # (outside a request: its own id alone)
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""})
+    with caplog.at_level("WARNING", logger="radixserve.ingress"):
+        in_request(lambda: asyncio.run(_api_error(request, ApiError(503, "engine failure: boom", "generation"))), "client-req-42")
+        in_request(lambda: asyncio.run(_api_error(request, ApiError(400, "bad", "validation"))), "client-req-43")
+    assert "request client-req-42: POST /v1/completions answered 503" in caplog.text and "boom" in caplog.text
+    assert "client-req-43" not in caplog.text  # (the client's own fault: no line)
