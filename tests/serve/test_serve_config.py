@@ -337,6 +337,27 @@ def test_the_cluster_launcher_installs_into_a_venv_its_commands_find():
     assert mount == f"/home/{cluster['auth']['ssh_user']}/radixserve", mount  # (each `cd radixserve` is from ~)
 
 
+def test_the_cluster_launcher_config_is_valid_and_its_nodes_are_ready_for_many_streams():
+    """Ray's schema takes it; its start commands raise the open-file limit Ray's own defaults raise (each
+    client stream holds one at a node's Serve proxy: ~1,000 at the stock limit); apt waits for a fresh
+    instance's lock and asks nothing (needrestart's dialog hung the launcher's ssh session)."""
+    import json
+
+    import jsonschema
+    import ray
+
+    cluster = yaml.safe_load((CONFIG.parent / "cluster.yaml").read_text())
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    jsonschema.Draft7Validator(schema).validate(cluster)
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in cluster[key] if "ray start" in c]
+        assert starts and all(c.startswith("ulimit -n 65536;") for c in starts), starts
+    apt = [c for c in cluster["setup_commands"] if "apt-get" in c or "$APT" in c]
+    assert all("$APT" in c for c in apt if "apt-get" not in c) and all("sudo apt-get" not in c for c in apt), apt
+    defined = next(c for c in cluster["setup_commands"] if c.startswith("echo 'APT="))
+    assert "DEBIAN_FRONTEND=noninteractive" in defined and "DPkg::Lock::Timeout" in defined
+
+
 def test_a_relative_model_folder_is_the_one_beside_the_command(monkeypatch, tmp_path):
     # replicas start in folders of their own: `--model-id ./model` was looked for there
     import os
