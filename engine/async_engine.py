@@ -199,7 +199,8 @@ class AsyncEngine:
                                               error_kind="validation"))
                         continue
                     log.error("request %s could not be added", rid, exc_info=e)  # (a fault of ours: its traceback)
-                    self.engine.stats.requests_failed += 1
+                    self.engine.stats.requests_failed += 1  # (and ended: requests_total counts failed ones too)
+                    self.engine.stats.requests_finished += 1
                     if (seq := self.engine.requests.pop(rid, None)) is not None:  # (taken in part: its blocks go back)
                         try:
                             self.engine.scheduler.remove(seq)

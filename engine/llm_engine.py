@@ -60,7 +60,7 @@ class EngineStats:
     """Counters and latency histograms for metrics (read by the serving layer)."""
 
     requests_finished: int = 0
-    requests_failed: int = 0  # of them, ended by an error in their own step work (engine._fail)
+    requests_failed: int = 0  # of them, ended by an engine error in their own step work (engine._fail)
     requests_aborted: int = 0  # cancelled before they finished (client gone, shutdown)
     warmups_finished: int = 0  # prefill-only requests (warm-up), kept out of the request counters
     prompt_tokens: int = 0
@@ -381,12 +381,13 @@ class LLMEngine:
     def _fail(self, seq: Sequence, e: Exception) -> TokenEvent:
         """End a request whose own step work (its sampling, text, guide) raised: it gets the error, its
         blocks go back, and the other requests of the step go on (a replica restart would lose them all)."""
-        self.stats.requests_failed += 1
         ev = self._finish(seq, "error")
         if isinstance(e, (GuideError, NoTokenLeft)):  # its own guide or constraints: its fault, not the engine's
+            # (not counted as failed: an alert on engine failures must not fire on clients' input)
             log.warning("request %s: %s", seq.request_id, e)
             ev.error, ev.error_kind = str(e), "validation"
             return ev
+        self.stats.requests_failed += 1
         log.error("request %s failed in a step, the others go on", seq.request_id, exc_info=e)
         ev.error, ev.error_kind = f"engine failure: {type(e).__name__}: {e}", "engine"
         return ev

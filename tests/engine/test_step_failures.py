@@ -92,3 +92,15 @@ def test_a_failure_in_the_pools_books_still_ends_the_engine_loop(make_engine, mo
     with pytest.raises(llm_engine.BooksBroken, match="AssertionError: a block freed twice"):
         while eng.has_work():
             eng.step()
+
+
+def test_a_request_its_own_constraints_end_is_no_engine_failure(make_engine):
+    """radixserve_requests_failed_total counts engine failures (a 503): a request whose allowed ids its own
+    bad words leave empty ends with a 4xx, and an alert on the counter fired on clients' input."""
+    eng = make_engine("tiny")
+    params = _params()
+    params[1] = SamplingParams(max_new_tokens=6, allowed_token_ids=[65], bad_words_ids=[[65, 65]])
+    events, _ = _run(eng, params)
+    end = list(events.values())[1][-1]
+    assert end.finish_reason == "error" and end.error_kind == "validation"
+    assert eng.stats.requests_failed == 0 and eng.stats.requests_finished == 3
