@@ -142,6 +142,12 @@ class KVPool:
         self.k_scale = torch.ones(s.num_layers, dtype=torch.float32)
         self.v_scale = torch.ones(s.num_layers, dtype=torch.float32)
         self._fp8_max = torch.finfo(self.fp8_dtype).max if self.fp8_dtype is not None else 0.0
+        if self.fp8_dtype is not None:  # at start-up, not in the first request's step (MPS has no fp8 casts)
+            try:
+                self._decode(self._encode(torch.ones(2, dtype=compute_dtype, device=self.device), 1.0), 1.0)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"kv_cache_dtype {kv_cache_dtype} cannot be stored on {self.device.type} with this "
+                                 f"torch ({str(e).splitlines()[0][:200]}): use auto, bfloat16 or float16") from None
 
     # ------------------------------------------------------------------ facts
     @property

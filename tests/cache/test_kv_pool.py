@@ -108,3 +108,15 @@ def test_a_gpu_pool_leaves_room_for_a_step_whatever_the_fraction(monkeypatch):
     assert "free beside a step's working memory" in pool_problem(16 * gib // (1024 * 16), 16, 1024, cuda)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 8 * gib))
     assert available_memory(cuda) == 1 * gib  # at least 1 GiB kept on a small GPU
+
+
+def test_an_fp8_pool_a_device_cannot_store_is_refused_at_start_up(monkeypatch):
+    """MPS has no float8 casts: the engine's start-up never wrote to the pool, so the service started and
+    failed the first request's step."""
+    def no_fp8(self, x, scale):
+        raise TypeError("Trying to convert Float8_e4m3fn to the MPS backend but it does not have support for that dtype.")
+
+    monkeypatch.setattr(KVPool, "_encode", no_fp8)
+    with pytest.raises(ValueError, match=r"fp8_e4m3fn cannot be stored on cpu .*MPS backend.*use auto"):
+        KVPool(SHAPE, "fp8_e4m3fn", torch.float32, "cpu")
+    KVPool(SHAPE, "float16", torch.float32, "cpu")  # (float pools are not probed)
