@@ -19,6 +19,8 @@ def _decode(tokenizer, ids: list[int], skip_special: bool = True) -> str:
 # prompt tokens the first output tokens are decoded after: SentencePiece decoders (Llama 2, Mistral) strip
 # the leading space of a text, so a first token decoded alone lost its own ("Paris", not " Paris")
 PROMPT_CONTEXT = 5
+# tokens a character's bytes take at most (UTF-8's 4, one a token at the least)
+MAX_CHAR_TOKENS = 4
 
 
 def _window(seq: Sequence, start: int, end: int) -> list[int]:
@@ -66,6 +68,12 @@ def guard_ids(tokenizer) -> list[int]:
     return ids if _decode(tokenizer, ids + ids).startswith(_decode(tokenizer, ids) or "\ufffd") else []
 
 
+def _text_before(tokenizer, seq: Sequence, skip: bool) -> bool:
+    """Whether text stands before the output not yet rendered: output text, or the prompt's (a space that a
+    SentencePiece decoder strips at a text's start shows after either, as a plain decode of the whole gives)."""
+    return bool(seq.text) or bool(_decode(tokenizer, seq.prompt_ids[-PROMPT_CONTEXT:], skip))
+
+
 def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> int | None:
     if upto <= seq.read_offset:
         return None
@@ -77,7 +85,7 @@ def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> int | None:
     else:
         lead = _window(seq, seq.prefix_offset, seq.read_offset)
     prefix_text = _decode(tokenizer, lead, skip)
-    if not prefix_text and lead and seq.read_offset > 0 and seq.prefix_offset >= 0:
+    if not prefix_text and lead and seq.read_offset > 0 and seq.prefix_offset >= 0 and _text_before(tokenizer, seq, skip):
         # output already sent that renders nothing at a text's start (a SentencePiece space, stripped
         # there): after a guard token it shows, so a byte run it begins that an invalid byte turns to
         # U+FFFD is seen to change (its space was sent again, as U+FFFD)
@@ -97,6 +105,16 @@ def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> int | None:
         seq.prefix_offset, seq.read_offset = seq.read_offset, upto
         return None
     if not (final or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"))):
+        if not final and upto - seq.read_offset > MAX_CHAR_TOKENS:
+            # bytes that never form a character (a run of stray bytes): a character that may still complete
+            # spans the last 3 tokens that render bytes, so what comes before them is final as it renders,
+            # where the whole renders it so too (not where a token that renders nothing, a skipped special,
+            # sits inside a character); held, the whole run was decoded again at each token, quadratic,
+            # and no text went out
+            head = upto - (MAX_CHAR_TOKENS - 1)
+            if new_text.startswith(_decode(tokenizer, lead + seq.output_ids[seq.read_offset:head], skip)):
+                _extend(tokenizer, seq, head, final=True)
+                return len(seq.text)
         return None
     start = len(seq.text)
     if upto - seq.read_offset > 1:

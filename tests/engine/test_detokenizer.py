@@ -129,3 +129,36 @@ def test_a_run_of_tokens_that_render_nothing_is_decoded_once(sp_tokenizer, monke
         seq.output_ids.append(t)
         update_text(sp_tokenizer, seq)
     assert seq.text == " Paris city" and longest[0] <= 8
+
+
+def test_bytes_that_never_form_a_character_stream_out_in_bounded_windows(monkeypatch):
+    """A run of stray bytes (a logit_bias on byte 0x80, a model writing noise) left the text ending in
+    U+FFFD at every token: the whole run was decoded again each time (quadratic, on the engine thread all
+    requests share) and no text went out until the end."""
+    from engine.model_init import build_tokenizer
+
+    tok = build_tokenizer(300)  # (byte-level: ids 0-255 are the bytes)
+    longest = [0]
+    decode = tok.decode
+
+    def measured(ids, *args, **kwargs):
+        longest[0] = max(longest[0], len(ids))
+        return decode(ids, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "decode", measured)
+    output = [0x80] * 2000 + list("中".encode()) + [0x41]
+    seq = Sequence("r", [0x41, 0x42], SamplingParams())
+    for t in output:
+        seq.output_ids.append(t)
+        update_text(tok, seq)
+        if len(seq.output_ids) == 2000:
+            assert len(seq.text) >= 1996  # (sent as it came, all but a character's bytes)
+    flush_text(tok, seq, len(output))
+    assert seq.text == decode(output) and seq.text.endswith("\ufffd中A") and longest[0] <= 16
+
+
+def test_no_space_comes_before_the_first_word_where_nothing_rendered_before_it(sp_tokenizer):
+    """A prompt that renders no text (only BOS) and an output that begins with a skipped special token:
+    the first word got a leading space that a plain decode of the whole does not give."""
+    for prompt, output in (([1], [5]), ([1], [1, 5]), ([1], [2, 5])):
+        assert _generate(sp_tokenizer, prompt, output).text == sp_tokenizer.decode(prompt + output, skip_special_tokens=True)
