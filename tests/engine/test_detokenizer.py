@@ -113,18 +113,24 @@ def test_streamed_text_joins_the_prompt_as_decoding_them_together_gives(sp_token
     assert decode(prompt) + seq.text == decode(prompt + out)
 
 
-def test_a_run_of_tokens_that_render_nothing_is_decoded_once(sp_tokenizer, monkeypatch):
-    """An EOS under ignore_eos (skipped special tokens) renders nothing: each later token decoded the whole
-    run again, quadratic in it (with the tiny model's tokenizer, 8,192 EOS took 4.2 s of the engine thread; now 0.22 s)."""
-    seq = Sequence("r", [3, 4, 5], SamplingParams())
+def _longest_decode(tok, monkeypatch) -> list[int]:
+    """The most token ids one ``tok.decode`` call is given from now on (a one-item list, updated)."""
     longest = [0]
-    decode = sp_tokenizer.decode
+    decode = tok.decode
 
     def measured(ids, *args, **kwargs):
         longest[0] = max(longest[0], len(ids))
         return decode(ids, *args, **kwargs)
 
-    monkeypatch.setattr(sp_tokenizer, "decode", measured)
+    monkeypatch.setattr(tok, "decode", measured)
+    return longest
+
+
+def test_a_run_of_tokens_that_render_nothing_is_decoded_once(sp_tokenizer, monkeypatch):
+    """An EOS under ignore_eos (skipped special tokens) renders nothing: each later token decoded the whole
+    run again, quadratic in it (with the tiny model's tokenizer, 8,192 EOS took 4.2 s of the engine thread; now 0.22 s)."""
+    seq = Sequence("r", [3, 4, 5], SamplingParams())
+    longest = _longest_decode(sp_tokenizer, monkeypatch)
     for t in [6] + [2] * 300 + [9]:
         seq.output_ids.append(t)
         update_text(sp_tokenizer, seq)
@@ -138,14 +144,8 @@ def test_bytes_that_never_form_a_character_stream_out_in_bounded_windows(monkeyp
     from engine.model_init import build_tokenizer
 
     tok = build_tokenizer(300)  # (byte-level: ids 0-255 are the bytes)
-    longest = [0]
     decode = tok.decode
-
-    def measured(ids, *args, **kwargs):
-        longest[0] = max(longest[0], len(ids))
-        return decode(ids, *args, **kwargs)
-
-    monkeypatch.setattr(tok, "decode", measured)
+    longest = _longest_decode(tok, monkeypatch)
     output = [0x80] * 2000 + list("中".encode()) + [0x41]
     seq = Sequence("r", [0x41, 0x42], SamplingParams())
     for t in output:
