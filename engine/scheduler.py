@@ -231,7 +231,14 @@ class Scheduler:
                 if self._still_waits(seq):
                     skipped.append(seq)  # its next block is still being computed: matching again finds the same
                     kept_seats += 1
+                    ref, shared, _ = seq.waits_on
+                    seq.waits_on = (ref, shared, ref().num_computed)  # (it waits one more step if that one goes on)
                     continue
+                ref, shared, seen = seq.waits_on
+                owner = ref()
+                # one that stood still a step (no tokens: its long-prompt slot, the budget, the chunk it left
+                # to the spare) is waited for no more: this request computes the prefix itself
+                seq.waited_in_vain = owner is not None and owner.status is Status.RUNNING and owner.num_computed < shared
                 seq.waits_on = None
             # (past the matches a step affords, one long by its length is held unmatched)
             if not long_ok and looked >= ADMISSION_MATCHES and self._is_long(seq):
@@ -254,14 +261,21 @@ class Scheduler:
                 seq.status = Status.FINISHED
                 continue
             key = (seq.params.cache_salt, *seq.token_range(0, seq.num_computed + bs))
-            if (dedup and len(key) == seq.num_computed + bs + 1 and key in pending_keys
-                    and not seq.wants_prompt_logprobs):  # (that one computes its prompt itself)
+            owner = pending_keys.get(key) if dedup and len(key) == seq.num_computed + bs + 1 else None
+            if owner is not None and self._may_wait_for(seq, owner):
                 self.kv.release(seq)
                 skipped.append(seq)  # it will hit the blocks being computed now: not matched again until
-                kept_seats += 1
-                owner = pending_keys[key]  # their owner has computed what the two share
-                seq.waits_on = (weakref.ref(owner), _shared_blocks(seq, owner, len(key) - 1, bs))
+                kept_seats += 1  # their owner has computed what the two share
+                seq.waits_on = (weakref.ref(owner), _shared_blocks(seq, owner, len(key) - 1, bs), owner.num_computed)
                 continue
+            if seq.preemptions and not self.kv.allocator.can_allocate(
+                    self.kv.allocator.blocks_for_tokens(seq.num_tokens + 1) - len(seq.block_table)):
+                # a preempted request comes back once its whole length fits: else one the cache gives nothing
+                # back to (prompt log-probs, no prefix cache) prefilled a few chunks, ran the pool dry and was
+                # preempted again, over and over, each time from its first token (49 times in one run)
+                self.kv.release(seq)
+                self.waiting.appendleft(seq)
+                break
             # under priority, the chunk a running prompt left is not for a request it outranks
             reserved = sum(t for k, t in left if k < _queue_key(seq)) if left else 0
             if budget - reserved <= 0:  # (nor for any behind it: they rank lower still)
@@ -370,12 +384,22 @@ class Scheduler:
     def _is_long(self, seq: Sequence) -> bool:
         return seq.num_uncomputed > self.max_chunk
 
+    def _may_wait_for(self, seq: Sequence, owner: Sequence) -> bool:
+        """Whether ``seq`` may wait for ``owner``'s prefill of the block they share next: not one that asks for
+        its prompt's log-probs (it computes its prompt itself), nor one that waited in vain before, nor,
+        under priority, for a request it outranks (whose chunks are cut for requests it is outranked by:
+        sharing a prefix with a low-priority prompt made an urgent request slower)."""
+        return (not seq.wants_prompt_logprobs and not seq.waited_in_vain
+                and not (self.by_priority and _queue_key(owner) > _queue_key(seq)))
+
     @staticmethod
     def _still_waits(seq: Sequence) -> bool:
-        """Whether the prefill of the prefix ``seq`` shares with another request is still under way."""
-        ref, shared = seq.waits_on
+        """Whether the prefill of the prefix ``seq`` shares with another request is still under way, and
+        went on since ``seq`` last looked (a prefill the budget or its long-prompt slot leaves without
+        tokens is no reason to wait: a request waited 12 steps for 48 tokens while later ones went first)."""
+        ref, shared, seen = seq.waits_on
         owner = ref()
-        return owner is not None and owner.status is Status.RUNNING and owner.num_computed < shared
+        return owner is not None and owner.status is Status.RUNNING and seen < owner.num_computed < shared
 
     def _first_admissible(self, long_ok: bool) -> tuple[int, int] | None:
         """The queue key of the first waiting request that may be admitted this step (a seat is free, it

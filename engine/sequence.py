@@ -246,10 +246,12 @@ class Sequence:
     # its logit_bias and allowed_token_ids as tensors on the logits' device, made once (rebuilt from lists
     # at every token, 262k allowed ids cost 16 ms a step, for every request of the batch)
     fixed_tensors: tuple | None = None
-    # (a weak reference to a running sequence, tokens): waiting for that prefill to compute its first
-    # ``tokens``, which this one shares (see Scheduler.schedule): not matched against the cache until then
+    # (a weak reference to a running sequence, tokens, what it had computed when last seen): waiting for
+    # that prefill to compute its first ``tokens``, which this one shares (see Scheduler.schedule): not
+    # matched against the cache until then, nor once a step passes in which it computed nothing
     # (weak: a finished one is not kept alive by the requests behind it)
-    waits_on: tuple[object, int] | None = None
+    waits_on: tuple[object, int, int] | None = None
+    waited_in_vain: bool = False  # it waited for a prefill that then stood still: it waits for none again
     queue_order: int = 0  # when the scheduler first took it: ties between equal priorities go to the earlier
     held: bool = False  # in Scheduler.held: long, found while every long-prompt slot was taken
     held_mark: tuple | None = None  # where its match ended then (KVManager.match_mark); None: held unmatched

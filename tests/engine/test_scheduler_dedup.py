@@ -101,3 +101,56 @@ def test_a_request_waiting_for_a_shared_prefill_keeps_its_seat():
     assert started.get("waiter", 999) <= 20, started
     assert [s.request_id for s in later if s.request_id in started] == ["late0"]  # the one seat left free
     run_to_end(sch, kv, seqs, finished)
+
+
+def _first_token_step(sch: Scheduler, kv: KVManager, watched: Sequence, arrivals, limit: int = 200) -> int:
+    for step in range(limit):
+        for s in arrivals(step):
+            sch.add(s)
+        apply(sch, kv, sch.schedule())
+        if watched.output_ids:
+            return step
+    raise AssertionError(f"{watched.request_id} got no first token in {limit} steps")
+
+
+def test_a_request_stops_waiting_for_a_prefill_that_stands_still():
+    """The prefill it waited for got no tokens, step after step (the chunk it left to requests arriving
+    every step): the request waited 12 steps for 48 tokens while later ones went first."""
+    kv = KVManager(40_000, BS, prefix_caching=True)
+    sch = Scheduler(kv, max_batch_prefill_tokens=4096, max_num_seqs=256, max_prefill_chunk_tokens=512)  # 8 long slots
+    longs = [Sequence(f"L{i}", [1000 * (i + 1) + t for t in range(3000)], SamplingParams(max_new_tokens=1))
+             for i in range(8)]
+    for s in longs:
+        sch.add(s)
+    for _ in range(2):
+        apply(sch, kv, sch.schedule())
+    last = longs[-1]
+    sharer = Sequence("W", last.prompt_ids[:last.num_computed + 48] + [7] * 64, SamplingParams(max_new_tokens=1))
+
+    def shorts(step):
+        return ([sharer] if step == 0 else []) + [Sequence(f"s{step}", [50 + step % 200] * 512,
+                                                           SamplingParams(max_new_tokens=1))]
+
+    assert _first_token_step(sch, kv, sharer, shorts) <= 2
+
+
+def test_under_priority_a_request_waits_for_no_prefill_it_outranks():
+    """An urgent request that shares a prefix with a low-priority prompt, whose chunks the urgent traffic
+    cuts, waited on it and came later than with nothing shared."""
+    def run(shared: bool) -> int:
+        kv = KVManager(4096, BS, prefix_caching=True)
+        sch = Scheduler(kv, max_batch_prefill_tokens=32, max_num_seqs=64, max_prefill_chunk_tokens=16,
+                        policy="priority")
+        low = Sequence("Lo", list(range(1000, 1400)), SamplingParams(max_new_tokens=1, priority=5))
+        sch.add(low)
+        apply(sch, kv, sch.schedule())
+        urgent = Sequence("W", (low.prompt_ids[:120] if shared else list(range(5000, 5120))) + [7] * 8,
+                          SamplingParams(max_new_tokens=1, priority=0))
+
+        def traffic(step):
+            return ([urgent] if step == 0 else []) + [
+                Sequence(f"s{step}", [60 + step] * 8, SamplingParams(max_new_tokens=1, priority=0))]
+
+        return _first_token_step(sch, kv, urgent, traffic)
+
+    assert run(shared=True) <= run(shared=False)

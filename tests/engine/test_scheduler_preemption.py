@@ -147,3 +147,27 @@ def test_old_prefill_takes_blocks_from_the_newest_first_and_they_wait_in_admissi
     done = apply(sch, kv, plan)
     check_books(sch, kv)
     run_to_end(sch, kv, [x, p, q, r, new], done)
+
+
+def test_a_preempted_request_comes_back_once_its_whole_length_fits():
+    """A request the cache gives nothing back to (no prefix cache, or prompt log-probs) was admitted again
+    as soon as one chunk fitted, prefilled a few chunks, ran the pool dry beside a growing older request
+    and was preempted again, each time from its first token (49 times in a review's run)."""
+    kv = KVManager(24, BS, prefix_caching=False)
+    sch = Scheduler(kv, max_batch_prefill_tokens=8, max_num_seqs=8, max_prefill_chunk_tokens=8)
+    a = Sequence("A-older", list(range(100, 116)), SamplingParams(max_new_tokens=72))
+    b = Sequence("B-newer", list(range(200, 240)), SamplingParams(max_new_tokens=2))
+    finished: list[Sequence] = []
+    sch.add(a)
+    computed = 0
+    for step in range(MAX_STEPS):
+        if step == 30:  # (A holds 12 of the 24 blocks by then, and needs 22 at its end)
+            sch.add(b)
+        if not sch.has_work():
+            break
+        plan = sch.schedule()
+        computed += sum(c.num_tokens for c in plan.chunks if c.seq is b)
+        finished += apply(sch, kv, plan)
+        check_books(sch, kv)
+    assert sorted(s.request_id for s in finished) == ["A-older", "B-newer"]
+    assert b.preemptions <= 1 and computed <= 2 * (40 + 2), (b.preemptions, computed)
