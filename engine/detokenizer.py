@@ -68,6 +68,22 @@ def guard_ids(tokenizer) -> list[int]:
     return ids if _decode(tokenizer, ids + ids).startswith(_decode(tokenizer, ids) or "\ufffd") else []
 
 
+def _before_last_bytes(tokenizer, seq: Sequence, upto: int, skip: bool) -> int:
+    """Where the last 3 output tokens before ``upto`` that render bytes begin (skipped special tokens
+    render none, and may sit inside a character); ``read_offset`` where they are not found within a few
+    dozen tokens back."""
+    special = getattr(tokenizer, "_radixserve_special_ids", None)
+    if special is None:
+        special = tokenizer._radixserve_special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+    head, kept = upto, 0
+    while kept < MAX_CHAR_TOKENS - 1:
+        head -= 1
+        if head < seq.read_offset or upto - head > 64:
+            return seq.read_offset
+        kept += not (skip and seq.output_ids[head] in special)
+    return head
+
+
 def _text_before(tokenizer, seq: Sequence, skip: bool) -> bool:
     """Whether text stands before the output not yet rendered: output text, or the prompt's (a space that a
     SentencePiece decoder strips at a text's start shows after either, as a plain decode of the whole gives)."""
@@ -108,11 +124,14 @@ def _extend(tokenizer, seq: Sequence, upto: int, final: bool) -> int | None:
         if not final and upto - seq.read_offset > MAX_CHAR_TOKENS:
             # bytes that never form a character (a run of stray bytes): a character that may still complete
             # spans the last 3 tokens that render bytes, so what comes before them is final as it renders,
-            # where the whole renders it so too (not where a token that renders nothing, a skipped special,
-            # sits inside a character); held, the whole run was decoded again at each token, quadratic,
-            # and no text went out
-            head = upto - (MAX_CHAR_TOKENS - 1)
-            if new_text.startswith(_decode(tokenizer, lead + seq.output_ids[seq.read_offset:head], skip)):
+            # where it and the rest, each rendered apart, make the whole (not where a token that renders
+            # nothing, a skipped special, sits inside a character: U+FFFD for one byte or two hid that);
+            # held, the whole run was decoded again at each token, quadratic, and no text went out
+            head = _before_last_bytes(tokenizer, seq, upto, skip)
+            guard = guard_ids(tokenizer)
+            rest = _decode(tokenizer, guard + seq.output_ids[head:upto], skip)[len(_decode(tokenizer, guard, skip)):]
+            if head > seq.read_offset and \
+                    _decode(tokenizer, lead + seq.output_ids[seq.read_offset:head], skip) + rest == new_text:
                 _extend(tokenizer, seq, head, final=True)
                 return len(seq.text)
         return None

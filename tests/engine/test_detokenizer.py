@@ -162,3 +162,23 @@ def test_no_space_comes_before_the_first_word_where_nothing_rendered_before_it(s
     the first word got a leading space that a plain decode of the whole does not give."""
     for prompt, output in (([1], [5]), ([1], [1, 5]), ([1], [2, 5])):
         assert _generate(sp_tokenizer, prompt, output).text == sp_tokenizer.decode(prompt + output, skip_special_tokens=True)
+
+
+def test_skipped_special_tokens_inside_a_character_do_not_split_it():
+    """The stray-byte windows took a character's lead byte and a skipped special (an EOS under ignore_eos)
+    for final where three more such specials came before its other bytes: the emoji came out as U+FFFD."""
+    from engine.model_init import build_tokenizer
+
+    tok = build_tokenizer(300)
+    eos = tok.convert_tokens_to_ids("<|eos|>")
+    for specials in range(1, 6):
+        output = [0xF0] + [eos] * specials + [0x9F, 0x98, 0x80] + list(b" ok")
+        seq = Sequence("r", [0x41], SamplingParams())
+        sent = ""
+        for t in output:
+            seq.output_ids.append(t)
+            update_text(tok, seq)
+            assert seq.text.startswith(sent)  # (nothing taken back)
+            sent = seq.text
+        flush_text(tok, seq, len(output))
+        assert seq.text == tok.decode(output, skip_special_tokens=True) == "😀 ok", specials
