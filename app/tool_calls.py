@@ -182,6 +182,16 @@ def strict_auto_guide(tools: list[tuple[str, dict[str, Any] | None, bool]], pars
 
 
 
+def _no_call_shape(answer_schema: dict) -> dict:
+    """A format's schema whose objects no Llama 3 call also fits (a call names its arguments: "parameters"
+    or "arguments"), where it is an object's and does not name those keys itself: through a format that
+    took any object (``json_object``), a strict tool's call went unchecked."""
+    props = answer_schema.get("properties", {})
+    if answer_schema.get("type") != "object" or not isinstance(props, dict) or {"parameters", "arguments"} & set(props):
+        return answer_schema
+    return {**answer_schema, "properties": {**props, "parameters": False, "arguments": False}}
+
+
 def _auto_call_schema(tools: list[tuple[str, dict[str, Any] | None, bool]], key: str = "arguments") -> dict:
     """A call's schema under ``tool_choice: auto``: a strict tool's arguments (under ``key``, as the format
     names them) held to its parameters, another's to any object. ValueError for a strict tool whose schema
@@ -206,7 +216,7 @@ def format_or_calls_guide(answer_schema: dict, tools: list[tuple[str, dict[str, 
     if parser not in GUIDED_AUTO_PARSERS:
         return None
     if parser == "llama3_json":
-        grammar = untagged_calls_grammar(_auto_call_schema(tools, "parameters"), parallel, answer_schema)
+        grammar = untagged_calls_grammar(_auto_call_schema(tools, "parameters"), parallel, _no_call_shape(answer_schema))
     else:
         grammar = format_or_calls_grammar(answer_schema, HERMES_OPEN, HERMES_CLOSE, _auto_call_schema(tools),
                                           parallel, tag_ids)
@@ -352,7 +362,9 @@ def parse_llama3_json(text: str, names: set[str]) -> tuple[str | None, list[Tool
     optional ``<|python_tag|>``); anything else is text."""
     body = text.strip().removeprefix(PYTHON_TAG).strip()
     values = _json_values(body, ";") if body.startswith("{") else None
-    calls = [_call(v, names) for v in values or ()]
+    # (a call names its arguments, as vLLM reads Llama's: an object with a "name" alone is an answer's JSON)
+    calls = [_call(v, names) if isinstance(v, dict) and ("parameters" in v or "arguments" in v) else None
+             for v in values or ()]
     if not calls or None in calls:
         return text, []
     return None, calls

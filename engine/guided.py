@@ -189,8 +189,9 @@ def untagged_calls_grammar(call_schema: dict, parallel: bool = True, answer_sche
     call = {**_loosened(call_schema), "x-guidance": LENIENT_JSON_STYLE}
     gap = "/[ \\n]{0,2}/"
     excluded = "|".join(_escaped(tag) for tag in text_excludes)
-    text = "/\\s*[^{\\s](.|\\n)*/" + (f" & ~/(.|\\n)*({excluded})(.|\\n)*/" if excluded else "") \
-        + (f" & ~/\\s*{_escaped(skipped)}(.|\\n)*/" if skipped else "")
+    space = "[\\s\\x1c-\\x1f]"  # (what Python's str.strip skips: llguidance's \\s has no \\x1c-\\x1f)
+    text = f"/{space}*[^{{\\s\\x1c-\\x1f](.|\\n)*/" + (f" & ~/(.|\\n)*({excluded})(.|\\n)*/" if excluded else "") \
+        + (f" & ~/{space}*{_escaped(skipped)}(.|\\n)*/" if skipped else "")
     more = f' ({gap} ";" {gap} call)*' if parallel else ""
     return "\n".join([
         "%llguidance {}",

@@ -443,7 +443,8 @@ def test_llama3_json_calls_under_auto_are_guided_as_the_parser_reads_them(make_e
     cases = {call: True, f"{call}; {other}": True, f"\n{call}\n": True, "Just text {with braces}.": True,
              '{"name": "add", "parameters": {"b": 1}}': False,  # (a strict tool's schema)
              '{"name": "sub", "parameters": {}}': False, '{"city": "Oslo"}': False,  # (a call begun is a call)
-             '\r\u2003{"name": "add"': False, '<|python_tag|>{"name": "add"': False}  # (what the parser skips)
+             '\r\u2003{"name": "add"': False, '<|python_tag|>{"name": "add"': False,  # (what the parser skips,
+             '\x1c{"name": "add"': False}  # \x1c-\x1f too, which llguidance's \s has not)
     for text, allowed in cases.items():
         assert eng.guides.consume_text(eng.guides.matcher(*auto), text) is allowed, text
         if allowed:
@@ -461,6 +462,13 @@ def test_llama3_json_calls_under_auto_are_guided_as_the_parser_reads_them(make_e
     for text, allowed in cases.items():
         assert eng.guides.consume_text(eng.guides.matcher(*both), text) is allowed, text
     assert parse_llama3_json('{"city": "Oslo"}', {"add", "note"}) == ('{"city": "Oslo"}', [])
+    # a format that takes any object (json_object) took a call-shaped one past the strict tool's schema; and
+    # an answer's object with a "name" alone was read as a call with no arguments
+    any_object = format_or_calls_guide({"type": "object"}, tools, "llama3_json")
+    for text, allowed in {'{"name": "add", "parameters": {"b": 1}}': False, call: True, '{"x": [1]}': True,
+                          '{"name": "add"}': True}.items():
+        assert eng.guides.consume_text(eng.guides.matcher(*any_object), text) is allowed, text
+    assert parse_llama3_json('{"name": "add"}', {"add", "note"}) == ('{"name": "add"}', [])
 
 
 def test_a_strict_call_opens_with_the_models_own_tag_token_where_it_has_one(model_dir):
