@@ -181,7 +181,6 @@ def strict_auto_guide(tools: list[tuple[str, dict[str, Any] | None, bool]], pars
     return ("grammar", grammar) if len(grammar) <= MAX_GUIDE_CHARS else None
 
 
-
 def _no_call_shape(answer_schema: dict) -> dict:
     """A format's schema whose objects no Llama 3 call also fits (a call names its arguments: "parameters"
     or "arguments"), where it is an object's and does not name those keys itself: through a format that
